@@ -1,0 +1,27 @@
+# Everything a fresh machine needs: `make demo` and `make test` create .venv and install into it.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: the CPU build is the one this project is developed and tested on.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[s3,hf,modal,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/composer-serverless launch deploy/configs/local-demo.toml
+
+test: $(STAMP)
+	$(PY) -m ruff check composer_serverless tests benchmarks deploy
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,1 @@
+"""Launch backends behind one protocol (see ``base.py``)."""

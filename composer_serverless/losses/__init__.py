@@ -1,0 +1,1 @@
+"""Pure loss functions for the three channels: GRPO/DAPO, SDPO self-distillation, trace-replay DPO."""

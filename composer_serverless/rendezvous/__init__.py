@@ -1,0 +1,1 @@
+"""Everything replicas share through the object store: storage, wire format, all-reduce, manager, checkpoints."""

@@ -1,0 +1,1 @@
+"""What runs inside each replica container. Nothing here imports a cloud SDK."""
