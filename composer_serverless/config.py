@@ -1,0 +1,286 @@
+"""The one validated configuration tree, loaded from TOML and overridable from the command line.
+
+Every field is checked before anything is launched or written, so a typo or an impossible value costs a
+second, not a GPU-hour. The launcher resolves the tree to JSON (``run.json`` in the run) and replicas read
+exactly that: the replicas never see the TOML file or the command line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the message names the key and says how."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class TinyModelConfig(_Strict):
+    """A small Llama-family model and a byte-level BPE tokenizer built offline from the demo corpus."""
+
+    vocab_size: int = Field(2048, ge=300, le=65536, description="BPE vocabulary size (256 bytes + merges + specials)")
+    hidden_size: int = Field(128, ge=16, description="width of the residual stream")
+    intermediate_size: int = Field(384, ge=16, description="width of the MLP")
+    num_layers: int = Field(2, ge=1, description="decoder layers")
+    num_heads: int = Field(4, ge=1, description="attention heads (also key/value heads)")
+    tokenizer_corpus_mb: float = Field(4.0, gt=0, description="MB of training text the tokenizer is fit on")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+        return self
+
+
+class ModelConfig(_Strict):
+    """Which causal LM to train: a Hugging Face hub id or local path, or a tiny model built offline."""
+
+    path: str | None = Field(None, description="hub id or local directory loadable by from_pretrained")
+    tiny: TinyModelConfig | None = Field(None, description="build a tiny model from the demo corpus instead")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype on the replicas")
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("set exactly one of model.path (a hub id or directory) or [model.tiny]")
+        return self
+
+
+class DataConfig(_Strict):
+    """The text the causal-LM objective trains on, split by file into train and held-out sets."""
+
+    corpus: Literal["stdlib"] = Field(
+        "stdlib", description="'stdlib': the Python standard library source of the running interpreter"
+    )
+    seq_len: int = Field(128, ge=8, le=32768, description="tokens per training sequence")
+    batch_size: int = Field(8, ge=1, description="sequences per inner step on each replica")
+    heldout_percent: float = Field(5.0, gt=0, lt=50, description="share of files held out for evaluation")
+
+
+class TrainConfig(_Strict):
+    """The inner loop each replica runs between synchronisations."""
+
+    objective: Literal["lm"] = Field("lm", description="'lm': causal-LM cross-entropy (the DiLoCo papers' setting)")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="inner optimizer")
+    lr: float = Field(3e-3, gt=0, description="peak inner learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (AdamW)")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up of the inner learning rate, in inner steps")
+    schedule: Literal["constant", "cosine"] = Field("cosine", description="inner learning-rate decay after warm-up")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    grad_clip: float | None = Field(1.0, gt=0, description="clip the inner gradient norm; unset to disable")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"both betas must be in [0, 1), got {list(betas)}")
+        return betas
+
+
+class DiLoCoConfig(_Strict):
+    """The outer loop: how many replicas, how often they sync, and the outer optimizer."""
+
+    replicas: int = Field(4, ge=1, le=1024, description="number of replicas (M in the DiLoCo papers)")
+    sync_every: int = Field(ge=1, description="inner steps between synchronisations (H)")
+    rounds: int = Field(ge=1, description="outer rounds to run; each replica runs rounds * sync_every inner steps")
+    outer_lr: float = Field(0.7, gt=0, description="outer SGD learning rate (0.7 in DiLoCo)")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer SGD momentum (0.9 in DiLoCo)")
+    nesterov: bool = Field(True, description="Nesterov momentum for the outer step")
+    fragments: int = Field(1, ge=1, description="Streaming DiLoCo fragments, synced one at a time")
+    fragment_sync_delay: int = Field(0, ge=0, description="inner steps the sync overlaps (Streaming DiLoCo tau)")
+    fragment_update_alpha: float = Field(0.0, ge=0, le=1, description="mix of local into global after a sync")
+    sync_timeout_s: float = Field(600.0, gt=0, description="seconds a replica waits for its peers in one sync")
+    verify_global: bool = Field(True, description="record a digest of the global parameters after every round")
+
+    @model_validator(mode="after")
+    def _consistent_schedule(self) -> DiLoCoConfig:
+        if self.sync_every % self.fragments:
+            raise ValueError(
+                f"sync_every ({self.sync_every}) must be a multiple of fragments ({self.fragments}): "
+                "each fragment syncs every sync_every/fragments steps"
+            )
+        per_fragment = self.sync_every // self.fragments
+        if self.fragment_sync_delay >= per_fragment:
+            raise ValueError(
+                f"fragment_sync_delay ({self.fragment_sync_delay}) must be below sync_every/fragments "
+                f"({per_fragment}): a fragment must land before it is sent again"
+            )
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError("nesterov = true needs outer_momentum > 0; set nesterov = false for plain SGD")
+        return self
+
+
+class EvalConfig(_Strict):
+    """Evaluation of the global model on the held-out files."""
+
+    sequences: int = Field(64, ge=1, description="held-out sequences scored per evaluation")
+    every_rounds: int = Field(1, ge=1, description="evaluate the global model every this many rounds")
+
+
+class LocalExecutorConfig(_Strict):
+    """Replicas as local subprocesses: the debugging backend."""
+
+    type: Literal["local"] = "local"
+    threads_per_replica: int | None = Field(
+        None, ge=1, description="torch threads per replica; default shares the CPU cores evenly"
+    )
+
+
+ExecutorConfig = Annotated[LocalExecutorConfig, Field(discriminator="type")]
+
+
+class RunConfig(_Strict):
+    """Everything one training run needs; resolved to ``run.json`` and read by every replica."""
+
+    run_id: str | None = Field(None, description="name of the run inside the store; generated when unset")
+    store: str = Field("runs", description="where runs live: a local directory, file://, s3://bucket/prefix, ...")
+    seed: int = Field(0, ge=0, description="seed for the model initialisation and the data order")
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    diloco: DiLoCoConfig
+    eval: EvalConfig = EvalConfig()
+    executor: ExecutorConfig = LocalExecutorConfig()
+
+    @field_validator("run_id")
+    @classmethod
+    def _valid_run_id(cls, run_id: str | None) -> str | None:
+        if run_id is not None and not RUN_ID_PATTERN.match(run_id):
+            raise ValueError(
+                f"{run_id!r} is not a valid run id: use 1-63 lowercase letters, digits and '-', "
+                "starting with a letter or digit"
+            )
+        return run_id
+
+    @model_validator(mode="after")
+    def _fragments_fit_tiny_model(self) -> RunConfig:
+        if self.diloco.fragments > 1 and self.model.tiny is not None:
+            layers = self.model.tiny.num_layers
+            if self.diloco.fragments > layers:
+                raise ValueError(f"diloco.fragments ({self.diloco.fragments}) exceeds model.tiny.num_layers ({layers})")
+        return self
+
+    def resolved_json(self) -> str:
+        """The JSON replicas read: every default filled in, so a run never depends on a later default change."""
+        return self.model_dump_json(indent=2)
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a TOML config, apply ``dotted.key=value`` overrides, and validate the result.
+
+    Raises:
+        ConfigError: the file is missing or not TOML, an override is malformed, a key is unknown or a value
+            is invalid. The message names every offending key and how to fix it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}\n  fix: pass the path of a TOML file, e.g. deploy/configs/local-demo.toml")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from e
+    for override in overrides:
+        apply_override(raw, override)
+    return validate_config(raw, source=str(path))
+
+
+def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
+    """Validate a raw config mapping, turning pydantic's errors into one actionable message."""
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, raw, source)) from None
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set ``dotted.key=value`` in ``raw``; the value is read as a TOML value, else taken as a string."""
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {override!r}: expected dotted.key=value, e.g. --set diloco.replicas=2")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    node = raw
+    *parents, leaf = key.split(".")
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {override!r}: {'.'.join(parents[: i + 1])} is a value, not a table")
+        node = child
+    node[leaf] = value
+
+
+def _explain(error: ValidationError, raw: dict[str, Any], source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for item in error.errors():
+        loc = [str(p) for p in item["loc"]]
+        key = _display_key(loc)
+        if item["type"] == "extra_forbidden":
+            known = sorted(_fields_at(loc[:-1]))
+            close = difflib.get_close_matches(loc[-1], known, n=1)
+            parent = _display_key(loc[:-1])
+            suggestion = ".".join(filter(None, [parent, *close]))
+            hint = f"did you mean {suggestion}?" if close else f"known keys here: {', '.join(known)}"
+            lines.append(f"  {key}: unknown key; {hint}")
+            continue
+        if item["type"] == "missing":
+            lines.append(f"  {key}: required but not set\n    fix: add it to {source} or pass --set {key}=<value>")
+            continue
+        message = item["msg"].removeprefix("Value error, ")
+        got = "" if isinstance(item.get("input"), dict) else f" (got {item['input']!r})"
+        lines.append(f"  {key}: {message}{got}")
+        description = _fields_at(loc[:-1]).get(loc[-1]) if loc else None
+        if description:
+            lines.append(f"    {key} is the {description}")
+        if isinstance(item.get("input"), dict):
+            lines.append(f"    fix: edit the [{key}] table in {source}")
+        else:
+            lines.append(f"    fix: change {key} in {source} or pass --set {key}=<value>")
+    return "\n".join(lines)
+
+
+def _display_key(loc: list[str]) -> str:
+    """The dotted key as the user writes it: without pydantic's union tags and validator names."""
+    shown = [p for p in loc if not p.startswith("function-")]
+    if len(shown) >= 3 and shown[0] == "executor":
+        shown.pop(1)  # the discriminator tag pydantic inserts, e.g. executor.local.threads_per_replica
+    return ".".join(shown) or "(top level)"
+
+
+def _fields_at(loc: list[str]) -> dict[str, str | None]:
+    """Field names (with descriptions) of the config table at ``loc``, following union tags."""
+    candidates: list[type[BaseModel]] = [RunConfig]
+    for part in loc:
+        if part.startswith("function-"):
+            continue
+        tagged = [m for m in candidates if m.model_fields.get("type") and m.model_fields["type"].default == part]
+        if tagged:
+            candidates = tagged
+            continue
+        field = next((m.model_fields[part] for m in candidates if part in m.model_fields), None)
+        if field is None:
+            return {}
+        members = getattr(field.annotation, "__args__", (field.annotation,))
+        candidates = [a for a in members if isinstance(a, type) and issubclass(a, BaseModel)]
+    if len(candidates) != 1:
+        return {}
+    return {name: f.description for name, f in candidates[0].model_fields.items()}

@@ -1,0 +1,78 @@
+"""What an inner step optimises. The trainer knows only this protocol; each objective owns its data.
+
+An objective draws its own next batch because objectives differ in what a batch is: the causal-LM objective
+packs text, the composer objective samples completions from the current model and scores them. The trainer
+only backpropagates what ``loss`` returns and checkpoints what ``state_dict`` returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from composer_serverless.config import RunConfig
+from composer_serverless.replicas.data import Batches, shard, stdlib_corpus
+
+
+@runtime_checkable
+class Objective(Protocol):
+    def loss(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
+        """Draw the next batch and return the scalar loss to backpropagate plus namespaced metrics."""
+        ...
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Score ``model`` on held-out data; keys are namespaced (``eval/loss``)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position, JSON-serialisable, so a restarted replica continues where it stopped."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class LMObjective:
+    """Causal-LM cross-entropy on this replica's shard of the corpus; evaluation on the held-out files."""
+
+    def __init__(self, config: RunConfig, tokenizer: Any, rank: int) -> None:
+        corpus = stdlib_corpus(config.data.heldout_percent)
+        files = shard(corpus.train, rank, config.diloco.replicas, config.seed)
+        seq_len, batch_size = config.data.seq_len, config.data.batch_size
+        self._train = Batches(corpus, files, tokenizer, seq_len, batch_size, seed=config.seed + rank)
+        # Fixed seed: every replica that evaluates scores the same held-out sequences.
+        self._heldout = Batches(corpus, corpus.heldout, tokenizer, seq_len, batch_size, seed=0)
+        self._eval_batches = -(-config.eval.sequences // batch_size)
+        self._eval_set: list[torch.Tensor] | None = None
+
+    def loss(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
+        batch = self._train.next().to(_device_of(model))
+        loss = model(input_ids=batch, labels=batch).loss
+        return loss, {"lm/loss": loss.detach()}
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        if self._eval_set is None:
+            self._eval_set = [self._heldout.next() for _ in range(self._eval_batches)]
+        was_training = model.training
+        model.eval()
+        device = _device_of(model)
+        # Every batch has the same shape, so the mean of batch means is the token mean.
+        losses = [model(input_ids=b.to(device), labels=b.to(device)).loss.float().item() for b in self._eval_set]
+        model.train(was_training)
+        return {"eval/loss": sum(losses) / len(losses)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"train": self._train.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._train.load_state_dict(state["train"])
+
+
+def make_objective(config: RunConfig, tokenizer: Any, rank: int) -> Objective:
+    objectives = {"lm": LMObjective}
+    return objectives[config.train.objective](config, tokenizer, rank)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
