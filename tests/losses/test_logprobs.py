@@ -55,7 +55,7 @@ def _param_grads(model, loss):
 
 # float32 shows the chunked path is as accurate as the full one; float64 removes summation-order noise, so a
 # tolerance near machine precision shows the two compute the same function.
-TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.float64: {"rtol": 1e-10, "atol": 1e-12}}
+TOLERANCE = {torch.float32: {"rtol": 1e-4, "atol": 1e-5}, torch.float64: {"rtol": 1e-10, "atol": 1e-12}}
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 3, 1000])
