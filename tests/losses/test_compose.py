@@ -395,3 +395,15 @@ def test_settings_are_validated():
         LossSettings(alpha=-1.0)
     with pytest.raises(ValueError):
         LossSettings(chunk_tokens=0)
+
+
+def test_bfloat16_model_gives_float32_losses_close_to_float32(model):
+    rl = _rl(model)
+    batch = LossBatch(rl=rl, hint=_hint(rl), replay=_replay())
+    reference, _ = three_channel_loss(model, batch, SETTINGS)
+    model.to(torch.bfloat16)
+    loss, metrics = three_channel_loss(model, batch, SETTINGS)
+    loss.backward()
+    assert loss.dtype == torch.float32 and all(v.dtype == torch.float32 for v in metrics.values())
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    torch.testing.assert_close(loss, reference, rtol=0.05, atol=0.02)
