@@ -107,9 +107,9 @@ def token_divergence(
     The teacher logits are detached here, so no gradient can reach the teacher pass whatever the caller does.
 
     Top-k semantics (`settings.top_k = k`): the teacher's k most likely tokens, chosen on the full distributions,
-    plus a tail bucket holding `1 - sum` of each distribution's top-k mass. The divergence is then that of two
-    proper distributions over k + 1 outcomes, so it stays >= 0, never exceeds the full-vocabulary divergence
-    (data-processing inequality) and equals it at k = V. Teacher top-k follows OPSD, because the hinted teacher
+    plus one tail bucket holding the rest of each distribution's mass. The divergence is then that of two proper
+    distributions over k + 1 outcomes, so it stays >= 0, never exceeds the full-vocabulary divergence
+    (data-processing inequality) and equals it for k >= V - 1. Teacher top-k follows OPSD, because the hinted teacher
     is the signal and its top tokens are where the student should move mass; the tail bucket follows the SDPO
     reference code, because without it (OPSD renormalises over the k tokens) a student with most of its mass
     outside the teacher's top-k can still score zero.
