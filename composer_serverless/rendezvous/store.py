@@ -1,13 +1,19 @@
 """The object store every replica and the launcher share: one fsspec-backed implementation.
 
-Replicas coordinate only through objects, so three properties matter more than speed:
+Replicas coordinate only through objects, so these properties matter more than speed:
 
 * **Atomic writes.** A reader never sees half an object. S3-like stores give this per PUT; on a local
   filesystem we write a temporary file beside the target and ``os.replace`` it.
-* **Create-if-absent.** Objects two replicas could both write (markers, quorums, reduced shards) are
-  created exactly once: ``os.link`` locally, ``If-None-Match: *`` on S3 (s3fs ``mode="create"``).
+* **Create-if-absent.** Objects two replicas could both write (quorums, reduced shards, ``run.json``) are
+  created exactly once: ``os.link`` locally, ``If-None-Match: *`` on S3 (s3fs ``mode="create"``). Some
+  S3-compatible servers accept the header and overwrite anyway, so ``verify`` probes it at start-up.
 * **Fresh listings.** fsspec caches directory listings by default, which makes a barrier wait forever on
   stale data; every filesystem here is built with the listing cache off and its own instance.
+* **Bounded retries.** Transient failures (5xx, throttling, timeouts, dropped connections, S3's 409 on
+  concurrent conditional writes) are retried with jittered exponential backoff, each retry logged; a
+  missing object, a lost create race or a denied request is an answer, not a fault, and is never retried.
+* **Reads into a caller's buffer.** Large payloads stream into preallocated memory (local files and S3),
+  so a reducer holds one copy of each shard, not the two or three ``cat_file`` makes.
 
 Keys are relative, ``/``-separated and validated, so nothing read from a config or a peer can escape the
 run's prefix.
@@ -15,19 +21,54 @@ run's prefix.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import errno
 import logging
 import os
+import random
 import re
+import threading
+import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 logger = logging.getLogger(__name__)
 
 _KEY = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _TMP_MARK = ".tmp-"
+_STREAM_CHUNK = 8 << 20
+T = TypeVar("T")
+
+# S3 error codes that mean "try again": throttling, server trouble, and the 409 S3 returns when two
+# conditional writes to one key race (the loser of the race gets 412 once the winner has landed).
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "OperationAborted",
+        "ConditionalRequestConflict",
+    }
+)
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE, errno.EINTR}
+    | ({errno.EREMOTEIO} if hasattr(errno, "EREMOTEIO") else set())
+)
+# The memory filesystem is one dict per process and its create is check-then-write; a lock makes it atomic
+# for the threads of that process, which is the only place a memory:// store is visible.
+_MEMORY_CREATE_LOCK = threading.Lock()
 
 
 class StoreError(RuntimeError):
@@ -41,22 +82,97 @@ def validate_key(key: str) -> str:
     return key
 
 
-class ObjectStore:
-    """A prefix in an object store, addressed by an fsspec URL (``s3://b/p``, ``file:///x``, ``./runs``)."""
+def is_transient(error: BaseException) -> bool:
+    """True for failures a retry can fix: timeouts, dropped connections, 5xx, throttling, S3's 409.
 
-    def __init__(self, url: str) -> None:
+    s3fs turns botocore errors into OSErrors but keeps the original as ``__cause__``; the S3 error code
+    there is the reliable signal, so it is checked first. A missing object, an existing one (a lost
+    create race, 412) or a denied request (403) is an answer, not a fault.
+    """
+    if isinstance(error, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            code = str(response["Error"].get("Code", ""))
+            status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            return code in _TRANSIENT_CODES or status >= 500 or status == 429
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(error, (TimeoutError, ConnectionError, *_connection_errors())):
+        return True
+    return isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """Failures below the HTTP layer (no response at all) in the S3 client stack, when it is installed:
+    endpoint unreachable, connection dropped, read timeouts, truncated bodies."""
+    errors: list[type[BaseException]] = []
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError
+
+        errors += [BotoConnectionError, HTTPClientError]
+    except ImportError:
+        pass
+    try:
+        from aiohttp import ClientConnectionError, ClientPayloadError
+
+        errors += [ClientConnectionError, ClientPayloadError]
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently to retry a transient failure.
+
+    AWS advises retrying small requests after about 2 s and then backing off; the jitter keeps N replicas
+    that failed together from retrying together.
+    """
+
+    attempts: int = 6
+    first_s: float = 0.25
+    cap_s: float = 8.0
+
+    def delay_s(self, attempt: int) -> float:
+        return min(self.cap_s, self.first_s * 2**attempt) * (0.5 + random.random())
+
+
+class ObjectStore:
+    """A prefix in an object store, addressed by an fsspec URL (``s3://b/p``, ``file:///x``, ``./runs``).
+
+    Args:
+        url: where the prefix lives.
+        retry: the retry policy for transient failures.
+    """
+
+    def __init__(self, url: str, *, retry: RetryPolicy | None = None) -> None:
         self.url = url.rstrip("/") or url
-        self._fs, self._root = fsspec.core.url_to_fs(self.url, use_listings_cache=False, skip_instance_cache=True)
-        self._root = self._root.rstrip("/")
+        self.retry = retry or RetryPolicy()
+        self._fs, root = fsspec.core.url_to_fs(self.url, use_listings_cache=False, skip_instance_cache=True)
+        self._root = root.rstrip("/")
         self.is_local = isinstance(self._fs, LocalFileSystem)
+        self._is_memory = isinstance(self._fs, MemoryFileSystem)
+        self._is_s3 = hasattr(self._fs, "_call_s3")
 
     def __repr__(self) -> str:
-        return f"ObjectStore({self.url!r})"
+        return f"{type(self).__name__}({self.url!r})"
 
     def child(self, prefix: str) -> ObjectStore:
-        """The store rooted at ``prefix`` below this one (a run inside the store root, say)."""
+        """The store rooted at ``prefix`` below this one (a run inside the store root, say).
+
+        The child shares this store's filesystem, retry policy and class, so a wrapper's behaviour
+        (fault injection in tests) carries over.
+        """
         validate_key(prefix)
-        return ObjectStore(f"{self.url}/{prefix}")
+        child = copy.copy(self)
+        child.url = f"{self.url}/{prefix}"
+        child._root = f"{self._root}/{prefix}"
+        return child
 
     def path(self, key: str) -> str:
         """The backend path of ``key`` (a filesystem path for local stores)."""
@@ -65,73 +181,185 @@ class ObjectStore:
     def url_of(self, key: str) -> str:
         return f"{self.url}/{validate_key(key)}"
 
-    def ensure_root(self) -> None:
-        """Check that objects can be written under the prefix; raise StoreError with the cause if not.
+    # --- start-up checks ---------------------------------------------------------------------------
 
-        A write probe catches what a listing would not: a missing bucket, a read-only mount, no credentials.
+    def ensure_root(self) -> None:
+        """Check that objects can be written under the prefix and that create-if-absent is enforced.
+
+        A write probe catches what a listing would not (a missing bucket, a read-only mount, no
+        credentials); the create probe catches servers that accept ``If-None-Match: *`` and overwrite
+        anyway, on which quorums and reduced shards could be written twice.
+
+        Raises:
+            StoreError: naming the backend and what failed.
         """
+        if self.is_local:
+            os.makedirs(self._root, exist_ok=True)
         probe = f"_probe-{uuid.uuid4().hex}"
         try:
-            if self.is_local:
-                os.makedirs(self._root, exist_ok=True)
-            self.put(probe, b"")
-            self.delete(probe)
+            first = self.create(probe, b"first")
+            second = self.create(probe, b"second")
         except Exception as e:  # any backend error means the same thing to the user: this URL is unusable
             raise StoreError(f"cannot write to store {self.url}: {type(e).__name__}: {e}") from e
+        finally:
+            self.delete(probe)
+        if not first or second:
+            raise StoreError(
+                f"store {self.url} ({type(self._fs).__name__}) does not enforce create-if-absent: a second "
+                "conditional write to one key succeeded, so conditional writes (S3 If-None-Match: *) are not "
+                "honoured by this server and replicas could overwrite each other's quorum and reduced shards"
+            )
 
-    def put(self, key: str, data: bytes) -> None:
+    # --- writes ------------------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Write ``key`` atomically, replacing any previous object."""
         path = self.path(key)
         if self.is_local:
-            self._local_write(path, data, exclusive=False)
+            self._call("put", key, lambda: self._local_write(path, data, exclusive=False))
         else:
-            self._fs.pipe_file(path, data)
+            body = bytes(data) if isinstance(data, memoryview) else data
+            self._call("put", key, lambda: self._fs.pipe_file(path, body))
 
-    def create(self, key: str, data: bytes) -> bool:
-        """Create ``key`` only if it does not exist; True if this call created it."""
+    def create(self, key: str, data: bytes | bytearray | memoryview) -> bool:
+        """Create ``key`` only if it does not exist; True if this call created it.
+
+        When the object exists, it is read back and compared: a conditional PUT whose response was lost
+        and that was retried (by us, s3fs or botocore) reports "exists" to the writer that actually won,
+        and an identical object means exactly that.
+        """
         path = self.path(key)
         try:
-            if self.is_local:
-                self._local_write(path, data, exclusive=True)
-            else:
-                self._fs.pipe_file(path, data, mode="create")
+            self._call("create", key, lambda: self._create_once(path, data))
         except FileExistsError:
+            existing = self.get(key)
+            if existing == bytes(data):
+                logger.info("create-if-absent of %s reported 'exists' but the object is ours", key)
+                return True
             return False
         return True
 
+    def _create_once(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        if self.is_local:
+            self._local_write(path, data, exclusive=True)
+        elif self._is_memory:
+            with _MEMORY_CREATE_LOCK:
+                self._fs.pipe_file(path, bytes(data), mode="create")
+        else:
+            self._fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data, mode="create")
+
+    def delete(self, key: str) -> None:
+        """Remove an object or a whole prefix; a missing one is not an error."""
+        path = self.path(key)
+
+        def remove() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self._fs.rm(path, recursive=True)
+
+        self._call("delete", key, remove)
+
+    # --- reads -------------------------------------------------------------------------------------
+
     def get(self, key: str) -> bytes:
         """Read the whole object; FileNotFoundError if it does not exist."""
-        return self._fs.cat_file(self.path(key))
+        path = self.path(key)
+        return self._call("get", key, lambda: self._fs.cat_file(path))
+
+    def get_into(self, key: str, out: bytearray | memoryview) -> int:
+        """Read the object into ``out`` (which must be large enough) and return its size in bytes.
+
+        Local files and S3 objects stream straight into ``out``; other backends read the object and copy it.
+
+        Raises:
+            FileNotFoundError: the object does not exist.
+            ValueError: the object is larger than ``out``.
+        """
+        path = self.path(key)
+        view = memoryview(out).cast("B")
+        if self.is_local:
+            return self._call("get", key, lambda: _read_file_into(path, view))
+        if self._is_s3:
+            return self._call("get", key, lambda: self._s3_read_into(path, view))
+
+        def copy_in() -> int:
+            data = self._fs.cat_file(path)
+            _check_fits(path, len(data), len(view))
+            view[: len(data)] = data
+            return len(data)
+
+        return self._call("get", key, copy_in)
+
+    def _s3_read_into(self, path: str, view: memoryview) -> int:
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self._fs.split_path(path)
+
+        async def stream() -> int:
+            response = await self._fs._call_s3("get_object", Bucket=bucket, Key=key)
+            body = response["Body"]
+            try:
+                size = int(response["ContentLength"])
+                _check_fits(path, size, len(view))
+                offset = 0
+                while offset < size:
+                    chunk = await body.read(min(_STREAM_CHUNK, size - offset))
+                    if not chunk:
+                        raise ConnectionResetError(f"{path}: body ended after {offset} of {size} bytes")
+                    view[offset : offset + len(chunk)] = chunk
+                    offset += len(chunk)
+                return size
+            finally:
+                body.close()
+
+        return sync(self._fs.loop, stream)
 
     def exists(self, key: str) -> bool:
         path = self.path(key)
         if self.is_local:
             return os.path.exists(path)
-        try:
-            self._fs.info(path, refresh=True)
-        except FileNotFoundError:
-            return False
-        return True
+
+        def probe() -> bool:
+            try:
+                self._fs.info(path, refresh=True)
+            except FileNotFoundError:
+                return False
+            return True
+
+        return self._call("exists", key, probe)
 
     def list(self, prefix: str) -> list[str]:
         """Names directly under ``prefix`` (not full keys), sorted; empty if the prefix does not exist."""
-        try:
-            entries = self._fs.ls(self.path(prefix), detail=False, refresh=True)
-        except FileNotFoundError:
-            return []
-        names = (e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+        path = self.path(prefix)
+
+        def listing() -> list[str]:
+            try:
+                return self._fs.ls(path, detail=False, refresh=True)
+            except FileNotFoundError:
+                return []
+
+        names = (e.rstrip("/").rsplit("/", 1)[-1] for e in self._call("list", prefix, listing))
         return sorted(n for n in names if _TMP_MARK not in n)
 
-    def size(self, key: str) -> int:
-        return int(self._fs.info(self.path(key))["size"])
+    def list_tree(self, prefix: str = "") -> list[str]:
+        """Every object key below ``prefix`` (the whole store if empty), relative to it, sorted: one listing
+        request on S3."""
+        path = self.path(prefix) if prefix else self._root
 
-    def delete(self, key: str) -> None:
-        """Remove an object or a whole prefix; a missing one is not an error."""
+        def listing() -> list[str]:
+            try:
+                return self._fs.find(path)
+            except FileNotFoundError:
+                return []
+
+        start = len(path) + 1
+        keys = (p[start:] for p in self._call("list", prefix, listing) if len(p) > start)
+        return sorted(k for k in keys if _TMP_MARK not in k)
+
+    def size(self, key: str) -> int:
         path = self.path(key)
-        try:
-            self._fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
+        return int(self._call("size", key, lambda: self._fs.info(path))["size"])
+
+    # --- directories -------------------------------------------------------------------------------
 
     def local_dir(self, prefix: str) -> Path | None:
         """The local directory holding ``prefix`` when the store is a local filesystem, else None."""
@@ -144,17 +372,37 @@ class ObjectStore:
 
     def download_dir(self, prefix: str, local: Path) -> Path:
         """Copy every object under ``prefix/`` into ``local`` and return it."""
-        for path in self._fs.find(self.path(prefix)):
-            rel = path[len(self.path(prefix)) + 1 :]
-            if _TMP_MARK in rel:
-                continue
+        for rel in self.list_tree(prefix):
             target = local / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(self._fs.cat_file(path))
+            target.write_bytes(self.get(f"{prefix}/{rel}"))
         return local
 
+    # --- retries -----------------------------------------------------------------------------------
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run one backend operation, retrying transient failures per ``self.retry``."""
+        for attempt in range(self.retry.attempts):
+            try:
+                return self._attempt(op, key, fn)
+            except Exception as e:
+                if not is_transient(e) or attempt + 1 == self.retry.attempts:
+                    raise
+                delay = self.retry.delay_s(attempt)
+                logger.warning(
+                    "store %s %s failed (attempt %d/%d): %s: %s; retrying in %.2fs",
+                    op, key, attempt + 1, self.retry.attempts, type(e).__name__, e, delay,
+                )
+                time.sleep(delay)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _attempt(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """One try of one operation; the seam where tests inject faults below the retry loop."""
+        del op, key
+        return fn()
+
     @staticmethod
-    def _local_write(path: str, data: bytes, *, exclusive: bool) -> None:
+    def _local_write(path: str, data: bytes | bytearray | memoryview, *, exclusive: bool) -> None:
         # The temporary file sits beside the target so the final link/rename never crosses filesystems.
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
@@ -168,3 +416,21 @@ class ObjectStore:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def _check_fits(path: str, size: int, capacity: int) -> None:
+    if size > capacity:
+        raise ValueError(f"{path} holds {size} bytes, more than the {capacity}-byte buffer it is read into")
+
+
+def _read_file_into(path: str, view: memoryview) -> int:
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        _check_fits(path, size, len(view))
+        offset = 0
+        while offset < size:
+            n = f.readinto(view[offset:size])
+            if not n:
+                raise OSError(errno.EIO, f"{path}: file ended after {offset} of {size} bytes")
+            offset += n
+        return size
