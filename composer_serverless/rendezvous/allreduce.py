@@ -67,7 +67,7 @@ def naive_allreduce(
     Objects: ``{prefix}/in/{rank}-0``, one per participant, written once.
     """
     stats = ExchangeStats()
-    payload = encode(tensor, {**identity, "rank": str(rank), "shard": "0"})
+    payload = encode(tensor, {**identity, "rank": str(rank), "shard": "0"}, "fp32")
     store.put(f"{prefix}/in/{rank}-0", payload)
     stats.bytes_up += len(payload)
 
@@ -82,6 +82,6 @@ def naive_allreduce(
             continue
         data = store.get(f"{prefix}/in/{r}-0")
         stats.bytes_down += len(data)
-        total += decode(data, {**identity, "rank": str(r), "shard": "0"}, tensor.numel())
+        total += decode(data, {**identity, "rank": str(r), "shard": "0"}, "fp32", tensor.numel())
     total /= len(participants)
     return total, stats

@@ -1,9 +1,21 @@
 """The tensor wire format: a safetensors file whose header says whose payload it is and carries its sha256.
 
 Anything read from a shared bucket is untrusted, so a payload is decoded only by parsing the safetensors
-header (JSON) and the raw little-endian buffer; nothing is ever unpickled. A payload is accepted only if
-its checksum matches and its header names exactly the run, round, fragment, rank and shard the reader
-expects, so a stale, foreign, truncated or corrupted object is rejected instead of averaged.
+header (bounded JSON) and the raw little-endian buffer; nothing is ever unpickled. A payload is accepted
+only if its header names exactly the run, round, fragment, rank, shard and codec the reader expects, its
+tensors have exactly the dtypes, shapes and offsets that codec and size imply, and the sha256 of its data
+section matches the header. A stale, foreign, truncated or corrupted object is rejected, never averaged.
+
+The header is written by hand (safetensors' own layout: an 8-byte little-endian length, JSON padded with
+spaces to a multiple of 8, then the data), so the output loads with ``safetensors.torch.load`` while the
+producer copies each tensor once.
+
+Codecs (the decoded values are always fp32, and every sum over them is fp32):
+
+* ``fp32``: exact.
+* ``bf16``: round-to-nearest-even to bfloat16; half the bytes.
+* ``int8``: blockwise absmax: each block of ``INT8_BLOCK`` values is scaled by its largest magnitude / 127
+  and rounded to int8; the fp32 scales travel as a second tensor. About a quarter of the bytes.
 """
 
 from __future__ import annotations
@@ -11,65 +23,187 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import warnings
+from typing import Literal
 
-import safetensors.torch
 import torch
 
-TENSOR_NAME = "delta"
-_MAX_HEADER = 1 << 20
+CodecName = Literal["fp32", "bf16", "int8"]
+CODECS: tuple[CodecName, ...] = ("fp32", "bf16", "int8")
+VALUES = "values"
+SCALES = "scales"
+INT8_BLOCK = 256
+# Our headers are a few hundred bytes; the bound keeps a hostile length field from costing memory.
+MAX_HEADER_BYTES = 1 << 14
+
+_DTYPES = {"fp32": ("F32", torch.float32), "bf16": ("BF16", torch.bfloat16), "int8": ("I8", torch.int8)}
 
 
 class PayloadError(ValueError):
-    """A payload that must not be used: corrupt, truncated, foreign or of the wrong shape."""
+    """A payload that must not be used: corrupt, truncated, foreign, or of the wrong codec or shape."""
 
 
-def sha256_of(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy()).hexdigest()
+def data_bytes(numel: int, codec: CodecName) -> int:
+    """Size of the data section (everything after the header) of a payload of ``numel`` values."""
+    if codec == "int8":
+        return numel + 4 * _blocks(numel)
+    return numel * _DTYPES[codec][1].itemsize
 
 
-def encode(tensor: torch.Tensor, identity: dict[str, str]) -> bytes:
-    """Serialise a 1-D fp32 tensor with ``identity`` (str -> str) and its sha256 in the header."""
-    flat = tensor.detach().reshape(-1).to(torch.float32).contiguous().cpu()
-    metadata = {**identity, "codec": "fp32", "sha256": sha256_of(flat)}
-    return safetensors.torch.save({TENSOR_NAME: flat}, metadata=metadata)
+def max_payload_bytes(numel: int, codec: CodecName) -> int:
+    """An upper bound on the size of a valid payload: the buffer a reader preallocates."""
+    return 8 + MAX_HEADER_BYTES + data_bytes(numel, codec)
 
 
-def read_header(data: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors payload, validated to be a small JSON object of strings."""
-    if len(data) < 8:
-        raise PayloadError(f"payload of {len(data)} bytes is too short to hold a header")
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > _MAX_HEADER or 8 + length > len(data):
-        raise PayloadError(f"payload header length {length} does not fit a payload of {len(data)} bytes")
+def quantize_int8(values: torch.Tensor, block: int = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax int8: returns (int8 values, one fp32 scale per block). Deterministic: the same input
+    gives the same bytes on every machine, which is what lets any replica re-reduce a shard identically."""
+    n = values.numel()
+    blocks = _blocks(n, block)
+    padded = torch.zeros(blocks * block, dtype=torch.float32)
+    padded[:n] = values
+    padded = padded.view(blocks, block)
+    scales = padded.abs().amax(dim=1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(padded / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(-1)[:n].contiguous(), scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block: int = INT8_BLOCK) -> torch.Tensor:
+    n = q.numel()
+    blocks = scales.numel()
+    padded = torch.zeros(blocks * block, dtype=torch.float32)
+    padded[:n] = q.to(torch.float32)
+    return (padded.view(blocks, block) * scales[:, None]).view(-1)[:n].contiguous()
+
+
+def encode(values: torch.Tensor, identity: dict[str, str], codec: CodecName) -> bytearray:
+    """Serialise a 1-D fp32 tensor with ``codec``; ``identity`` (str -> str) goes into the header.
+
+    Returns a buffer that is a valid safetensors file.
+    """
+    flat = values.detach().reshape(-1).to(torch.float32).contiguous().cpu()
+    numel = flat.numel()
+    if codec == "int8":
+        q, scales = quantize_int8(flat)
+        tensors = [(VALUES, "I8", q), (SCALES, "F32", scales)]
+    else:
+        name, dtype = _DTYPES[codec]
+        tensors = [(VALUES, name, flat.to(dtype))]
+    body = data_bytes(numel, codec)
+    sha = hashlib.sha256()
+    for _, _, t in tensors:
+        sha.update(_bytes_of(t))
+    metadata = {**identity, "codec": codec, "numel": str(numel), "sha256": sha.hexdigest()}
+    header = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype_name, t in tensors:
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype_name, "shape": [t.numel()], "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    out = bytearray(8 + len(raw) + body)
+    out[:8] = struct.pack("<Q", len(raw))
+    out[8 : 8 + len(raw)] = raw
+    position = 8 + len(raw)
+    for _, _, t in tensors:
+        chunk = _bytes_of(t)
+        out[position : position + len(chunk)] = chunk
+        position += len(chunk)
+    return out
+
+
+def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, object], int]:
+    """The parsed safetensors header and where the data section starts; the JSON is bounded and checked.
+
+    Raises:
+        PayloadError: the bytes do not start with a plausible safetensors header (a pickle or a
+            ``torch.save`` zip fails here, before anything else is looked at).
+    """
+    view = memoryview(data).cast("B")
+    if len(view) < 8:
+        raise PayloadError(f"payload of {len(view)} bytes is too short to hold a header")
+    (length,) = struct.unpack("<Q", view[:8])
+    if length > MAX_HEADER_BYTES or 8 + length > len(view):
+        raise PayloadError(f"header length {length} does not fit a payload of {len(view)} bytes")
     try:
-        header = json.loads(data[8 : 8 + length])
+        header = json.loads(bytes(view[8 : 8 + length]))
     except ValueError as e:
         raise PayloadError(f"payload header is not JSON: {e}") from e
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(header, dict):
+        raise PayloadError("payload header is not a JSON object")
+    metadata = header.get("__metadata__")
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise PayloadError("payload header has no string metadata")
-    return metadata
+    return header, 8 + length
 
 
-def decode(data: bytes, expect: dict[str, str], numel: int) -> torch.Tensor:
-    """Return the fp32 tensor in ``data`` after checking identity, size and checksum.
+def decode(
+    data: bytes | bytearray | memoryview, expect: dict[str, str], codec: CodecName, numel: int
+) -> torch.Tensor:
+    """Return the fp32 values in ``data`` after checking identity, codec, layout, size and checksum.
+
+    Args:
+        data: the payload (a buffer may be longer than the payload only if ``data`` is sliced first).
+        expect: header fields that must match exactly (run id, round, fragment, rank, shard).
+        codec: the codec the run uses; a payload in any other codec is rejected.
+        numel: the number of values the reader expects.
 
     Raises:
         PayloadError: the payload is not one this reader may average.
     """
-    metadata = read_header(data)
-    mismatched = {k: (metadata.get(k), v) for k, v in expect.items() if metadata.get(k) != v}
+    view = memoryview(data).cast("B")
+    header, start = read_header(view)
+    metadata = header["__metadata__"]
+    assert isinstance(metadata, dict)
+    wanted = {**expect, "codec": codec, "numel": str(numel)}
+    mismatched = {k: (metadata.get(k), v) for k, v in wanted.items() if metadata.get(k) != v}
     if mismatched:
-        raise PayloadError(f"payload identity mismatch (got, expected): {mismatched}")
-    if metadata.get("codec") != "fp32":
-        raise PayloadError(f"unsupported codec {metadata.get('codec')!r}")
-    try:
-        tensors = safetensors.torch.load(data)
-    except Exception as e:  # safetensors raises its own error type for every malformed layout
-        raise PayloadError(f"payload is not valid safetensors: {e}") from e
-    tensor = tensors.get(TENSOR_NAME)
-    if tensor is None or tensor.dtype != torch.float32 or tensor.numel() != numel:
-        raise PayloadError(f"payload tensor does not match: expected {numel} fp32 values")
-    if sha256_of(tensor) != metadata.get("sha256"):
+        raise PayloadError(f"payload header mismatch (got, expected): {mismatched}")
+    layout = _layout(numel, codec)
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    if tensors != layout:
+        raise PayloadError(f"payload tensors {tensors} are not the {codec} layout of {numel} values {layout}")
+    body = view[start:]
+    if len(body) != data_bytes(numel, codec):
+        raise PayloadError(f"payload data is {len(body)} bytes, expected {data_bytes(numel, codec)}")
+    if hashlib.sha256(body).hexdigest() != metadata.get("sha256"):
         raise PayloadError("payload checksum mismatch")
-    return tensor
+    if codec == "int8":
+        q = _view(body, torch.int8, 0, numel)
+        return dequantize_int8(q, _view(body, torch.float32, numel, _blocks(numel)))
+    values = _view(body, _DTYPES[codec][1], 0, numel)
+    return values.to(torch.float32) if codec != "fp32" else values.clone()
+
+
+def _layout(numel: int, codec: CodecName) -> dict[str, dict[str, object]]:
+    if codec == "int8":
+        blocks = _blocks(numel)
+        return {
+            VALUES: {"dtype": "I8", "shape": [numel], "data_offsets": [0, numel]},
+            SCALES: {"dtype": "F32", "shape": [blocks], "data_offsets": [numel, numel + 4 * blocks]},
+        }
+    name, dtype = _DTYPES[codec]
+    return {VALUES: {"dtype": name, "shape": [numel], "data_offsets": [0, numel * dtype.itemsize]}}
+
+
+def _view(body: memoryview, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+    """A tensor over ``count`` values of ``body`` at byte ``offset``, without copying. Callers only read it
+    (and copy or convert at once), so the warning torch gives for read-only buffers such as ``bytes`` is
+    noise here."""
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(body, dtype=dtype, offset=offset, count=count)
+
+
+def _blocks(numel: int, block: int = INT8_BLOCK) -> int:
+    return -(-numel // block)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")

@@ -1,0 +1,143 @@
+"""The wire format: safetensors-compatible, fp32/bf16/int8, and strict about what it accepts."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import struct
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from composer_serverless.rendezvous.codec import (
+    CODECS,
+    INT8_BLOCK,
+    PayloadError,
+    decode,
+    dequantize_int8,
+    encode,
+    quantize_int8,
+)
+
+IDENTITY = {"run_id": "r1", "round": "3", "fragment": "0", "rank": "1", "shard": "2"}
+
+
+def values(n: int = 3000, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * torch.linspace(0.01, 3, n)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_round_trip_and_safetensors_compatibility(codec: str, tmp_path: Path) -> None:
+    x = values()
+    payload = encode(x, IDENTITY, codec)
+    decoded = decode(bytes(payload), IDENTITY, codec, x.numel())
+    assert decoded.dtype == torch.float32 and decoded.shape == x.shape
+    tensors = safetensors.torch.load(bytes(payload))
+    expected_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[codec]
+    assert tensors["values"].dtype == expected_dtype
+    if codec == "fp32":
+        assert torch.equal(decoded, x)
+    if codec == "bf16":
+        assert torch.equal(decoded, x.to(torch.bfloat16).float())
+    if codec == "int8":
+        assert torch.equal(decoded, dequantize_int8(tensors["values"], tensors["scales"]))
+        # Round-to-nearest on a grid of absmax/127 per block: at most half a step off.
+        steps = torch.stack([x[i : i + INT8_BLOCK].abs().max() / 127 for i in range(0, x.numel(), INT8_BLOCK)])
+        assert torch.all((decoded - x).abs() <= steps.repeat_interleave(INT8_BLOCK)[: x.numel()] / 2 * (1 + 1e-6))
+    (tmp_path / "p.safetensors").write_bytes(payload)
+    with safetensors.safe_open(str(tmp_path / "p.safetensors"), "pt") as f:
+        assert set(f.metadata().items()) >= set(IDENTITY.items())
+
+
+@pytest.mark.parametrize("n", [0, 1, INT8_BLOCK - 1, INT8_BLOCK, INT8_BLOCK + 1])
+@pytest.mark.parametrize("codec", CODECS)
+def test_edge_sizes(codec: str, n: int) -> None:
+    x = values(n) if n else torch.empty(0)
+    assert decode(encode(x, IDENTITY, codec), IDENTITY, codec, n).shape == (n,)
+
+
+def test_int8_is_deterministic_and_handles_zero_blocks() -> None:
+    x = torch.cat([torch.zeros(INT8_BLOCK), values(100)])
+    q1, s1 = quantize_int8(x)
+    q2, s2 = quantize_int8(x.clone())
+    assert torch.equal(q1, q2) and torch.equal(s1, s2)
+    assert torch.equal(dequantize_int8(q1, s1)[:INT8_BLOCK], torch.zeros(INT8_BLOCK))
+
+
+def test_int8_moves_at_least_3_9x_fewer_bytes_than_fp32() -> None:
+    x = values(1 << 20)
+    fp32, int8 = len(encode(x, IDENTITY, "fp32")), len(encode(x, IDENTITY, "int8"))
+    bf16 = len(encode(x, IDENTITY, "bf16"))
+    assert fp32 / int8 >= 3.9
+    assert fp32 / bf16 >= 1.99
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_corrupted_payload_is_rejected(codec: str) -> None:
+    payload = encode(values(), IDENTITY, codec)
+    payload[-5] ^= 0x01
+    with pytest.raises(PayloadError, match="checksum"):
+        decode(payload, IDENTITY, codec, 3000)
+
+
+@pytest.mark.parametrize("cut", [3, 100, -1, -1000])
+def test_truncated_payload_is_rejected(cut: int) -> None:
+    payload = bytes(encode(values(), IDENTITY, "fp32"))
+    with pytest.raises(PayloadError):
+        decode(payload[:cut], IDENTITY, "fp32", 3000)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("run_id", "another-run"), ("round", "2"), ("fragment", "1"), ("rank", "0"), ("shard", "0")]
+)
+def test_foreign_payload_is_rejected(field: str, value: str) -> None:
+    payload = encode(values(), {**IDENTITY, field: value}, "fp32")
+    with pytest.raises(PayloadError, match="mismatch"):
+        decode(payload, IDENTITY, "fp32", 3000)
+
+
+def test_wrong_codec_or_size_is_rejected() -> None:
+    payload = encode(values(), IDENTITY, "bf16")
+    with pytest.raises(PayloadError, match="codec"):
+        decode(payload, IDENTITY, "fp32", 3000)
+    with pytest.raises(PayloadError, match="numel"):
+        decode(payload, IDENTITY, "bf16", 2999)
+
+
+def test_a_tampered_layout_is_rejected_even_with_a_matching_checksum() -> None:
+    """Relabelling the dtype (and fixing the checksum) must not make bytes decode as another type."""
+    payload = encode(values(), IDENTITY, "fp32")
+    (length,) = struct.unpack("<Q", payload[:8])
+    header = json.loads(bytes(payload[8 : 8 + length]))
+    header["values"]["dtype"] = "I32"
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    forged = struct.pack("<Q", len(raw)) + raw + bytes(payload[8 + length :])
+    with pytest.raises(PayloadError, match="layout"):
+        decode(forged, IDENTITY, "fp32", 3000)
+
+
+class _CreatesAFile:
+    """Unpickling this creates the file at ``path``: proof that a payload was executed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_pickle_and_torch_save_payloads_are_rejected_without_running(tmp_path: Path) -> None:
+    marker = tmp_path / "executed"
+    evil = pickle.dumps(_CreatesAFile(marker))
+    pickle.loads(pickle.dumps(_CreatesAFile(tmp_path / "sanity")))
+    assert (tmp_path / "sanity").exists()  # the gadget really does run when unpickled
+    buffer = io.BytesIO()
+    torch.save({"values": torch.ones(3), "gadget": _CreatesAFile(marker)}, buffer)
+    for payload in (evil, buffer.getvalue()):
+        with pytest.raises(PayloadError):
+            decode(payload, IDENTITY, "fp32", 3)
+    assert not marker.exists()
