@@ -100,7 +100,9 @@ def is_transient(error: BaseException) -> bool:
             code = str(response["Error"].get("Code", ""))
             status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
             return code in _TRANSIENT_CODES or status >= 500 or status == 429
-        cause = cause.__cause__ or cause.__context__
+        # Only explicit causes (``raise ... from``, as s3fs does): an implicit __context__ is whatever was
+        # being handled when this error happened, not what this error is.
+        cause = cause.__cause__
     if isinstance(error, (TimeoutError, ConnectionError, *_connection_errors())):
         return True
     return isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS
@@ -263,6 +265,9 @@ class ObjectStore:
     def get(self, key: str) -> bytes:
         """Read the whole object; FileNotFoundError if it does not exist."""
         path = self.path(key)
+        if self._is_s3:
+            # One GET; s3fs's cat_file first asks for the size (a HEAD) to plan ranged reads of big objects.
+            return self._call("get", key, lambda: bytes(self._s3_read(path, None)))
         return self._call("get", key, lambda: self._fs.cat_file(path))
 
     def get_into(self, key: str, out: bytearray | memoryview) -> int:
@@ -279,7 +284,7 @@ class ObjectStore:
         if self.is_local:
             return self._call("get", key, lambda: _read_file_into(path, view))
         if self._is_s3:
-            return self._call("get", key, lambda: self._s3_read_into(path, view))
+            return self._call("get", key, lambda: len(self._s3_read(path, view)))
 
         def copy_in() -> int:
             data = self._fs.cat_file(path)
@@ -289,25 +294,27 @@ class ObjectStore:
 
         return self._call("get", key, copy_in)
 
-    def _s3_read_into(self, path: str, view: memoryview) -> int:
+    def _s3_read(self, path: str, view: memoryview | None) -> memoryview:
+        """Stream one GET into ``view`` (or a new buffer of the object's size); returns the filled part."""
         from fsspec.asyn import sync
 
         bucket, key, _ = self._fs.split_path(path)
 
-        async def stream() -> int:
+        async def stream() -> memoryview:
             response = await self._fs._call_s3("get_object", Bucket=bucket, Key=key)
             body = response["Body"]
             try:
                 size = int(response["ContentLength"])
-                _check_fits(path, size, len(view))
+                out = memoryview(bytearray(size)) if view is None else view
+                _check_fits(path, size, len(out))
                 offset = 0
                 while offset < size:
                     chunk = await body.read(min(_STREAM_CHUNK, size - offset))
                     if not chunk:
                         raise ConnectionResetError(f"{path}: body ended after {offset} of {size} bytes")
-                    view[offset : offset + len(chunk)] = chunk
+                    out[offset : offset + len(chunk)] = chunk
                     offset += len(chunk)
-                return size
+                return out[:size]
             finally:
                 body.close()
 

@@ -1,0 +1,165 @@
+"""ObjectStore on file://, memory:// and a real S3 server (moto): atomicity, create-if-absent, freshness,
+reads into buffers, retries of transient faults only."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import pytest
+from botocore.exceptions import ClientError
+from faults import FaultyStore, InjectedFault
+
+from composer_serverless.rendezvous.store import ObjectStore, RetryPolicy, StoreError, is_transient
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def store_url(request: pytest.FixtureRequest, tmp_path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path}/store"
+    if request.param == "memory":
+        return f"memory://store-{uuid.uuid4().hex[:8]}"
+    return request.getfixturevalue("s3_url")
+
+
+def test_put_get_list_delete(store_url: str) -> None:
+    store = ObjectStore(store_url)
+    store.ensure_root()
+    store.put("a/b/x", b"one")
+    store.put("a/b/x", b"two")
+    store.put("a/c", b"three")
+    assert store.get("a/b/x") == b"two"
+    assert store.list("a") == ["b", "c"]
+    assert store.list_tree("a") == ["b/x", "c"]
+    assert store.list_tree("missing") == [] and store.list("missing") == []
+    assert store.exists("a/c") and not store.exists("a/d")
+    store.delete("a/b")
+    assert store.list_tree("a") == ["c"]
+    with pytest.raises(FileNotFoundError):
+        store.get("a/b/x")
+
+
+def test_listings_are_never_stale(store_url: str) -> None:
+    """A second store instance (another replica) sees creations and deletions at once."""
+    reader, writer = ObjectStore(store_url), ObjectStore(store_url)
+    assert reader.list("p") == []
+    writer.put("p/1", b"x")
+    assert reader.list("p") == ["1"] and reader.exists("p/1")
+    writer.put("p/2", b"x")
+    writer.delete("p/1")
+    assert reader.list("p") == ["2"] and not reader.exists("p/1")
+
+
+def test_create_is_exclusive_and_recognises_its_own_object(store_url: str) -> None:
+    store = ObjectStore(store_url)
+    assert store.create("q.json", b"mine")
+    assert not store.create("q.json", b"theirs")
+    # The same bytes again: what a retried conditional PUT whose first response was lost sees.
+    assert store.create("q.json", b"mine")
+    assert store.get("q.json") == b"mine"
+
+
+def test_get_into_streams_into_a_preallocated_buffer(store_url: str) -> None:
+    store = ObjectStore(store_url)
+    payload = bytes(range(256)) * 4096
+    store.put("big", payload)
+    buffer = bytearray(len(payload) + 100)
+    assert store.get_into("big", buffer) == len(payload)
+    assert bytes(buffer[: len(payload)]) == payload
+    with pytest.raises(ValueError, match="more than"):
+        store.get_into("big", bytearray(10))
+    with pytest.raises(FileNotFoundError):
+        store.get_into("absent", buffer)
+
+
+def test_probe_refuses_a_backend_that_ignores_create_if_absent(tmp_path) -> None:
+    class Overwriting(ObjectStore):
+        """Like s3rver: accepts If-None-Match and overwrites anyway."""
+
+        def _create_once(self, path, data):
+            self._local_write(path, data, exclusive=False)
+
+    with pytest.raises(StoreError, match="does not enforce create-if-absent"):
+        Overwriting(f"file://{tmp_path}/s").ensure_root()
+    ObjectStore(f"file://{tmp_path}/s").ensure_root()
+
+
+def test_transient_faults_are_retried_and_logged(store_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    store = FaultyStore(store_url, fraction=1.0, lost_fraction=0.0)
+    with caplog.at_level(logging.WARNING, logger="composer_serverless.rendezvous.store"):
+        store.put("k", b"v")
+        assert store.get("k") == b"v"
+    assert len(store.injected) == 2
+    retries = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retries) == 2 and all("InjectedFault" in m for m in retries)
+    assert "put k" in retries[0] and "get k" in retries[1]
+
+
+def test_a_lost_create_response_still_counts_as_created(store_url: str) -> None:
+    store = FaultyStore(store_url, lost_fraction=1.0)
+    assert store.create("marker", b"mine")
+    assert store.injected == ["lost create marker"]
+    assert not store.create("marker", b"other")
+
+
+def test_answers_are_not_retried(tmp_path) -> None:
+    store = FaultyStore(f"file://{tmp_path}/s", fail_on="denied")
+    with pytest.raises(FileNotFoundError):
+        store.get("absent")
+    assert store.tried == {("get", "absent"): 1}
+    with pytest.raises(PermissionError):
+        store.put("denied", b"x")
+    assert store.tried[("put", "denied")] == 1
+
+
+def test_retries_are_bounded(tmp_path) -> None:
+    class AlwaysFailing(ObjectStore):
+        def _attempt(self, op, key, fn):
+            raise InjectedFault(f"{op} {key}")
+
+    store = AlwaysFailing(f"file://{tmp_path}/s", retry=RetryPolicy(attempts=3, first_s=0.001, cap_s=0.001))
+    with pytest.raises(InjectedFault):
+        store.put("k", b"v")
+
+
+def _client_error(code: str, status: int) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "transient"),
+    [
+        ("SlowDown", 503, True),
+        ("InternalError", 500, True),
+        ("BadGateway", 502, True),
+        ("ConditionalRequestConflict", 409, True),
+        ("RequestTimeout", 400, True),
+        ("TooManyRequests", 429, True),
+        ("PreconditionFailed", 412, False),
+        ("NoSuchKey", 404, False),
+        ("AccessDenied", 403, False),
+        ("InvalidArgument", 400, False),
+    ],
+)
+def test_s3_errors_are_classified_by_code_and_status(code: str, status: int, transient: bool) -> None:
+    error = _client_error(code, status)
+    assert is_transient(error) is transient
+    # s3fs re-raises botocore errors as OSErrors with the original as __cause__.
+    wrapped = OSError(5, code)
+    wrapped.__cause__ = error
+    assert is_transient(wrapped) is transient
+
+
+def test_an_error_raised_while_handling_another_is_classified_by_itself() -> None:
+    try:
+        try:
+            raise FileExistsError("lost the create race") from _client_error("PreconditionFailed", 412)
+        except FileExistsError:
+            raise InjectedFault("connection reset while reading the winner back")  # noqa: B904 - the implicit context is the point
+    except InjectedFault as e:
+        assert is_transient(e)
+
+
+def test_local_errors_are_classified() -> None:
+    assert is_transient(TimeoutError()) and is_transient(ConnectionResetError())
+    assert not is_transient(FileExistsError()) and not is_transient(ValueError())
