@@ -106,8 +106,28 @@ class DiLoCoConfig(_Strict):
     fragments: int = Field(1, ge=1, description="Streaming DiLoCo fragments, synced one at a time")
     fragment_sync_delay: int = Field(0, ge=0, description="inner steps the sync overlaps (Streaming DiLoCo tau)")
     fragment_update_alpha: float = Field(0.0, ge=0, le=1, description="mix of local into global after a sync")
-    sync_timeout_s: float = Field(600.0, gt=0, description="seconds a replica waits for its peers in one sync")
+    sync_timeout_s: float = Field(
+        600.0, gt=0, description="seconds one sync may take before this replica gives it up and rolls back"
+    )
     verify_global: bool = Field(True, description="record a digest of the global parameters after every round")
+    codec: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32", description="wire format of pseudo-gradients: fp32, bf16, or int8 with blockwise absmax scales"
+    )
+    min_replicas: int = Field(
+        1, ge=1, description="fewest replicas a sync may average once the straggler grace has passed"
+    )
+    quorum_grace_min_s: float = Field(
+        1.0, ge=0, description="shortest wait for stragglers after a replica arrives at a sync, in seconds"
+    )
+    quorum_grace_max_s: float = Field(
+        60.0, gt=0, description="longest wait for stragglers (also the wait before any arrival has been observed)"
+    )
+    quorum_grace_mads: float = Field(
+        4.0, ge=0, description="straggler wait = median + this many scaled MADs of recent full-arrival waits"
+    )
+    max_failed_syncs: int = Field(
+        3, ge=1, description="failed syncs in a row after which a replica stops (its restart resumes from the store)"
+    )
 
     @model_validator(mode="after")
     def _consistent_schedule(self) -> DiLoCoConfig:
@@ -121,6 +141,17 @@ class DiLoCoConfig(_Strict):
             raise ValueError(
                 f"fragment_sync_delay ({self.fragment_sync_delay}) must be below sync_every/fragments "
                 f"({per_fragment}): a fragment must land before it is sent again"
+            )
+        if self.min_replicas > self.replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) cannot exceed replicas ({self.replicas})")
+        if self.quorum_grace_min_s > self.quorum_grace_max_s:
+            raise ValueError(
+                f"quorum_grace_min_s ({self.quorum_grace_min_s}) cannot exceed quorum_grace_max_s ({self.quorum_grace_max_s})"
+            )
+        if self.quorum_grace_max_s >= self.sync_timeout_s:
+            raise ValueError(
+                f"quorum_grace_max_s ({self.quorum_grace_max_s}) must be below sync_timeout_s ({self.sync_timeout_s}): "
+                "a sync must be able to form its quorum before it times out"
             )
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov = true needs outer_momentum > 0; set nesterov = false for plain SGD")

@@ -18,7 +18,11 @@ PLOT_KEY = "loss.png"
 
 
 def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, Any]:
-    """The run's headline numbers. Eval losses are of the global model; bytes are totals over replicas."""
+    """The run's headline numbers. Eval losses are of the global model; bytes are totals over replicas.
+
+    ``sync_blocked_fraction`` is the time replicas spent waiting for an exchange in ``work.wait()`` over the
+    time their rounds took; rows of rounds a replica skipped by loading a published state carry neither.
+    """
     metrics = read_metrics(run)
     trained = {rank: [r for r in rows if r["round"] > 0] for rank, rows in metrics.items()}
     evals = _eval_curve(metrics)
@@ -27,8 +31,8 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
         for row in rows:
             if "global_sha256" in row:
                 digests.setdefault(row["round"], set()).add(row["global_sha256"])
-    blocked = sum(r["blocked_s"] for rows in trained.values() for r in rows)
-    busy = sum(r["round_s"] for rows in trained.values() for r in rows)
+    blocked = sum(r.get("blocked_s", 0.0) for rows in trained.values() for r in rows)
+    busy = sum(r.get("round_s", 0.0) for rows in trained.values() for r in rows)
     return {
         "run_id": config.run_id,
         "run_url": run.url,
@@ -36,13 +40,13 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
         "sync_every": config.diloco.sync_every,
         "fragments": config.diloco.fragments,
         "rounds": config.diloco.rounds,
-        "rounds_committed": min((len(rows) for rows in trained.values()), default=0),
+        "rounds_committed": max((r["round"] for rows in trained.values() for r in rows), default=0),
         "initial_eval_loss": evals[0][1] if evals and evals[0][0] == 0 else None,
         "final_eval_loss": evals[-1][1] if evals else None,
         "eval_loss_by_round": {str(k): v for k, v in evals},
         "replicas_bit_identical": bool(digests) and all(len(d) == 1 for d in digests.values()),
-        "bytes_uploaded": sum(rows[-1]["bytes_up"] for rows in trained.values() if rows),
-        "bytes_downloaded": sum(rows[-1]["bytes_down"] for rows in trained.values() if rows),
+        "bytes_uploaded": sum(r.get("bytes_up", 0) for rows in trained.values() for r in rows),
+        "bytes_downloaded": sum(r.get("bytes_down", 0) for rows in trained.values() for r in rows),
         "sync_blocked_fraction": blocked / busy if busy else None,
         "wall_s": round(wall_s, 2),
     }
@@ -64,12 +68,12 @@ def plot_losses(metrics: dict[int, list[dict[str, Any]]]) -> bytes:
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for rank, rows in sorted(metrics.items()):
-        points = [(r["round"], r["train_loss"]) for r in rows if "train_loss" in r]
+        points = [(r["round"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
         if points:
-            ax.plot(*zip(*points), lw=1, alpha=0.7, label=f"replica {rank} train")
+            ax.plot(*zip(*points, strict=True), lw=1, alpha=0.7, label=f"replica {rank} train")
     evals = _eval_curve(metrics)
     if evals:
-        ax.plot(*zip(*evals), "k-o", lw=2, ms=4, label="global model, held-out")
+        ax.plot(*zip(*evals, strict=True), "k-o", lw=2, ms=4, label="global model, held-out")
     ax.set_xlabel("outer round")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)

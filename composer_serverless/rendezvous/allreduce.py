@@ -1,87 +1,343 @@
-"""All-reduce of one flat fp32 tensor through the object store.
+"""Reduce-scatter + all-gather of one flat fp32 tensor through the object store, with a quorum.
 
-This is the simple exchange with a fixed set of participants: every replica uploads its whole tensor and
-downloads everyone else's. Upload S and download (N-1)*S per replica and round; correct and deterministic,
-since every replica sums the same bytes in the same (rank) order and so ends with bit-identical results.
+The tensor is cut into N contiguous shards; shard s is owned by rank s. Per sync, under ``{prefix}/``:
+
+1. **Scatter.** Each replica uploads its N encoded shards as ``in/{rank}-{shard}`` (create-if-absent, so an
+   input is immutable once written).
+2. **Quorum.** The participants are fixed once, in ``quorum.json`` (create-if-absent; everyone reads the
+   single winner), by whichever replica first sees either all N inputs complete or its grace deadline
+   passed with at least ``min_replicas`` complete. The grace adapts to observed arrivals (``deadline.py``).
+3. **Reduce.** The owner of shard s sums the decoded inputs of shard s in rank order, in fp32, divides by
+   the number of inputs summed, encodes the result and creates ``out/{s}``. A shard whose owner is not a
+   participant goes to a substitute participant; a shard still missing after a deadline is reduced by
+   whichever replica is waiting for it. Every reducer sums the same durable bytes in the same order, so
+   whoever wins the create, the content is the same.
+4. **Gather.** Everyone reads the reduced shards it did not write. Every replica, the owner included, uses
+   the *decoded* reduced shard, so with a lossy codec all replicas still end bit-identical.
+
+Per replica that is an upload of about S_wire (its N inputs, plus the reduced shard it owns, S_wire/N) and a
+download of 2(N-1)/N * S_wire (N-1 peer inputs of its shard, N-1 reduced shards): the bandwidth-optimal
+all-reduce bound. A replica that is not a participant (it arrived after the quorum was fixed) uploads
+nothing and reads all N reduced shards: it receives the participants' average exactly as torchft's healing
+replicas do (they contribute zeros and receive the average).
+
+A payload that fails its checksum, header or identity is logged and left out of the sum, never averaged.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from composer_serverless.rendezvous.codec import decode, encode
+from composer_serverless.rendezvous.codec import CodecName, PayloadError, decode, encode, max_payload_bytes
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
 
+QUORUM = "quorum.json"
+REDUCED = "reduced"
+_POLL_FIRST_S = 0.005
+_POLL_CAP_S = 0.5
+
+
+class ExchangeError(RuntimeError):
+    """This replica could not complete the exchange (too few replicas, a timeout, missing shards)."""
+
+
+@dataclass(frozen=True)
+class ExchangeSettings:
+    """What every replica of a run agrees on for its exchanges."""
+
+    replicas: int
+    min_replicas: int
+    codec: CodecName
+    timeout_s: float
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_replicas <= self.replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must be in [1, replicas={self.replicas}]")
+
 
 @dataclass
-class ExchangeStats:
-    """What one exchange cost this replica."""
+class ExchangeResult:
+    """The average and what producing it cost this replica."""
 
+    average: torch.Tensor
+    participants: list[int]
     bytes_up: int = 0
     bytes_down: int = 0
-    wait_s: float = 0.0
+    waited_for_all_s: float | None = None
+    upload_failed: bool = False
+    rescued: list[int] = field(default_factory=list)
 
 
-def wait_for_names(
-    store: ObjectStore, prefix: str, names: set[str], timeout_s: float, *, first_s: float = 0.01, cap_s: float = 1.0
-) -> None:
-    """Poll fresh listings of ``prefix`` until every name in ``names`` exists.
+def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges of ``shards`` near-equal shards of ``numel`` values (some may be empty)."""
+    return [(s * numel // shards, (s + 1) * numel // shards) for s in range(shards)]
 
-    The delay grows geometrically with jitter, so N replicas polling the same prefix neither hammer the store
-    nor fall into lock-step.
+
+def input_key(rank: int, shard: int) -> str:
+    return f"in/{rank}-{shard}"
+
+
+def reduced_key(shard: int) -> str:
+    return f"out/{shard}"
+
+
+def complete_ranks(keys: set[str], replicas: int) -> list[int]:
+    """Ranks whose N input shards are all present among ``keys`` (relative to the sync prefix)."""
+    return [r for r in range(replicas) if all(input_key(r, s) in keys for s in range(replicas))]
+
+
+def substitute_for(shard: int, participants: list[int]) -> int:
+    """The participant that reduces ``shard`` when its owner is not a participant: a fixed function of the
+    quorum, so every replica names the same one and only it downloads the shard's inputs."""
+    return participants[shard % len(participants)]
+
+
+def allreduce(
+    store: ObjectStore,
+    values: torch.Tensor,
+    *,
+    prefix: str,
+    identity: dict[str, str],
+    rank: int,
+    settings: ExchangeSettings,
+    grace_s: float,
+) -> ExchangeResult:
+    """Average ``values`` (flat fp32) over the quorum of this sync; see the module docstring.
+
+    Args:
+        store: the run's store.
+        values: this replica's flat fp32 tensor; not modified.
+        prefix: the sync's prefix, ``rounds/{k}/{fragment}``.
+        identity: header fields every payload of this sync carries (run id, round, fragment).
+        rank: this replica's rank.
+        settings: replicas, min_replicas, codec, timeout.
+        grace_s: how long after arriving this replica waits for stragglers before fixing a quorum.
 
     Raises:
-        TimeoutError: naming the objects still missing after ``timeout_s``.
+        ExchangeError: no quorum of ``min_replicas`` or no complete result within ``settings.timeout_s``.
     """
-    deadline = time.monotonic() + timeout_s
-    delay = first_s
-    while True:
-        missing = names - set(store.list(prefix))
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"after {timeout_s:.0f}s still missing under {store.url_of(prefix)}: {sorted(missing)}")
-        time.sleep(delay * (0.5 + random.random()))
-        delay = min(cap_s, delay * 1.5)
+    return _Exchange(store, values, prefix, identity, rank, settings, grace_s).run()
 
 
-def naive_allreduce(
-    store: ObjectStore,
-    prefix: str,
-    tensor: torch.Tensor,
-    *,
-    rank: int,
-    participants: list[int],
-    identity: dict[str, str],
-    timeout_s: float,
-) -> tuple[torch.Tensor, ExchangeStats]:
-    """Average ``tensor`` (flat fp32) over ``participants``; returns the average and what it cost.
+class _Exchange:
+    """One replica's part in one sync: the state the phases share."""
 
-    Objects: ``{prefix}/in/{rank}-0``, one per participant, written once.
-    """
-    stats = ExchangeStats()
-    payload = encode(tensor, {**identity, "rank": str(rank), "shard": "0"}, "fp32")
-    store.put(f"{prefix}/in/{rank}-0", payload)
-    stats.bytes_up += len(payload)
+    def __init__(
+        self,
+        store: ObjectStore,
+        values: torch.Tensor,
+        prefix: str,
+        identity: dict[str, str],
+        rank: int,
+        settings: ExchangeSettings,
+        grace_s: float,
+    ) -> None:
+        self.store = store.child(prefix)
+        self.values = values.detach().reshape(-1).to(torch.float32)
+        self.identity = identity
+        self.rank = rank
+        self.settings = settings
+        self.n = settings.replicas
+        self.grace_s = grace_s
+        self.started = time.monotonic()
+        self.quorum_at = self.started
+        self.hard_deadline = self.started + settings.timeout_s
+        self.bounds = shard_bounds(self.values.numel(), self.n)
+        self.mine: dict[int, bytes | bytearray] = {}
+        self.fetched: dict[tuple[int, int], memoryview] = {}
+        self.result = ExchangeResult(average=torch.empty(self.values.numel()), participants=[])
 
-    started = time.monotonic()
-    wait_for_names(store, f"{prefix}/in", {f"{r}-0" for r in participants}, timeout_s)
-    stats.wait_s = time.monotonic() - started
+    def run(self) -> ExchangeResult:
+        quorum = self._read_quorum()
+        if quorum is None:
+            self._scatter()
+            quorum = self._await_quorum()
+        participants = quorum
+        self.quorum_at = time.monotonic()
+        self.result.participants = participants
+        done: set[int] = set()
+        if self.rank in participants:
+            assigned = [self.rank] + [
+                s for s in range(self.n) if s not in participants and substitute_for(s, participants) == self.rank
+            ]
+            for shard in assigned:
+                self._reduce(shard, participants)
+                done.add(shard)
+        self._gather(participants, done)
+        return self.result
 
-    total = torch.zeros(tensor.numel(), dtype=torch.float32)
-    for r in sorted(participants):
-        if r == rank:
-            total += tensor.reshape(-1).to(torch.float32)
-            continue
-        data = store.get(f"{prefix}/in/{r}-0")
-        stats.bytes_down += len(data)
-        total += decode(data, {**identity, "rank": str(r), "shard": "0"}, "fp32", tensor.numel())
-    total /= len(participants)
-    return total, stats
+    # --- phase 1: scatter --------------------------------------------------------------------------
+
+    def _scatter(self) -> None:
+        """Upload all N shards; the own shard last, since only a rescuer ever reads it."""
+        order = [(self.rank + i) % self.n for i in range(1, self.n + 1)]
+        try:
+            for shard in order:
+                start, end = self.bounds[shard]
+                payload = encode(self.values[start:end], self._input_identity(self.rank, shard), self.settings.codec)
+                if self.store.create(input_key(self.rank, shard), payload):
+                    self.result.bytes_up += len(payload)
+                    self.mine[shard] = payload
+                else:
+                    # An earlier attempt at this sync (before a restart or a rollback) already wrote this
+                    # input; inputs are immutable, so the stored bytes are the ones that count.
+                    logger.info("input %s exists from an earlier attempt; using the stored one", input_key(self.rank, shard))
+        except Exception as e:  # a replica that cannot upload still receives the average, as a non-participant
+            self.result.upload_failed = True
+            logger.warning("[replica %d] upload failed (%s: %s); continuing without contributing", self.rank, type(e).__name__, e)
+
+    # --- phase 2: quorum ---------------------------------------------------------------------------
+
+    def _await_quorum(self) -> list[int]:
+        deadline = self.started + self.grace_s
+        delay = _POLL_FIRST_S
+        while True:
+            keys = set(self.store.list_tree(""))
+            if QUORUM in keys:
+                quorum = self._read_quorum()
+                if quorum is not None:
+                    return quorum
+            present = complete_ranks(keys, self.n)
+            now = time.monotonic()
+            if len(present) == self.n and self.result.waited_for_all_s is None:
+                self.result.waited_for_all_s = now - self.started
+            if self.rank in present:
+                self._prefetch(keys, present)
+                now = time.monotonic()
+            full = len(present) == self.n
+            if full or (now >= deadline and len(present) >= self.settings.min_replicas):
+                return self._decide(present, "all arrived" if full else f"grace of {self.grace_s:.2f}s passed")
+            if now >= self.hard_deadline:
+                raise ExchangeError(
+                    f"{self.store.url}: only {len(present)}/{self.n} replicas arrived within "
+                    f"{self.settings.timeout_s:.0f}s; a quorum needs {self.settings.min_replicas}"
+                )
+            delay = _sleep(delay)
+
+    def _decide(self, present: list[int], reason: str) -> list[int]:
+        doc = {"participants": present, "decided_by": self.rank, "reason": reason}
+        if self.store.create(QUORUM, json.dumps(doc).encode()):
+            logger.info("[replica %d] quorum %s fixed: %s (%s)", self.rank, self.store.url, present, reason)
+        quorum = self._read_quorum()
+        if quorum is None:
+            raise ExchangeError(f"{self.store.url}/{QUORUM} vanished after it was created")
+        return quorum
+
+    def _read_quorum(self) -> list[int] | None:
+        try:
+            raw = self.store.get(QUORUM)
+        except FileNotFoundError:
+            return None
+        self.result.bytes_down += len(raw)
+        participants = json.loads(raw).get("participants")
+        if (
+            not isinstance(participants, list)
+            or not participants
+            or any(not isinstance(p, int) or not 0 <= p < self.n for p in participants)
+            or participants != sorted(set(participants))
+        ):
+            raise ExchangeError(f"{self.store.url}/{QUORUM} is malformed: {raw[:200]!r}")
+        return participants
+
+    def _prefetch(self, keys: set[str], present: list[int]) -> None:
+        """While waiting for the quorum, fetch the peer inputs of the shard this replica will reduce."""
+        for peer in present:
+            if peer != self.rank and (peer, self.rank) not in self.fetched and input_key(peer, self.rank) in keys:
+                self.fetched[(peer, self.rank)] = self._fetch(input_key(peer, self.rank), self.rank)
+
+    # --- phase 3: reduce ---------------------------------------------------------------------------
+
+    def _reduce(self, shard: int, participants: list[int]) -> None:
+        """Sum the participants' inputs of ``shard`` in rank order, publish the average, keep its decoding."""
+        start, end = self.bounds[shard]
+        total = torch.zeros(end - start, dtype=torch.float32)
+        summed = []
+        for peer in participants:
+            try:
+                total += decode(
+                    self._input(peer, shard), self._input_identity(peer, shard), self.settings.codec, end - start
+                )
+            except PayloadError as e:
+                logger.warning("[replica %d] rejected %s/%s: %s", self.rank, self.store.url, input_key(peer, shard), e)
+                continue
+            summed.append(peer)
+        if not summed:
+            raise ExchangeError(f"{self.store.url}: no valid input for shard {shard}")
+        identity = {**self._reduced_identity(shard), "summed": ",".join(map(str, summed))}
+        payload: bytes | bytearray = encode(total / len(summed), identity, self.settings.codec)
+        if self.store.create(reduced_key(shard), payload):
+            self.result.bytes_up += len(payload)
+        else:
+            payload = self._fetch(reduced_key(shard), shard)
+        self._place(shard, payload)
+
+    def _input(self, peer: int, shard: int) -> bytes | bytearray | memoryview:
+        if peer == self.rank and shard in self.mine:
+            return self.mine[shard]
+        if (peer, shard) not in self.fetched:
+            self.fetched[(peer, shard)] = self._fetch(input_key(peer, shard), shard)
+        return self.fetched.pop((peer, shard))
+
+    # --- phase 4: gather ---------------------------------------------------------------------------
+
+    def _gather(self, participants: list[int], done: set[int]) -> None:
+        pending = set(range(self.n)) - done
+        # Owners start reducing when they see the quorum, up to one poll interval after this replica did:
+        # give them that, plus twice as long as this replica took and at least the straggler grace, before
+        # doing their work for them.
+        now = time.monotonic()
+        rescue_at = now + _POLL_CAP_S + max(self.grace_s, 2 * (now - self.quorum_at))
+        delay = _POLL_FIRST_S
+        while pending:
+            available = {int(name) for name in self.store.list("out") if name.isdigit()}
+            for shard in sorted(pending & available):
+                self._place(shard, self._fetch(reduced_key(shard), shard))
+                pending.discard(shard)
+            if not pending:
+                return
+            now = time.monotonic()
+            if now >= rescue_at:
+                for shard in sorted(pending):
+                    logger.warning(
+                        "[replica %d] %s/%s missing %.1fs after the quorum; reducing it here",
+                        self.rank, self.store.url, reduced_key(shard), now - self.started,
+                    )
+                    self._reduce(shard, participants)
+                    self.result.rescued.append(shard)
+                return
+            if now >= self.hard_deadline:
+                raise ExchangeError(f"{self.store.url}: reduced shards {sorted(pending)} missing after {self.settings.timeout_s:.0f}s")
+            delay = _sleep(delay)
+
+    def _place(self, shard: int, payload: bytes | bytearray | memoryview) -> None:
+        start, end = self.bounds[shard]
+        self.result.average[start:end] = decode(payload, self._reduced_identity(shard), self.settings.codec, end - start)
+
+    # --- helpers -----------------------------------------------------------------------------------
+
+    def _fetch(self, key: str, shard: int) -> memoryview:
+        start, end = self.bounds[shard]
+        buffer = bytearray(max_payload_bytes(end - start, self.settings.codec))
+        size = self.store.get_into(key, buffer)
+        self.result.bytes_down += size
+        return memoryview(buffer)[:size]
+
+    def _input_identity(self, rank: int, shard: int) -> dict[str, str]:
+        return {**self.identity, "rank": str(rank), "shard": str(shard)}
+
+    def _reduced_identity(self, shard: int) -> dict[str, str]:
+        return {**self.identity, "rank": REDUCED, "shard": str(shard)}
+
+
+def _sleep(delay: float) -> float:
+    """Sleep a jittered ``delay`` and return the next one: quick at first, cheap (few LISTs) when long."""
+    time.sleep(delay * (0.5 + random.random()))
+    return min(_POLL_CAP_S, delay * 1.5)

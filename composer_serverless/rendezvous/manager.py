@@ -3,27 +3,95 @@
 torchft's DiLoCo (Streaming fragments, overlap tau, the alpha merge) stays unchanged; only the transport
 differs. DiLoCo calls, per fragment sync: ``start_quorum()``, ``current_step()`` (to pick the fragment),
 ``allreduce(delta)`` (we get one flat bucket per fragment: the trainer enables torchft's bucketization with
-a cap that holds the whole fragment), then ``should_commit()``. A failed exchange is reported, not raised:
-``should_commit()`` then returns False and DiLoCo restores the last global parameters, as with torchft's
-own Manager.
+a cap that holds the whole fragment), then, ``fragment_sync_delay`` inner steps later, ``work.wait()`` and
+``should_commit()``.
 
-Objects, per sync ``k`` of fragment ``f``: ``rounds/{k}/{f}/in/{rank}-{shard}``.
+``allreduce`` starts the exchange (``allreduce.py``) on a background thread and returns at once, so with
+``fragment_sync_delay >= 1`` the store round trip runs behind inner steps (Streaming DiLoCo's overlap). The
+thread writes the average into the tensor and only then completes the Work's future, because torchft's
+bucketized path unpacks the buffer in a ``.then`` callback of that future.
+
+Failures are reported, not raised, as with torchft's own Manager: ``should_commit()`` returns False and
+DiLoCo restores the last global parameters. ``current_step()`` counts the syncs whose result this replica
+took from the store; it starts from the store's latest published state, and sync ``s`` lives under
+``rounds/{s // fragments + 1}/{s % fragments}``. Every replica that commits sync ``s`` applied the same
+reduced shards, so steps and parameters agree across replicas; a replica whose sync failed retries it (and
+finds the reduced shards already there) or catches up from the store's latest state.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torchft.work import _DummyWork
 
-from composer_serverless.rendezvous.allreduce import naive_allreduce
+from composer_serverless.rendezvous.allreduce import (
+    ExchangeError,
+    ExchangeResult,
+    ExchangeSettings,
+    allreduce,
+)
+from composer_serverless.rendezvous.checkpoint import latest_round
+from composer_serverless.rendezvous.deadline import ArrivalHistory, GraceSettings
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
+
+
+class BehindError(ExchangeError):
+    """The store already holds a later complete state than the sync this replica is attempting."""
+
+
+@dataclass
+class SyncOutcome:
+    """What happened in one fragment sync on this replica."""
+
+    round: int
+    fragment: int
+    committed: bool = False
+    participants: list[int] = field(default_factory=list)
+    contributed: bool = False
+    upload_failed: bool = False
+    error: Exception | None = None
+
+    @property
+    def late(self) -> bool:
+        """This replica arrived after the quorum was fixed (as opposed to failing to upload)."""
+        return self.committed and not self.contributed and not self.upload_failed
+
+
+@dataclass
+class _Sync:
+    outcome: SyncOutcome
+    exchanged: bool = False
+    thread: threading.Thread | None = None
+
+
+class _ExchangeWork(dist._Work):
+    """A Work whose exchange runs on a thread; ``wait`` joins it and books the time the caller was blocked."""
+
+    def __init__(self, thread: threading.Thread, future: torch.futures.Future, manager: ObjectStoreManager) -> None:
+        super().__init__()
+        self._thread = thread
+        self._future = future
+        self._manager = manager
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        started = time.monotonic()
+        self._thread.join(None if timeout is None else timeout.total_seconds())
+        self._manager.blocked_s += time.monotonic() - started
+        return not self._thread.is_alive()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
 
 
 class ObjectStoreManager:
@@ -32,28 +100,40 @@ class ObjectStoreManager:
     Args:
         store: the run's store.
         run_id: written into every payload header, so objects of another run are never averaged.
-        rank: this replica's rank in ``[0, replicas)``.
-        replicas: the fixed set of participants is ``range(replicas)``.
-        fragments: number of DiLoCo fragments; sync ``k`` carries fragment ``k % fragments``.
-        timeout_s: how long one exchange waits for the other replicas.
+        rank: this replica's rank in ``[0, settings.replicas)``.
+        fragments: number of DiLoCo fragments; sync ``s`` carries fragment ``s % fragments``.
+        settings: replicas, min_replicas, codec and timeout of every exchange.
+        grace: bounds of the adaptive wait for stragglers.
+        step: the first sync to run (``fragments * round`` of the state the replica starts from).
     """
 
-    # DiLoCo refuses an asynchronous quorum; ours is always decided before the exchange.
+    # DiLoCo refuses an asynchronous quorum; ours is decided inside each exchange.
     _use_async_quorum = False
 
     def __init__(
-        self, store: ObjectStore, *, run_id: str, rank: int, replicas: int, fragments: int, timeout_s: float
+        self,
+        store: ObjectStore,
+        *,
+        run_id: str,
+        rank: int,
+        fragments: int,
+        settings: ExchangeSettings,
+        grace: GraceSettings,
+        step: int = 0,
     ) -> None:
+        if not 0 <= rank < settings.replicas:
+            raise ValueError(f"rank {rank} is outside [0, {settings.replicas})")
         self._store = store
         self._run_id = run_id
         self._rank = rank
-        self._replicas = replicas
         self._fragments = fragments
-        self._timeout_s = timeout_s
-        self._step = 0
-        self._error: Exception | None = None
-        self._exchanged = False
+        self._settings = settings
+        self._arrivals = ArrivalHistory(grace)
+        self._step = step
+        self._sync: _Sync | None = None
         self._state_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
+        self.last_sync: SyncOutcome | None = None
+        self.syncs_attempted = 0
         self.bytes_up = 0
         self.bytes_down = 0
         self.blocked_s = 0.0
@@ -61,54 +141,61 @@ class ObjectStoreManager:
     # --- the interface DiLoCo uses -------------------------------------------------------------------
 
     def start_quorum(self) -> None:
-        """Open sync ``current_step()``; participants are fixed, so there is nothing to negotiate."""
-        self._error = None
-        self._exchanged = False
+        """Open sync ``current_step()``; its participants are fixed inside the exchange, in the store."""
+        round_index, fragment = self.sync_position(self._step)
+        self._sync = _Sync(SyncOutcome(round_index, fragment))
 
     def current_step(self) -> int:
-        """Number of committed syncs; identical on every replica because every replica commits together."""
+        """Number of syncs whose result this replica took from the store."""
         return self._step
 
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> _DummyWork:
-        """Average ``tensor`` in place across the replicas; errors are recorded for ``should_commit``."""
-        del should_quantize  # the wire codec decides compression, not torchft's Triton path
-        if self._exchanged:
-            self._error = RuntimeError(
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> dist._Work:
+        """Start averaging ``tensor`` in place across the quorum; errors are recorded for ``should_commit``."""
+        del should_quantize  # the run's wire codec decides compression, not torchft's Triton path
+        if self._sync is None:
+            self.start_quorum()
+        sync = self._sync
+        assert sync is not None
+        if sync.exchanged:
+            sync.outcome.error = RuntimeError(
                 "ObjectStoreManager got a second allreduce in one sync; build DiLoCo with "
                 "use_bucketization=True and a bucket_cap_mb that holds a whole fragment"
             )
             return _DummyWork(tensor)
-        self._exchanged = True
-        fragment = self._step % self._fragments
-        identity = {"run_id": self._run_id, "round": str(self._step), "fragment": str(fragment)}
-        started = time.monotonic()
-        try:
-            average, stats = naive_allreduce(
-                self._store,
-                f"rounds/{self._step}/{fragment}",
-                tensor.detach().reshape(-1).to(torch.float32),
-                rank=self._rank,
-                participants=list(range(self._replicas)),
-                identity=identity,
-                timeout_s=self._timeout_s,
-            )
-            tensor.copy_(average.view_as(tensor).to(tensor.dtype))
-            self.bytes_up += stats.bytes_up
-            self.bytes_down += stats.bytes_down
-        except Exception as e:  # reported through should_commit, as torchft's Manager does
-            logger.exception("[replica %d sync %d] exchange failed", self._rank, self._step)
-            self._error = e
-        finally:
-            self.blocked_s += time.monotonic() - started
-        return _DummyWork(tensor)
+        sync.exchanged = True
+        future: torch.futures.Future = torch.futures.Future()
+        sync.thread = threading.Thread(
+            target=self._exchange,
+            args=(tensor, sync.outcome, future),
+            name=f"exchange-{sync.outcome.round}-{sync.outcome.fragment}",
+            daemon=True,
+        )
+        sync.thread.start()
+        return _ExchangeWork(sync.thread, future, self)
 
     def should_commit(self) -> bool:
-        """True if this sync's exchange succeeded; advances ``current_step()`` only then."""
-        committed = self._error is None and self._exchanged
-        if committed:
+        """True if this sync's average came from the store; advances ``current_step()`` only then."""
+        sync, self._sync = self._sync, None
+        if sync is None:
+            raise RuntimeError("should_commit() without start_quorum()")
+        if sync.thread is not None:
+            sync.thread.join()
+        outcome = sync.outcome
+        outcome.committed = sync.exchanged and outcome.error is None
+        if outcome.committed:
             self._step += 1
-        logger.info("[replica %d] sync %d %s", self._rank, self._step - committed, "committed" if committed else "FAILED")
-        return committed
+        self.syncs_attempted += 1
+        self.last_sync = outcome
+        if outcome.committed:
+            logger.info(
+                "[replica %d] round %d fragment %d committed, participants %s",
+                self._rank, outcome.round, outcome.fragment, outcome.participants,
+            )
+        else:
+            logger.warning(
+                "[replica %d] round %d fragment %d FAILED: %s", self._rank, outcome.round, outcome.fragment, outcome.error
+            )
+        return outcome.committed
 
     def register_state_dict_fn(self, key: str, load_fn: Callable[[Any], None], save_fn: Callable[[], Any]) -> None:
         self._state_fns[key] = (load_fn, save_fn)
@@ -121,10 +208,59 @@ class ObjectStoreManager:
 
     # --- for the trainer ----------------------------------------------------------------------------
 
-    @property
-    def last_error(self) -> Exception | None:
-        return self._error
+    def sync_position(self, step: int) -> tuple[int, int]:
+        """(round, fragment) of sync ``step``: rounds count from 1, as in ``rounds/{k}`` and ``state/{k}``."""
+        return step // self._fragments + 1, step % self._fragments
+
+    def set_step(self, step: int) -> None:
+        """Continue from sync ``step`` (after loading a published state); only between syncs."""
+        if self._sync is not None:
+            raise RuntimeError("cannot move the step while a sync is open")
+        self._step = step
 
     def user_state_dict(self) -> dict[str, Any]:
         """What DiLoCo registered: per fragment, the global parameters and the outer optimizer state."""
         return {key: save_fn() for key, (_, save_fn) in self._state_fns.items()}
+
+    def load_user_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``user_state_dict`` returned (from a published state) into DiLoCo's fragments."""
+        if set(state) != set(self._state_fns):
+            raise ValueError(f"state has fragments {sorted(state)}, this model has {sorted(self._state_fns)}")
+        for key, (load_fn, _) in self._state_fns.items():
+            load_fn(state[key])
+
+    # --- the exchange thread ------------------------------------------------------------------------
+
+    def _exchange(self, tensor: torch.Tensor, outcome: SyncOutcome, future: torch.futures.Future) -> None:
+        try:
+            if latest_round(self._store) >= outcome.round:
+                raise BehindError(f"round {outcome.round} is already complete in the store")
+            grace_s = self._arrivals.grace_s()
+            result: ExchangeResult = allreduce(
+                self._store,
+                tensor.detach().reshape(-1),
+                prefix=f"rounds/{outcome.round}/{outcome.fragment}",
+                identity={"run_id": self._run_id, "round": str(outcome.round), "fragment": str(outcome.fragment)},
+                rank=self._rank,
+                settings=self._settings,
+                grace_s=grace_s,
+            )
+            tensor.copy_(result.average.view_as(tensor))
+            outcome.participants = result.participants
+            outcome.contributed = self._rank in result.participants
+            outcome.upload_failed = result.upload_failed
+            if result.waited_for_all_s is not None:
+                self._arrivals.observe(result.waited_for_all_s)
+            self.bytes_up += result.bytes_up
+            self.bytes_down += result.bytes_down
+        except Exception as e:  # reported through should_commit, as torchft's Manager does
+            if isinstance(e, BehindError):
+                logger.info("[replica %d] %s", self._rank, e)
+            else:
+                logger.exception("[replica %d] round %d fragment %d exchange failed", self._rank, outcome.round, outcome.fragment)
+            outcome.error = e
+        finally:
+            # Completing the future runs torchft's .then callback (which unpacks the bucket), so it comes
+            # after the average is in place; on failure it unpacks the unchanged tensor, which DiLoCo
+            # discards because should_commit() is False.
+            future.set_result(tensor)

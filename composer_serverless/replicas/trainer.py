@@ -1,4 +1,4 @@
-"""The replica: an inner loop wrapped in torchft's ``DiLoCo``, synchronised through the object store.
+"""The replica: an inner loop wrapped in torchft's ``DiLoCo``, synchronised and checkpointed through the store.
 
 torchft's ``DiLoCo`` hooks the inner optimizer's ``step``: every ``sync_every / fragments`` steps it computes
 the pseudo-gradient of one fragment (global - local), has the manager average it, restores the global
@@ -6,16 +6,25 @@ parameters and applies the outer optimizer. We supply the manager (``ObjectStore
 (strided decoder layers, as in Streaming DiLoCo) and one outer Nesterov SGD per fragment; the algorithm is
 torchft's, unmodified.
 
-After each round (every fragment synced once) the replica records a digest of the global parameters, and
-the lowest rank evaluates the global model, so the launcher can show that replicas agree bit for bit and
-that the model improves.
+Around it the replica keeps the run going through failures:
+
+* After each round (every fragment synced once) it records a digest of the global parameters, and the
+  round's lowest-rank participant evaluates the global model and publishes ``state/{k}`` then LATEST.
+* Every replica saves its own state (``replicas/{rank}/{k}``), so a run whose replicas all died resumes
+  bit-identically from the store.
+* Right after every sync, the one moment DiLoCo holds no exchange in flight, it compares itself with the
+  store: a replica that is a whole round behind (restarted, or failing) loads LATEST; one that keeps
+  arriving after the quorum is fixed waits for the round in progress to be published and joins the next
+  one in step with the others, instead of training rounds nobody averages.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
+import random
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,9 +38,13 @@ from torchft.local_sgd import DiLoCo
 
 from composer_serverless.config import DiLoCoConfig, RunConfig, TrainConfig
 from composer_serverless.models import load_pretrained
-from composer_serverless.rendezvous.manager import ObjectStoreManager
+from composer_serverless.rendezvous import checkpoint
+from composer_serverless.rendezvous.allreduce import QUORUM, ExchangeSettings
+from composer_serverless.rendezvous.checkpoint import CheckpointError
+from composer_serverless.rendezvous.deadline import GraceSettings
+from composer_serverless.rendezvous.manager import BehindError, ObjectStoreManager, SyncOutcome
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.objective import make_objective
+from composer_serverless.replicas.objective import Objective, make_objective
 from composer_serverless.telemetry import Reporter
 
 logger = logging.getLogger(__name__)
@@ -41,7 +54,7 @@ FINAL_PREFIX = "final"
 
 
 class SyncError(RuntimeError):
-    """A round did not commit on this replica."""
+    """A replica's syncs failed ``max_failed_syncs`` times in a row; its restart resumes from the store."""
 
 
 # --- DiLoCo wiring ------------------------------------------------------------------------------------
@@ -88,8 +101,13 @@ def make_inner_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.O
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
 
 
-def make_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then constant or cosine decay to ``min_lr_ratio`` over the run's inner steps."""
+def make_schedule(
+    optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int, done_steps: int = 0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then constant or cosine decay to ``min_lr_ratio`` over the run's inner steps.
+
+    ``done_steps`` starts the schedule part-way, for a replica that joins from a published state.
+    """
 
     def factor(step: int) -> float:
         if step < config.warmup_steps:
@@ -99,7 +117,10 @@ def make_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig, total_s
         progress = min(1.0, (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps))
         return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    if done_steps:
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=done_steps - 1)
 
 
 def make_outer_optimizers(fragments: list[nn.Module], config: DiLoCoConfig) -> list[torch.optim.Optimizer]:
@@ -173,6 +194,16 @@ def swapped_in(model: nn.Module, params: dict[str, torch.Tensor]) -> Iterator[nn
 # --- the replica --------------------------------------------------------------------------------------
 
 
+def exchange_settings(config: DiLoCoConfig) -> ExchangeSettings:
+    return ExchangeSettings(
+        replicas=config.replicas, min_replicas=config.min_replicas, codec=config.codec, timeout_s=config.sync_timeout_s
+    )
+
+
+def grace_settings(config: DiLoCoConfig) -> GraceSettings:
+    return GraceSettings(min_s=config.quorum_grace_min_s, max_s=config.quorum_grace_max_s, mads=config.quorum_grace_mads)
+
+
 def load_run_model(run: ObjectStore, config: RunConfig, cache: Path) -> tuple[Any, Any]:
     """Load the run's model: the tiny model stored in the run, or the configured hub id / path."""
     if config.model.path is not None:
@@ -182,13 +213,18 @@ def load_run_model(run: ObjectStore, config: RunConfig, cache: Path) -> tuple[An
 
 
 def run_replica(run: ObjectStore, rank: int) -> None:
-    """Train replica ``rank`` of the run at ``run`` to the end, reporting through the store."""
+    """Train replica ``rank`` of the run at ``run`` to the end, reporting through the store.
+
+    The same call starts a fresh replica, restarts one that died, and resumes a run whose replicas all
+    died: the replica continues from the store's latest published state and its own saved state.
+    """
     config = RunConfig.model_validate_json(run.get("run.json"))
     if not 0 <= rank < config.diloco.replicas:
         raise ValueError(f"rank {rank} is outside [0, {config.diloco.replicas})")
     reporter = Reporter(run, rank)
     reporter.beat(force=True, state="starting")
     try:
+        run.ensure_root()
         _train(run, config, rank, reporter)
     except BaseException as e:
         reporter.beat(force=True, state="failed", error=f"{type(e).__name__}: {e}")
@@ -201,68 +237,286 @@ def _train(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter) -
     # The download cache lives as long as training: weights may stay memory-mapped from its files.
     with tempfile.TemporaryDirectory(prefix="composer-serverless-") as cache:
         model, tokenizer = load_run_model(run, config, Path(cache))
-        _loop(run, config, rank, reporter, model.to(device).train(), tokenizer)
+        Replica(run, config, rank, reporter, model.to(device).train(), tokenizer).run()
 
 
-def _loop(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter, model: nn.Module, tokenizer: Any) -> None:
-    dl = config.diloco
-    objective = make_objective(config, tokenizer, rank)
-    total_steps = dl.rounds * dl.sync_every
-    inner = make_inner_optimizer(model, config.train)
-    schedule = make_schedule(inner, config.train, total_steps)
-    fragments = split_fragments(model, dl.fragments)
-    names = model_names(model, fragments)
-    manager = ObjectStoreManager(
-        run, run_id=config.run_id or "", rank=rank, replicas=dl.replicas, fragments=dl.fragments, timeout_s=dl.sync_timeout_s
-    )
-    evaluator = rank == 0
+class _RoundMeter:
+    """Train loss, time, blocking and traffic accumulated since the last round ended."""
 
-    with make_diloco(manager, fragments, inner, make_outer_optimizers(fragments, dl), dl):
-        if evaluator:
-            reporter.round(0, {"eval": objective.evaluate(model), "time": time.time()})
-        for round_index in range(1, dl.rounds + 1):
-            started, blocked_before = time.monotonic(), manager.blocked_s
-            losses: list[torch.Tensor] = []
-            for step in range(dl.sync_every):
-                loss, _ = objective.loss(model)
-                loss.backward()
-                if config.train.grad_clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)
-                inner.step()  # DiLoCo's hooks run the fragment syncs inside this call
-                schedule.step()
-                inner.zero_grad(set_to_none=True)
-                losses.append(loss.detach())
-                reporter.beat(
-                    state="training", round=round_index, rounds=dl.rounds, step=step + 1, steps=dl.sync_every,
-                    loss=float(loss),
-                )
-            if manager.current_step() != round_index * dl.fragments:
-                raise SyncError(f"round {round_index} did not commit: {manager.last_error}")
-            row: dict[str, Any] = {
-                "train_loss": float(torch.stack(losses).float().mean()),
-                "lr": schedule.get_last_lr()[0],
-                "bytes_up": manager.bytes_up,
-                "bytes_down": manager.bytes_down,
-                "round_s": time.monotonic() - started,
-                "blocked_s": manager.blocked_s - blocked_before,
-                "time": time.time(),
-            }
-            if dl.verify_global or evaluator:
-                params = global_parameters(manager, names)
-                if dl.verify_global:
-                    row["global_sha256"] = digest(params)
-                if evaluator and (round_index % config.eval.every_rounds == 0 or round_index == dl.rounds):
-                    with swapped_in(model, params):
-                        row["eval"] = objective.evaluate(model)
-            reporter.round(round_index, row)
-            logger.info("[replica %d] round %d/%d: train loss %.4f", rank, round_index, dl.rounds, row["train_loss"])
+    def __init__(self, manager: ObjectStoreManager) -> None:
+        self._manager = manager
+        self.reset()
 
-        if evaluator:
-            with swapped_in(model, global_parameters(manager, names)), tempfile.TemporaryDirectory() as out:
-                model.save_pretrained(out)
-                tokenizer.save_pretrained(out)
-                run.upload_dir(Path(out), FINAL_PREFIX)
-    reporter.beat(
-        force=True, state="done", round=dl.rounds, rounds=dl.rounds, step=dl.sync_every, steps=dl.sync_every,
-        loss=row["train_loss"],
-    )
+    def reset(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.steps = 0
+        self._started = time.monotonic()
+        self._blocked = self._manager.blocked_s
+        self._up = self._manager.bytes_up
+        self._down = self._manager.bytes_down
+
+    def row(self, lr: float) -> dict[str, Any]:
+        return {
+            "train_loss": float(torch.stack(self.losses).float().mean()) if self.losses else None,
+            "lr": lr,
+            "bytes_up": self._manager.bytes_up - self._up,
+            "bytes_down": self._manager.bytes_down - self._down,
+            "round_s": time.monotonic() - self._started,
+            "blocked_s": self._manager.blocked_s - self._blocked,
+            "time": time.time(),
+        }
+
+
+class Replica:
+    """One replica's model, optimizers, data and DiLoCo, and the loop that runs them to the end of the run."""
+
+    def __init__(
+        self, run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter, model: nn.Module, tokenizer: Any
+    ) -> None:
+        dl = config.diloco
+        self.run_store = run
+        self.config = config
+        self.rank = rank
+        self.reporter = reporter
+        self.model = model
+        self.tokenizer = tokenizer
+        self.fragments_count = dl.fragments
+        self.total_steps = dl.rounds * dl.sync_every
+        self.objective: Objective = make_objective(config, tokenizer, rank)
+        self.inner = make_inner_optimizer(model, config.train)
+        self.schedule = make_schedule(self.inner, config.train, self.total_steps)
+        self.fragments = split_fragments(model, dl.fragments)
+        self.names = model_names(model, self.fragments)
+        self.outer = make_outer_optimizers(self.fragments, dl)
+        self.manager = ObjectStoreManager(
+            run,
+            run_id=config.run_id or "",
+            rank=rank,
+            fragments=dl.fragments,
+            settings=exchange_settings(dl),
+            grace=grace_settings(dl),
+        )
+        self.meter = _RoundMeter(self.manager)
+
+    @property
+    def completed_rounds(self) -> int:
+        return self.manager.current_step() // self.fragments_count
+
+    def run(self) -> None:
+        dl = self.config.diloco
+        with make_diloco(self.manager, self.fragments, self.inner, self.outer, dl):
+            if self._restore() == 0 and self.rank == 0:
+                self.reporter.round(0, {"eval": self.objective.evaluate(self.model), "time": time.time()})
+            self._align(late=False)
+            self._loop()
+        self.reporter.beat(force=True, state="done", round=dl.rounds, rounds=dl.rounds, step=dl.sync_every, steps=dl.sync_every)
+
+    # --- the loop ----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        dl = self.config.diloco
+        last_step = dl.rounds * dl.fragments
+        seen = self.manager.syncs_attempted
+        failures = 0
+        self.meter.reset()
+        while self.manager.current_step() < last_step:
+            self.meter.losses.append(self._inner_step())
+            if self.manager.syncs_attempted == seen:
+                continue
+            # DiLoCo just finished a sync: nothing is in flight, so this is where the replica may change state.
+            seen = self.manager.syncs_attempted
+            outcome = self.manager.last_sync
+            assert outcome is not None
+            if outcome.committed or isinstance(outcome.error, BehindError):
+                failures = 0
+            else:
+                failures += 1
+                if failures >= dl.max_failed_syncs:
+                    raise SyncError(f"{failures} syncs failed in a row; the last: {outcome.error}")
+            if outcome.committed and self.manager.current_step() % dl.fragments == 0:
+                self._finish_round(outcome)
+            if self._align(late=outcome.late):
+                self.meter.reset()
+
+    def _inner_step(self) -> torch.Tensor:
+        loss, _ = self.objective.loss(self.model)
+        loss.backward()
+        if self.config.train.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
+        self.inner.step()  # DiLoCo's hooks run the fragment syncs inside this call
+        self.schedule.step()
+        self.inner.zero_grad(set_to_none=True)
+        self.meter.steps += 1
+        dl = self.config.diloco
+        self.reporter.beat(
+            state="training", round=self.completed_rounds + 1, rounds=dl.rounds,
+            step=min(self.meter.steps, dl.sync_every), steps=dl.sync_every, loss=loss.item(),
+        )
+        return loss.detach()
+
+    def _finish_round(self, outcome: SyncOutcome) -> None:
+        """Record the round; the lowest-rank participant of its last sync evaluates and publishes it."""
+        round_index = self.completed_rounds
+        row = {**self.meter.row(self.schedule.get_last_lr()[0]), "participants": outcome.participants}
+        self.meter.reset()
+        params = global_parameters(self.manager, self.names)
+        if self.config.diloco.verify_global:
+            row["global_sha256"] = digest(params)
+        if outcome.participants[0] == self.rank:
+            last = round_index == self.config.diloco.rounds
+            if last or round_index % self.config.eval.every_rounds == 0:
+                with swapped_in(self.model, params):
+                    row["eval"] = self.objective.evaluate(self.model)
+            checkpoint.write_global(self.run_store, round_index, self._global_state())
+            if last:
+                self._upload_final(params)
+            checkpoint.advance_latest(self.run_store, round_index)
+        checkpoint.save_replica(self.run_store, self.rank, round_index, self._own_state(params))
+        self.reporter.round(round_index, row)
+        logger.info(
+            "[replica %d] round %d/%d: train loss %s, participants %s",
+            self.rank, round_index, self.config.diloco.rounds, row["train_loss"], outcome.participants,
+        )
+
+    def _upload_final(self, params: dict[str, torch.Tensor]) -> None:
+        with swapped_in(self.model, params), tempfile.TemporaryDirectory() as out:
+            self.model.save_pretrained(out)
+            self.tokenizer.save_pretrained(out)
+            self.run_store.upload_dir(Path(out), FINAL_PREFIX)
+
+    # --- keeping up with the store -----------------------------------------------------------------
+
+    def _align(self, *, late: bool) -> bool:
+        """Catch up with the store if this replica is behind it; True if it loaded a published state.
+
+        A replica a whole round (or more) behind loads LATEST. At a round boundary, a replica that arrived
+        after the quorum of its last sync, or whose next round already has a quorum without it, would
+        otherwise stay behind forever, healing every sync without contributing: it waits for the round in
+        progress to be published and starts the next one with everyone else.
+        """
+        dl = self.config.diloco
+        step = self.manager.current_step()
+        latest = checkpoint.latest_round(self.run_store)
+        if latest * dl.fragments > step:
+            self._jump(latest)
+            return True
+        if step % dl.fragments or self.completed_rounds >= dl.rounds:
+            return False
+        upcoming = self.completed_rounds + 1
+        if late or self._quorum_without_me(upcoming):
+            reached = self._wait_for_round(upcoming)
+            if reached is not None:
+                self._jump(reached)
+                return True
+        return False
+
+    def _quorum_without_me(self, round_index: int) -> bool:
+        try:
+            quorum = json.loads(self.run_store.get(f"rounds/{round_index}/0/{QUORUM}"))
+        except FileNotFoundError:
+            return False
+        return self.rank not in quorum.get("participants", [])
+
+    def _wait_for_round(self, round_index: int) -> int | None:
+        """Wait (at most ``sync_timeout_s``) until ``round_index`` is published; the latest round, or None."""
+        dl = self.config.diloco
+        logger.info("[replica %d] late for round %d: waiting for it to be published", self.rank, round_index)
+        deadline = time.monotonic() + dl.sync_timeout_s
+        delay = 0.01
+        while time.monotonic() < deadline:
+            latest = checkpoint.latest_round(self.run_store)
+            if latest >= round_index:
+                return latest
+            self.reporter.beat(state="waiting", round=round_index, rounds=dl.rounds, step=0, steps=dl.sync_every)
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(0.25, delay * 1.5)
+        logger.warning("[replica %d] round %d was not published in time; training it and healing", self.rank, round_index)
+        return None
+
+    def _jump(self, round_index: int) -> None:
+        """Continue from the published global state of ``round_index``, keeping this replica's own state."""
+        was = self.completed_rounds
+        self._apply_global(self._load_global(round_index))
+        dl = self.config.diloco
+        self.schedule = make_schedule(self.inner, self.config.train, self.total_steps, self.completed_rounds * dl.sync_every)
+        params = global_parameters(self.manager, self.names)
+        row: dict[str, Any] = {"caught_up_from": was, "time": time.time()}
+        if dl.verify_global:
+            row["global_sha256"] = digest(params)
+        checkpoint.save_replica(self.run_store, self.rank, self.completed_rounds, self._own_state(params))
+        self.reporter.round(self.completed_rounds, row)
+        logger.warning("[replica %d] loaded the global state of round %d from the store (was at round %d)", self.rank, self.completed_rounds, was)
+
+    def _load_global(self, round_index: int) -> dict[str, Any]:
+        """The published state of ``round_index``, or of a newer round if that one was pruned meanwhile."""
+        for _ in range(3):
+            try:
+                return checkpoint.load_global(self.run_store, round_index)
+            except FileNotFoundError:
+                round_index = checkpoint.latest_round(self.run_store)
+        raise CheckpointError(f"cannot read the global state of round {round_index} from {self.run_store.url}")
+
+    # --- state -------------------------------------------------------------------------------------
+
+    def _global_state(self) -> dict[str, Any]:
+        return {"step": self.manager.current_step(), "user": self.manager.user_state_dict()}
+
+    def _own_state(self, global_params: dict[str, torch.Tensor]) -> dict[str, Any]:
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "inner_optimizer": self.inner.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "objective": self.objective.state_dict(),
+            "rng": rng,
+            # Between syncs a fragment's local parameters run ahead of its global ones (fragments other than
+            # the last synced, or alpha > 0); only those differ and need saving.
+            "local_parameters": {
+                name: p for name, p in self.model.named_parameters() if not torch.equal(p.detach(), global_params[name])
+            },
+        }
+
+    def _apply_global(self, state: dict[str, Any]) -> None:
+        user = state["user"]
+        for i, mapping in enumerate(self.names):
+            saved = set(user.get(f"StreamingDiLoCoFragment_{i}", {}).get("original_parameters", {}))
+            if saved != set(mapping):
+                raise CheckpointError(f"fragment {i} of the published state does not match this model's parameters")
+        self.manager.load_user_state_dict(user)
+        self.manager.set_step(int(state["step"]))
+        params = global_parameters(self.manager, self.names)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(params[name])
+
+    def _restore(self) -> int:
+        """Continue from the store's latest state and this replica's own; returns the round (0 if fresh)."""
+        latest = checkpoint.latest_round(self.run_store)
+        if latest == 0:
+            return 0
+        self._apply_global(self._load_global(latest))
+        latest = self.completed_rounds
+        dl = self.config.diloco
+        own = checkpoint.load_replica(self.run_store, self.rank, latest)
+        if own is None:
+            self.schedule = make_schedule(self.inner, self.config.train, self.total_steps, latest * dl.sync_every)
+            logger.warning("[replica %d] resuming from round %d with a fresh inner optimizer (no state of its own)", self.rank, latest)
+            return latest
+        own_round, state = own
+        self.inner.load_state_dict(state["inner_optimizer"])
+        self.objective.load_state_dict(state["objective"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if own_round == latest:
+            self.schedule.load_state_dict(state["schedule"])
+            current = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, value in state["local_parameters"].items():
+                    current[name].copy_(value)
+        else:
+            self.schedule = make_schedule(self.inner, self.config.train, self.total_steps, latest * dl.sync_every)
+        logger.info("[replica %d] resumed from round %d (own state of round %d)", self.rank, latest, own_round)
+        return latest

@@ -1,0 +1,195 @@
+"""Checkpoints in the store: the global state per round, the ``state/LATEST`` pointer, per-replica state.
+
+After each committed round the lowest-rank participant publishes ``state/{k}/`` (the global parameters and
+outer-optimizer state of every fragment, and the sync step) and only then moves ``state/LATEST``: payload
+first, marker last, so LATEST always names a complete state. Each replica also keeps what is its own,
+``replicas/{rank}/{k}/`` (inner optimizer, learning-rate schedule, RNG, data position, and its local
+parameters where they differ from the global ones), so that a run whose replicas all died resumes exactly
+where it stopped.
+
+A snapshot directory holds ``tensors.safetensors`` (every tensor), ``state.json`` (everything else, with
+markers where the tensors were) and, written last, ``manifest.json`` (size and sha256 of both). Reading
+checks the manifest; nothing is unpickled. ``flatten``/``unflatten`` turn a nested ``state_dict`` (dicts
+with int or str keys, lists, tuples, scalars, tensors) into that pair and back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from composer_serverless.rendezvous.store import ObjectStore
+
+STATE = "state"
+LATEST = "state/LATEST"
+REPLICAS = "replicas"
+TENSORS_FILE = "tensors.safetensors"
+STATE_FILE = "state.json"
+MANIFEST_FILE = "manifest.json"
+# Exchange objects of this many recent rounds are kept, so a replica that is a little behind can still
+# take a round's result from the store; an older one catches up from state/LATEST instead.
+KEEP_ROUNDS = 2
+KEEP_STATES = 2
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint in the store is incomplete, corrupt or does not fit this model."""
+
+
+# --- pickle-free (de)serialisation of state dicts ----------------------------------------------------
+
+
+def flatten(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split ``tree`` into a JSON-serialisable skeleton and its tensors (named ``t0``, ``t1``, ...).
+
+    Every JSON object in the skeleton is a marker, so no user key can be mistaken for one:
+    ``{"__tensor__": name}``, ``{"__tuple__": [...]}``, ``{"__dict__": [[key, value], ...]}`` (keys keep
+    their type, so optimizer states keyed by int survive).
+
+    Raises:
+        TypeError: ``tree`` holds something other than dict, list, tuple, str, int, float, bool, None, Tensor.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            name = f"t{len(tensors)}"
+            tensors[name] = node.detach().cpu().contiguous()
+            return {"__tensor__": name}
+        if isinstance(node, dict):
+            for key in node:
+                if not isinstance(key, (str, int)) or isinstance(key, bool):
+                    raise TypeError(f"cannot checkpoint a dict key of type {type(key).__name__}: {key!r}")
+            return {"__dict__": [[key, walk(value)] for key, value in node.items()]}
+        if isinstance(node, tuple):
+            return {"__tuple__": [walk(v) for v in node]}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if node is None or isinstance(node, (str, int, float, bool)):
+            return node
+        raise TypeError(f"cannot checkpoint a value of type {type(node).__name__}")
+
+    return walk(tree), tensors
+
+
+def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of ``flatten``."""
+    if isinstance(skeleton, list):
+        return [unflatten(v, tensors) for v in skeleton]
+    if not isinstance(skeleton, dict):
+        return skeleton
+    if set(skeleton) == {"__tensor__"}:
+        name = skeleton["__tensor__"]
+        if name not in tensors:
+            raise CheckpointError(f"state refers to tensor {name!r}, which the snapshot does not hold")
+        return tensors[name]
+    if set(skeleton) == {"__tuple__"}:
+        return tuple(unflatten(v, tensors) for v in skeleton["__tuple__"])
+    if set(skeleton) == {"__dict__"}:
+        return {key: unflatten(value, tensors) for key, value in skeleton["__dict__"]}
+    raise CheckpointError(f"unexpected object in checkpoint state: {sorted(skeleton)}")
+
+
+# --- snapshots -----------------------------------------------------------------------------------------
+
+
+def write_snapshot(store: ObjectStore, prefix: str, tree: Any) -> None:
+    """Write ``tree`` under ``prefix/``; the manifest goes last, so its presence means the snapshot is whole."""
+    skeleton, tensors = flatten(tree)
+    files = {
+        TENSORS_FILE: safetensors.torch.save(tensors),
+        STATE_FILE: json.dumps(skeleton).encode(),
+    }
+    for name, data in files.items():
+        store.put(f"{prefix}/{name}", data)
+    manifest = {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()}
+    store.put(f"{prefix}/{MANIFEST_FILE}", json.dumps({"files": manifest}, indent=1).encode())
+
+
+def read_snapshot(store: ObjectStore, prefix: str) -> Any:
+    """Read a snapshot written by ``write_snapshot``, checking every file against the manifest.
+
+    Raises:
+        FileNotFoundError: there is no complete snapshot under ``prefix``.
+        CheckpointError: a file is missing, of the wrong size, or fails its checksum.
+    """
+    manifest = json.loads(store.get(f"{prefix}/{MANIFEST_FILE}"))["files"]
+    if set(manifest) != {TENSORS_FILE, STATE_FILE}:
+        raise CheckpointError(f"{store.url_of(prefix)}: manifest lists {sorted(manifest)}")
+    files = {}
+    for name, expected in manifest.items():
+        try:
+            data = store.get(f"{prefix}/{name}")
+        except FileNotFoundError as e:
+            raise CheckpointError(f"{store.url_of(prefix)}/{name} is listed in the manifest but missing") from e
+        if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
+            raise CheckpointError(f"{store.url_of(prefix)}/{name} does not match its manifest checksum")
+        files[name] = data
+    try:
+        tensors = safetensors.torch.load(files[TENSORS_FILE])
+    except Exception as e:  # safetensors raises its own error type for every malformed layout
+        raise CheckpointError(f"{store.url_of(prefix)}/{TENSORS_FILE} is not valid safetensors: {e}") from e
+    return unflatten(json.loads(files[STATE_FILE]), tensors)
+
+
+# --- the global state and LATEST -----------------------------------------------------------------------
+
+
+def latest_round(store: ObjectStore) -> int:
+    """The round named by ``state/LATEST``; 0 before any round has been published."""
+    try:
+        return int(json.loads(store.get(LATEST))["round"])
+    except FileNotFoundError:
+        return 0
+
+
+def write_global(store: ObjectStore, round_index: int, tree: Any) -> None:
+    """Write the global state after ``round_index``; ``advance_latest`` then makes it the one to resume from."""
+    write_snapshot(store, f"{STATE}/{round_index}", tree)
+
+
+def advance_latest(store: ObjectStore, round_index: int) -> None:
+    """Point LATEST at ``round_index`` (already written), then prune old states and exchange objects.
+
+    LATEST only moves forward: a publisher that was slower than the next round's publisher leaves it alone
+    (a reader then just sees a slightly older, still complete, state).
+    """
+    if latest_round(store) < round_index:
+        store.put(LATEST, json.dumps({"round": round_index}).encode())
+    _prune_numbered(store, STATE, keep_from=round_index - KEEP_STATES + 1, skip={"LATEST"})
+    _prune_numbered(store, "rounds", keep_from=round_index - KEEP_ROUNDS + 1)
+
+
+def load_global(store: ObjectStore, round_index: int) -> Any:
+    return read_snapshot(store, f"{STATE}/{round_index}")
+
+
+# --- per-replica state ---------------------------------------------------------------------------------
+
+
+def save_replica(store: ObjectStore, rank: int, round_index: int, tree: Any) -> None:
+    """Save replica ``rank``'s own state after ``round_index``; drop its states older than LATEST, which no
+    resume can need."""
+    write_snapshot(store, f"{REPLICAS}/{rank}/{round_index}", tree)
+    _prune_numbered(store, f"{REPLICAS}/{rank}", keep_from=min(round_index, latest_round(store)))
+
+
+def load_replica(store: ObjectStore, rank: int, round_index: int) -> tuple[int, Any] | None:
+    """Replica ``rank``'s newest complete state at or before ``round_index``, as (round, state), or None."""
+    saved = sorted((int(n) for n in store.list(f"{REPLICAS}/{rank}") if n.isdigit()), reverse=True)
+    for k in (k for k in saved if k <= round_index):
+        try:
+            return k, read_snapshot(store, f"{REPLICAS}/{rank}/{k}")
+        except FileNotFoundError:
+            continue  # written partly when the replica died: its manifest is missing
+    return None
+
+
+def _prune_numbered(store: ObjectStore, prefix: str, *, keep_from: int, skip: frozenset[str] | set[str] = frozenset()) -> None:
+    for name in store.list(prefix):
+        if name not in skip and name.isdigit() and int(name) < keep_from:
+            store.delete(f"{prefix}/{name}")

@@ -1,0 +1,227 @@
+"""The object-store all-reduce, with replicas as threads: exact averages, the bandwidth bound, quorums,
+late replicas, dead shard owners and rejected payloads. Faults are injected by rule (a replica that never
+runs, an input replaced by a pickle), never by timing."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from faults import FaultyStore
+
+from composer_serverless.rendezvous.allreduce import (
+    ExchangeError,
+    ExchangeResult,
+    ExchangeSettings,
+    allreduce,
+    complete_ranks,
+    input_key,
+    reduced_key,
+    shard_bounds,
+    substitute_for,
+)
+from composer_serverless.rendezvous.codec import CODECS, decode, encode, read_header
+from composer_serverless.rendezvous.deadline import GraceSettings, grace_s
+from composer_serverless.rendezvous.store import ObjectStore
+
+PREFIX = "rounds/1/0"
+IDENTITY = {"run_id": "run", "round": "1", "fragment": "0"}
+NUMEL = 1001  # not a multiple of 3: shards of different sizes
+
+
+def tensors(n: int, numel: int = NUMEL) -> dict[int, torch.Tensor]:
+    return {r: torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(n)}
+
+
+def exchange(
+    url: str,
+    values: dict[int, torch.Tensor],
+    settings: ExchangeSettings,
+    *,
+    grace: float = 0.0,
+    stores: dict[int, ObjectStore] | None = None,
+) -> dict[int, ExchangeResult]:
+    """Run the exchange of every rank in ``values`` concurrently, one thread and store instance each."""
+    results: dict[int, ExchangeResult] = {}
+    errors: dict[int, BaseException] = {}
+
+    def run(rank: int) -> None:
+        try:
+            store = (stores or {}).get(rank) or ObjectStore(url)
+            results[rank] = allreduce(
+                store, values[rank], prefix=PREFIX, identity=IDENTITY, rank=rank, settings=settings, grace_s=grace
+            )
+        except BaseException as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in values]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise next(iter(errors.values()))
+    return results
+
+
+def expected_average(values: dict[int, torch.Tensor], participants: list[int], codec: str, shards: int) -> torch.Tensor:
+    """What every replica must end with: per shard, the decoded inputs summed in rank order in fp32, divided
+    by their number, then passed through the codec once more (the reduced shard is encoded too)."""
+    numel = next(iter(values.values())).numel()
+    out = torch.empty(numel)
+    for start, end in shard_bounds(numel, shards):
+        total = torch.zeros(end - start)
+        for p in participants:
+            total += decode(encode(values[p][start:end], {}, codec), {}, codec, end - start)
+        out[start:end] = decode(encode(total / len(participants), {}, codec), {}, codec, end - start)
+    return out
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path}/run"
+    if request.param == "memory":
+        return f"memory://run-{uuid.uuid4().hex[:8]}"
+    return request.getfixturevalue("s3_url")
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_every_replica_gets_the_same_exact_average(url: str, codec: str) -> None:
+    values = tensors(3)
+    settings = ExchangeSettings(replicas=3, min_replicas=3, codec=codec, timeout_s=60)
+    # A long grace keeps a slow owner (a loaded machine) from being rescued; all 3 arrive anyway.
+    results = exchange(url, values, settings, grace=10)
+    expected = expected_average(values, [0, 1, 2], codec, 3)
+    for result in results.values():
+        assert result.participants == [0, 1, 2]
+        assert torch.equal(result.average, expected)
+
+
+def test_traffic_is_the_bandwidth_optimal_bound(tmp_path: Path) -> None:
+    """Per replica: up = its N inputs + its reduced shard; down = N-1 peer inputs of its shard + N-1 reduced
+    shards (+ the small quorum record): 2(N-1)/N of the wire size."""
+    n = 4
+    url = f"file://{tmp_path}/run"
+    values = tensors(n, numel=40_000)
+    results = exchange(url, values, ExchangeSettings(replicas=n, min_replicas=n, codec="fp32", timeout_s=60), grace=10)
+    store = ObjectStore(url).child(PREFIX)
+    size = store.size
+    quorum = size("quorum.json")
+    for r, result in results.items():
+        wire = sum(size(input_key(r, s)) for s in range(n))
+        assert result.bytes_up == wire + size(reduced_key(r))
+        down = sum(size(input_key(p, r)) for p in range(n) if p != r) + sum(size(reduced_key(s)) for s in range(n) if s != r)
+        assert result.bytes_down == down + quorum
+        assert result.bytes_down <= 1.05 * 2 * (n - 1) / n * wire
+
+
+def test_quorum_forms_without_a_missing_replica_and_divides_by_the_participants(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/run"
+    values = tensors(3)
+    settings = ExchangeSettings(replicas=3, min_replicas=2, codec="fp32", timeout_s=60)
+    results = exchange(url, {r: values[r] for r in (0, 1)}, settings, grace=0.05)
+    expected = expected_average(values, [0, 1], "fp32", 3)
+    for result in results.values():
+        assert result.participants == [0, 1]
+        assert torch.equal(result.average, expected)
+    # Shard 2's owner is absent: the substitute named by the quorum reduced it.
+    assert substitute_for(2, [0, 1]) == 0
+    header, _ = read_header(ObjectStore(url).child(PREFIX).get(reduced_key(2)))
+    assert header["__metadata__"]["summed"] == "0,1"
+
+    # The late replica heals: it contributes nothing, uploads nothing, and gets the same average.
+    late = exchange(url, {2: values[2]}, settings)[2]
+    assert late.participants == [0, 1] and late.bytes_up == 0
+    assert torch.equal(late.average, expected)
+    assert not any(k.startswith("in/2-") for k in ObjectStore(url).child(PREFIX).list_tree())
+
+
+def test_a_dead_shard_owner_does_not_stall_the_round(tmp_path: Path) -> None:
+    """Replica 2 uploads its inputs (so it is in the quorum) and then dies before reducing its shard: the
+    others reduce shard 2 after their deadline, and the result is the full average."""
+    url = f"file://{tmp_path}/run"
+    values = tensors(3)
+    store = ObjectStore(url).child(PREFIX)
+    for s, (start, end) in enumerate(shard_bounds(NUMEL, 3)):
+        store.create(input_key(2, s), encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, "int8"))
+    settings = ExchangeSettings(replicas=3, min_replicas=3, codec="int8", timeout_s=60)
+    results = exchange(url, {0: values[0], 1: values[1]}, settings, grace=0.05)
+    expected = expected_average(values, [0, 1, 2], "int8", 3)
+    assert sum(len(r.rescued) for r in results.values()) >= 1
+    for result in results.values():
+        assert result.participants == [0, 1, 2]
+        assert torch.equal(result.average, expected)
+
+
+class _CreatesAFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_a_rejected_input_is_left_out_and_never_executed(tmp_path: Path) -> None:
+    """Replica 2's input for shard 0 is a pickle: shard 0 averages replicas 0 and 1 only."""
+    url = f"file://{tmp_path}/run"
+    values = tensors(3)
+    store = ObjectStore(url).child(PREFIX)
+    bounds = shard_bounds(NUMEL, 3)
+    marker = tmp_path / "executed"
+    store.create(input_key(2, 0), pickle.dumps(_CreatesAFile(marker)))
+    for s in (1, 2):
+        start, end = bounds[s]
+        store.create(input_key(2, s), encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, "fp32"))
+    results = exchange(url, {0: values[0], 1: values[1]}, ExchangeSettings(3, 3, "fp32", 60), grace=0.05)
+    full = expected_average(values, [0, 1, 2], "fp32", 3)
+    without = expected_average(values, [0, 1], "fp32", 3)
+    start, end = bounds[0]
+    for result in results.values():
+        assert torch.equal(result.average[start:end], without[start:end])
+        assert torch.equal(result.average[end:], full[end:])
+    assert not marker.exists()
+
+
+def test_a_replica_that_cannot_upload_still_receives_the_average(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/run"
+    values = tensors(2)
+    stores = {1: FaultyStore(url, fail_on=r"/in/1-")}
+    results = exchange(url, values, ExchangeSettings(2, 1, "bf16", 60), stores=stores)
+    expected = expected_average(values, [0], "bf16", 2)
+    assert results[1].upload_failed and results[1].participants == [0]
+    assert torch.equal(results[0].average, expected) and torch.equal(results[1].average, expected)
+
+
+def test_too_few_replicas_time_out(tmp_path: Path) -> None:
+    with pytest.raises(ExchangeError, match="1/2 replicas arrived"):
+        exchange(f"file://{tmp_path}/run", tensors(1), ExchangeSettings(2, 2, "fp32", timeout_s=0.3))
+
+
+def test_the_quorum_record_is_validated(tmp_path: Path) -> None:
+    store = ObjectStore(f"file://{tmp_path}/run")
+    store.child(PREFIX).create("quorum.json", json.dumps({"participants": [0, 7]}).encode())
+    with pytest.raises(ExchangeError, match="malformed"):
+        exchange(f"file://{tmp_path}/run", tensors(2), ExchangeSettings(2, 1, "fp32", 10))
+
+
+def test_shard_helpers() -> None:
+    assert shard_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert shard_bounds(1, 2) == [(0, 0), (0, 1)]
+    keys = {input_key(0, 0), input_key(0, 1), input_key(1, 0), "quorum.json"}
+    assert complete_ranks(keys, 2) == [0]
+    assert [substitute_for(s, [1, 3]) for s in range(4)] == [1, 3, 1, 3]
+
+
+def test_grace_adapts_to_arrivals_within_bounds() -> None:
+    settings = GraceSettings(min_s=0.5, max_s=30.0, mads=4.0)
+    assert grace_s([], settings) == 30.0  # nothing observed yet: be patient
+    assert grace_s([0.1, 0.1, 0.1], settings) == 0.5  # floor
+    # median 2, MAD 1 -> 2 + 4 * 1.4826
+    assert grace_s([1.0, 2.0, 3.0], settings) == pytest.approx(2 + 4 * 1.4826)
+    assert grace_s([100.0], settings) == 30.0  # cap

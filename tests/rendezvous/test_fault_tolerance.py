@@ -1,0 +1,85 @@
+"""Replica processes under faults injected by rule: kill -9 mid-round, and a store failing a fraction of
+its calls transiently. Multi-process, over file:// and a real S3 server."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+from conftest import REFERENCE_SETTINGS, ReferenceRun
+from runs import (
+    PROCESS_TIMEOUT_S,
+    create,
+    digests,
+    logs_of,
+    make_config,
+    rows,
+    run_replicas,
+    start_replica,
+    wait_all,
+)
+
+from composer_serverless.rendezvous.checkpoint import latest_round
+from composer_serverless.telemetry import metrics_key
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + PROCESS_TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Replica 2 is killed when it starts uploading in round 3. The other two commit round 3 (and 4) without
+    it and are then held before round 5 until the restarted replica has loaded the latest state, so that
+    its rejoining is an ordering of events, not a race against the survivors."""
+    rounds, killed_in, held_at = 6, 3, 5
+    config = make_config(
+        f"file://{tmp_path}/runs", "kill", tiny_model_dir,
+        replicas=3, rounds=rounds, min_replicas=2, quorum_grace_min_s=2.0, quorum_grace_max_s=30.0,
+    )
+    run = create(config)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    release = tmp_path / "release"
+    hold = json.dumps({"hold_on": f"rounds/{held_at}/", "release_file": str(release)})
+    kill = json.dumps({"kill_on": f"rounds/{killed_in}/0/in/2-"})
+    procs = [start_replica(run, r, logs / f"rank-{r}.log", kill if r == 2 else hold) for r in range(3)]
+
+    wait_until(lambda: procs[2].poll() is not None, "replica 2 to die")
+    assert procs[2].returncode == -signal.SIGKILL
+    wait_until(lambda: run.exists(metrics_key(0, killed_in)), f"round {killed_in} to commit")
+    restarted = start_replica(run, 2, logs / "rank-2.log")
+    wait_until(lambda: "resumed from round" in (logs / "rank-2.log").read_text(), "replica 2 to load the latest state")
+    release.touch()
+    assert wait_all([procs[0], procs[1], restarted]) == [0, 0, 0], logs_of(logs)
+
+    by_rank = rows(run)
+    # The round of the kill committed with the two others...
+    assert by_rank[0][killed_in]["participants"] == [0, 1] == by_rank[1][killed_in]["participants"]
+    # ... and the restarted replica contributed again once it was back.
+    assert by_rank[0][held_at]["participants"] == [0, 1, 2]
+    # Every replica that reports a round reports the same global parameters, to the bit.
+    per_round = digests(run)
+    assert all(len(d) == 1 for d in per_round.values()), per_round
+    assert {by_rank[r][rounds]["global_sha256"] for r in range(3)} == per_round[rounds]
+    assert latest_round(run) == rounds
+
+
+def test_transient_store_faults_change_nothing(tmp_path: Path, tiny_model_dir: Path, s3_url: str, reference_run: ReferenceRun) -> None:
+    """The reference run repeated on S3 with a quarter of first attempts failing (and a quarter of the other
+    writes failing after reaching the store, as a lost response) ends bit-identical to the clean run."""
+    faulty = create(make_config(s3_url, "faulty", tiny_model_dir, **REFERENCE_SETTINGS))
+    faults = {r: json.dumps({"fraction": 0.25, "lost_fraction": 0.25, "seed": r}) for r in range(2)}
+    assert run_replicas(faulty, tmp_path / "logs", 2, faults) == [0, 0], logs_of(tmp_path / "logs")
+
+    faulty_logs = logs_of(tmp_path / "logs")
+    assert faulty_logs.count("InjectedFault") >= 20
+    assert "reported 'exists' but the object is ours" in faulty_logs
+    assert "FAILED" not in faulty_logs
+    under_faults = digests(faulty)
+    assert set(under_faults) == {1, 2, 3, 4, 5}
+    assert under_faults == reference_run.digests

@@ -1,0 +1,150 @@
+"""ObjectStoreManager: the torchft Manager duck type. The analytic DiLoCo trajectory with 2 replica
+processes over file:// and S3, and the Work/commit contract in-process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from analytic_replica import CASES, SYNC_EVERY, case_key
+from faults import InjectedFault
+from runs import HERE, subprocess_env, wait_all
+
+from composer_serverless.rendezvous.allreduce import ExchangeSettings
+from composer_serverless.rendezvous.checkpoint import LATEST
+from composer_serverless.rendezvous.deadline import GraceSettings
+from composer_serverless.rendezvous.manager import BehindError, ObjectStoreManager
+from composer_serverless.rendezvous.store import ObjectStore, RetryPolicy
+
+
+def analytic_history(fragments: int, delay: int, alpha: float, steps: int) -> list[list[float]]:
+    """torchft's mocked DiLoCo in closed form, 2 identical replicas: every inner step p -= 2; at a fragment's
+    prepare step its pseudo-gradient is global - local; at its sync step the global becomes
+    global - 2 * pseudo-gradient (outer lr 2; the average of two equal pseudo-gradients is that one) and the
+    fragment's parameters become lerp(new global, local, alpha)."""
+    per_fragment = SYNC_EVERY // fragments
+    params = [1.0] * fragments
+    global_ = [1.0] * fragments
+    local_step = manager_step = 0
+    pending: tuple[int, float] | None = None
+    history = [list(params)]
+    for _ in range(steps):
+        params = [p - 2 for p in params]
+        local_step += 1
+        if local_step == per_fragment - delay:
+            fragment = manager_step % fragments
+            pending = (fragment, global_[fragment] - params[fragment])
+        if local_step == per_fragment:
+            assert pending is not None
+            fragment, delta = pending
+            global_[fragment] -= 2 * delta
+            params[fragment] = global_[fragment] + alpha * (params[fragment] - global_[fragment])
+            manager_step += 1
+            local_step = 0
+        history.append(list(params))
+    return history
+
+
+def test_torchft_analytic_trajectory_with_two_replica_processes(tmp_path: Path, s3_url: str) -> None:
+    urls = [f"file://{tmp_path}/run", s3_url]
+    outs = [tmp_path / f"history-{r}.json" for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "analytic_replica.py"), "--store", *urls, "--rank", str(r), "--out", str(outs[r])],
+            env=subprocess_env(),
+            cwd=HERE,
+        )
+        for r in range(2)
+    ]
+    assert wait_all(procs) == [0, 0]
+    histories = [json.loads(out.read_text()) for out in outs]
+    for url in urls:
+        for case in CASES:
+            key = case_key(*case)
+            expected = analytic_history(*case, steps=len(histories[0][url][key]) - 1)
+            assert histories[0][url][key] == expected, (url, key)
+            assert histories[1][url][key] == expected, (url, key)
+
+
+class GatedStore(ObjectStore):
+    """Holds every backend call until ``gate`` is set."""
+
+    def __init__(self, url: str, gate: threading.Event) -> None:
+        super().__init__(url)
+        self.gate = gate
+
+    def _attempt(self, op, key, fn):
+        assert self.gate.wait(timeout=60)
+        return fn()
+
+
+def manager_for(store: ObjectStore, codec: str = "fp32") -> ObjectStoreManager:
+    return ObjectStoreManager(
+        store,
+        run_id="r",
+        rank=0,
+        fragments=1,
+        settings=ExchangeSettings(replicas=1, min_replicas=1, codec=codec, timeout_s=30),
+        grace=GraceSettings(min_s=0.0, max_s=5.0, mads=4.0),
+    )
+
+
+def test_allreduce_runs_behind_the_caller_and_fills_the_tensor_before_the_future(tmp_path: Path) -> None:
+    gate = threading.Event()
+    manager = manager_for(GatedStore(f"file://{tmp_path}/run", gate), codec="bf16")
+    manager.start_quorum()
+    tensor = torch.full((5,), 1 / 3)
+    work = manager.allreduce(tensor)
+    # The exchange is held at the store: allreduce has returned and the future is still pending.
+    assert not work.get_future().done()
+    seen: list[torch.Tensor] = []
+    chained = work.get_future().then(lambda _: seen.append(tensor.clone()))
+    gate.set()
+    assert work.wait()
+    chained.wait()
+    # With one replica the average is its own input through the bf16 codec, in place before the callback.
+    assert torch.equal(seen[0], torch.full((5,), 1 / 3).to(torch.bfloat16).float())
+    assert manager.should_commit() and manager.current_step() == 1
+    assert manager.last_sync.participants == [0]
+
+
+def test_a_failed_exchange_does_not_commit_or_advance(tmp_path: Path) -> None:
+    class Broken(ObjectStore):
+        def _attempt(self, op, key, fn):
+            if key.startswith("rounds/") or key.startswith("in/") or key == "quorum.json":
+                raise InjectedFault("down")
+            return fn()
+
+    manager = manager_for(Broken(f"file://{tmp_path}/run", retry=RetryPolicy(attempts=2, first_s=0.001)))
+    manager.start_quorum()
+    tensor = torch.ones(3)
+    work = manager.allreduce(tensor)
+    work.wait()
+    assert work.get_future().done()
+    assert not manager.should_commit()
+    assert manager.current_step() == 0 and manager.syncs_attempted == 1
+    assert manager.last_sync.error is not None and not manager.last_sync.committed
+
+
+def test_a_replica_behind_the_store_does_not_exchange(tmp_path: Path) -> None:
+    store = ObjectStore(f"file://{tmp_path}/run")
+    store.put(LATEST, json.dumps({"round": 1}).encode())
+    manager = manager_for(store)
+    manager.start_quorum()
+    manager.allreduce(torch.ones(3)).wait()
+    assert not manager.should_commit()
+    assert isinstance(manager.last_sync.error, BehindError)
+    assert store.list_tree("rounds") == []
+
+
+def test_a_second_allreduce_in_one_sync_fails_the_sync(tmp_path: Path) -> None:
+    manager = manager_for(ObjectStore(f"file://{tmp_path}/run"))
+    manager.start_quorum()
+    manager.allreduce(torch.ones(3)).wait()
+    manager.allreduce(torch.ones(3)).wait()
+    assert not manager.should_commit()
+    assert "bucket" in str(manager.last_sync.error)
