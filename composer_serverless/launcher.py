@@ -2,7 +2,8 @@
 
 The launcher and the replicas share nothing but the store: the launcher writes ``run.json`` (and the tiny
 model, if the config asks for one), starts the replicas with the run's URL, draws their heartbeats, and
-finally writes the report from the metrics they left in the store.
+finally writes the report from the metrics they left in the store. Resuming a run whose replicas all died
+is the same minus the first step: replicas started on an existing run continue from its latest state.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from composer_serverless.config import ConfigError, RunConfig
 from composer_serverless.executors.base import TERMINAL_STATES, ReplicaHandle, ServerlessExecutor
 from composer_serverless.executors.local import LocalProcessExecutor
+from composer_serverless.rendezvous.checkpoint import latest_round
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.trainer import FINAL_PREFIX, MODEL_PREFIX
 from composer_serverless.report import PLOT_KEY, SUMMARY_KEY, write_report
@@ -84,6 +86,26 @@ def launch(config: RunConfig, source: str, console: Console) -> dict[str, Any]:
     """Run ``config`` to the end and return its summary; raises RunFailed if a replica fails."""
     run, resolved = create_run(config, source, console)
     console.print(f"run [bold]{resolved.run_id}[/] at {run.url}")
+    return _execute(run, resolved, console)
+
+
+def resume(run_url: str, console: Console) -> dict[str, Any]:
+    """Restart every replica of the run at ``run_url``; they continue from ``state/LATEST`` and their own
+    saved state. Nothing in the run's configuration changes: ``run.json`` is write-once."""
+    run = ObjectStore(run_url)
+    try:
+        raw = run.get("run.json")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no run at {run.url}: it has no run.json\n  fix: pass the run's store URL, e.g. runs/<run_id>"
+        ) from None
+    config = RunConfig.model_validate_json(raw)
+    run.ensure_root()
+    console.print(f"resuming run [bold]{config.run_id}[/] at {run.url} after round {latest_round(run)}")
+    return _execute(run, config, console)
+
+
+def _execute(run: ObjectStore, resolved: RunConfig, console: Console) -> dict[str, Any]:
     executor = make_executor(resolved, run)
     plan = executor.plan(resolved, run.url)
     started = time.monotonic()
@@ -127,7 +149,9 @@ def watch(
                 handle = next(h for h in handles if h.rank == failed[0].rank)
                 tail = list(executor.logs(handle))[-LOG_TAIL_LINES:]
                 raise RunFailed(
-                    f"replica {handle.rank} failed ({failed[0].detail}); last lines of {handle.log}:\n" + "\n".join(tail)
+                    f"replica {handle.rank} failed ({failed[0].detail}); last lines of {handle.log}:\n"
+                    + "\n".join(tail)
+                    + f"\nthe run can continue from its latest state: composer-serverless launch --resume {run.url}"
                 )
             if all(s.state in TERMINAL_STATES for s in statuses):
                 _print_new_rounds(run, reported_rounds, dl.rounds, progress.console)
@@ -136,7 +160,9 @@ def watch(
 
 
 def _print_new_rounds(run: ObjectStore, reported: set[int], rounds: int, console: Console) -> None:
-    for row in read_metrics(run).get(0, []):
+    # The evaluator of a round is its lowest-rank participant, so any replica's metrics may carry it.
+    rows = sorted((r for rank_rows in read_metrics(run).values() for r in rank_rows), key=lambda r: r["round"])
+    for row in rows:
         if row["round"] in reported or "eval" not in row:
             continue
         reported.add(row["round"])

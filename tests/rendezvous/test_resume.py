@@ -1,0 +1,45 @@
+"""A run whose replicas all die is resumed with ``composer-serverless launch --resume RUN`` and ends with
+global parameters bit-identical to a run that was never interrupted."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REFERENCE_SETTINGS, ReferenceRun
+from runs import REPO, create, digests, logs_of, make_config, rows, run_replicas, subprocess_env
+
+from composer_serverless.rendezvous.checkpoint import latest_round
+from composer_serverless.rendezvous.store import ObjectStore
+
+
+def test_interrupted_and_resumed_run_is_bit_identical(
+    tmp_path: Path, tiny_model_dir: Path, reference_run: ReferenceRun
+) -> None:
+    interrupted = create(make_config(f"file://{tmp_path}/runs", "interrupted", tiny_model_dir, **REFERENCE_SETTINGS))
+    # Both replicas SIGKILL themselves when they start uploading in round 4, one inner step into it.
+    kill = {r: json.dumps({"kill_on": "rounds/4/0/in/"}) for r in range(2)}
+    assert run_replicas(interrupted, tmp_path / "logs", 2, kill) == [-signal.SIGKILL] * 2
+    assert latest_round(interrupted) == 3
+
+    cli = subprocess.run(
+        [sys.executable, "-c", "from composer_serverless.cli import main; main()", "launch", "--resume", interrupted.url],
+        env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr + logs_of(tmp_path / "logs")
+    assert "resuming run interrupted" in cli.stdout
+
+    assert logs_of(interrupted.local_dir("logs")).count("resumed from round 3 (own state of round 3)") == 2
+    assert latest_round(interrupted) == 5
+    resumed = digests(interrupted)
+    assert set(resumed) == {1, 2, 3, 4, 5}
+    assert resumed == reference_run.digests
+    assert final_eval(interrupted) == final_eval(reference_run.run)
+
+
+def final_eval(run: ObjectStore) -> float:
+    """The held-out loss of the final global model, from whichever replica evaluated it."""
+    return next(by_round[5]["eval"]["eval/loss"] for by_round in rows(run).values() if "eval" in by_round.get(5, {}))
