@@ -153,6 +153,7 @@ class _Exchange:
         self.bounds = shard_bounds(self.values.numel(), self.n)
         self.mine: dict[int, bytes | bytearray] = {}
         self.fetched: dict[tuple[int, int], memoryview] = {}
+        self.scratch = memoryview(bytearray())
         self.result = ExchangeResult(average=torch.empty(self.values.numel()), participants=[])
 
     def run(self) -> ExchangeResult:
@@ -259,12 +260,13 @@ class _Exchange:
         """Sum the participants' inputs of ``shard`` in rank order, publish the average, keep its decoding."""
         start, end = self.bounds[shard]
         total = torch.zeros(end - start, dtype=torch.float32)
+        decoded = torch.empty(end - start, dtype=torch.float32)
         summed = []
         for peer in participants:
             try:
-                total += decode(
-                    self._input(peer, shard), self._input_identity(peer, shard), self.settings.codec, end - start
-                )
+                payload, verify = self._input(peer, shard)
+                identity = self._input_identity(peer, shard)
+                total += decode(payload, identity, self.settings.codec, end - start, decoded, verify=verify)
             except PayloadError as e:
                 logger.warning("[replica %d] rejected %s/%s: %s", self.rank, self.store.url, input_key(peer, shard), e)
                 continue
@@ -272,19 +274,21 @@ class _Exchange:
         if not summed:
             raise ExchangeError(f"{self.store.url}: no valid input for shard {shard}")
         identity = {**self._reduced_identity(shard), "summed": ",".join(map(str, summed))}
-        payload: bytes | bytearray = encode(total / len(summed), identity, self.settings.codec)
+        payload: bytes | bytearray | memoryview = encode(total / len(summed), identity, self.settings.codec)
         if self.store.create(reduced_key(shard), payload):
             self.result.bytes_up += len(payload)
+            self._place(shard, payload, verify=False)
         else:
-            payload = self._fetch(reduced_key(shard), shard)
-        self._place(shard, payload)
+            self._place(shard, self._fetch(reduced_key(shard), shard))
 
-    def _input(self, peer: int, shard: int) -> bytes | bytearray | memoryview:
+    def _input(self, peer: int, shard: int) -> tuple[bytes | bytearray | memoryview, bool]:
+        """The payload of ``peer``'s input for ``shard``, and whether it must be verified (it came from the
+        store) or not (this replica encoded it, in this exchange)."""
         if peer == self.rank and shard in self.mine:
-            return self.mine[shard]
+            return self.mine[shard], False
         if (peer, shard) not in self.fetched:
             self.fetched[(peer, shard)] = self._fetch(input_key(peer, shard), shard)
-        return self.fetched.pop((peer, shard))
+        return self.fetched.pop((peer, shard)), True
 
     # --- phase 4: gather ---------------------------------------------------------------------------
 
@@ -299,7 +303,7 @@ class _Exchange:
         while pending:
             available = {int(name) for name in self.store.list("out") if name.isdigit()}
             for shard in sorted(pending & available):
-                self._place(shard, self._fetch(reduced_key(shard), shard))
+                self._place(shard, self._fetch(reduced_key(shard), shard, reuse=True))
                 pending.discard(shard)
             if not pending:
                 return
@@ -317,24 +321,35 @@ class _Exchange:
                 raise ExchangeError(f"{self.store.url}: reduced shards {sorted(pending)} missing after {self.settings.timeout_s:.0f}s")
             delay = _sleep(delay)
 
-    def _place(self, shard: int, payload: bytes | bytearray | memoryview) -> None:
+    def _place(self, shard: int, payload: bytes | bytearray | memoryview, *, verify: bool = True) -> None:
         start, end = self.bounds[shard]
-        self.result.average[start:end] = decode(payload, self._reduced_identity(shard), self.settings.codec, end - start)
+        identity = self._reduced_identity(shard)
+        decode(payload, identity, self.settings.codec, end - start, self.result.average[start:end], verify=verify)
 
     # --- helpers -----------------------------------------------------------------------------------
 
-    def _fetch(self, key: str, shard: int) -> memoryview:
+    def _fetch(self, key: str, shard: int, *, reuse: bool = False) -> memoryview:
+        """Read ``key`` into a buffer sized for ``shard``'s payload; ``reuse`` reads into the one scratch
+        buffer (for payloads decoded at once), else into a buffer of its own (for payloads kept a while)."""
         start, end = self.bounds[shard]
-        buffer = bytearray(max_payload_bytes(end - start, self.settings.codec))
+        capacity = max_payload_bytes(end - start, self.settings.codec)
+        if reuse and len(self.scratch) < capacity:
+            self.scratch = _buffer(max_payload_bytes(max(b - a for a, b in self.bounds), self.settings.codec))
+        buffer = self.scratch if reuse else _buffer(capacity)
         size = self.store.get_into(key, buffer)
         self.result.bytes_down += size
-        return memoryview(buffer)[:size]
+        return buffer[:size]
 
     def _input_identity(self, rank: int, shard: int) -> dict[str, str]:
         return {**self.identity, "rank": str(rank), "shard": str(shard)}
 
     def _reduced_identity(self, shard: int) -> dict[str, str]:
         return {**self.identity, "rank": REDUCED, "shard": str(shard)}
+
+
+def _buffer(size: int) -> memoryview:
+    """A writable buffer of ``size`` bytes, not zero-filled (it is read into at once)."""
+    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
 
 
 def _sleep(delay: float) -> float:

@@ -140,7 +140,13 @@ def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, object]
 
 
 def decode(
-    data: bytes | bytearray | memoryview, expect: dict[str, str], codec: CodecName, numel: int
+    data: bytes | bytearray | memoryview,
+    expect: dict[str, str],
+    codec: CodecName,
+    numel: int,
+    out: torch.Tensor | None = None,
+    *,
+    verify: bool = True,
 ) -> torch.Tensor:
     """Return the fp32 values in ``data`` after checking identity, codec, layout, size and checksum.
 
@@ -149,6 +155,9 @@ def decode(
         expect: header fields that must match exactly (run id, round, fragment, rank, shard).
         codec: the codec the run uses; a payload in any other codec is rejected.
         numel: the number of values the reader expects.
+        out: an fp32 tensor of ``numel`` values to decode into (saves a copy); a new one if None.
+        verify: check the sha256. Only a payload this process encoded itself, in memory, may skip it: the
+            checksum guards what crossed the store, and hashing is most of a decode's cost.
 
     Raises:
         PayloadError: the payload is not one this reader may average.
@@ -168,13 +177,16 @@ def decode(
     body = view[start:]
     if len(body) != data_bytes(numel, codec):
         raise PayloadError(f"payload data is {len(body)} bytes, expected {data_bytes(numel, codec)}")
-    if hashlib.sha256(body).hexdigest() != metadata.get("sha256"):
+    if verify and hashlib.sha256(body).hexdigest() != metadata.get("sha256"):
         raise PayloadError("payload checksum mismatch")
     if codec == "int8":
         q = _view(body, torch.int8, 0, numel)
-        return dequantize_int8(q, _view(body, torch.float32, numel, _blocks(numel)))
-    values = _view(body, _DTYPES[codec][1], 0, numel)
-    return values.to(torch.float32) if codec != "fp32" else values.clone()
+        values = dequantize_int8(q, _view(body, torch.float32, numel, _blocks(numel)))
+    else:
+        values = _view(body, _DTYPES[codec][1], 0, numel)
+    if out is None:
+        return values.to(torch.float32) if codec == "bf16" else values.clone() if codec == "fp32" else values
+    return out.copy_(values)
 
 
 def _layout(numel: int, codec: CodecName) -> dict[str, dict[str, object]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pickle
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -189,10 +190,25 @@ def test_a_rejected_input_is_left_out_and_never_executed(tmp_path: Path) -> None
 
 
 def test_a_replica_that_cannot_upload_still_receives_the_average(tmp_path: Path) -> None:
+    """Replica 1's uploads fail for good; it goes on as a non-participant. It starts first, and replica 0
+    only once replica 1 has tried to upload, so the order of events is fixed."""
     url = f"file://{tmp_path}/run"
     values = tensors(2)
-    stores = {1: FaultyStore(url, fail_on=r"/in/1-")}
-    results = exchange(url, values, ExchangeSettings(2, 1, "bf16", 60), stores=stores)
+    settings = ExchangeSettings(2, 1, "bf16", 60)
+    failing = FaultyStore(url, fail_on=r"/in/1-")
+    results: dict[int, ExchangeResult] = {}
+
+    def run(rank: int, store: ObjectStore) -> None:
+        results[rank] = allreduce(
+            store, values[rank], prefix=PREFIX, identity=IDENTITY, rank=rank, settings=settings, grace_s=0.0
+        )
+
+    late = threading.Thread(target=run, args=(1, failing))
+    late.start()
+    while not any(op == "create" and "/in/1-" in key for op, key in list(failing.tried)):
+        time.sleep(0.01)
+    run(0, ObjectStore(url))
+    late.join(timeout=60)
     expected = expected_average(values, [0], "bf16", 2)
     assert results[1].upload_failed and results[1].participants == [0]
     assert torch.equal(results[0].average, expected) and torch.equal(results[1].average, expected)

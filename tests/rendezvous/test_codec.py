@@ -141,3 +141,14 @@ def test_pickle_and_torch_save_payloads_are_rejected_without_running(tmp_path: P
         with pytest.raises(PayloadError):
             decode(payload, IDENTITY, "fp32", 3)
     assert not marker.exists()
+
+
+def test_skipping_verification_still_checks_identity_and_layout() -> None:
+    """verify=False is for payloads a replica encoded itself: it skips only the checksum."""
+    payload = encode(values(), IDENTITY, "fp32")
+    payload[-5] ^= 0x01
+    decode(payload, IDENTITY, "fp32", 3000, verify=False)
+    with pytest.raises(PayloadError, match="mismatch"):
+        decode(payload, {**IDENTITY, "round": "4"}, "fp32", 3000, verify=False)
+    with pytest.raises(PayloadError):
+        decode(payload[:-1], IDENTITY, "fp32", 3000, verify=False)

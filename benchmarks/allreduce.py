@@ -1,0 +1,258 @@
+"""Bytes and time of the object-store all-reduce against the bandwidth bound, beside the naive exchange.
+
+    python benchmarks/allreduce.py --replicas 4 --mb 64 --store file --codec fp32 --out bench-out/ar.json
+
+N replica processes (spawned: no shared GIL) each hold a random fp32 tensor of ``--mb`` MiB and, after a
+barrier, run three exchanges through the same store, ``--repeats`` times each after one warm-up:
+
+- ``raw``: the reduce-scatter's traffic without the protocol: every replica PUTs N objects of a wire
+  shard's size, waits until all replicas' objects are listed, then GETs the 2(N-1) objects a reduce-scatter
+  replica reads. No codec, checksum or quorum. This is the store's own throughput for this traffic with
+  this concurrency, measured in the same run: ``store_MBps`` = (bytes up + bytes down) / time, per replica.
+- ``allreduce``: ``composer_serverless.rendezvous.allreduce.allreduce`` (reduce-scatter + all-gather,
+  quorum, codec, checksums).
+- ``naive``: every replica PUTs its whole encoded tensor and GETs all the others' (the exchange this
+  project had before), decoding and summing in fp32.
+
+A phase's wall time is from the barrier to the last replica finishing (CLOCK_MONOTONIC is one clock for
+all processes on Linux); the JSON reports the median over repeats. ``bound_down_bytes`` = 2(N-1)/N *
+``wire_bytes`` (the encoded size of one replica's tensor); ``time_ratio_to_bound`` = wall time / the time
+the bound bytes need at ``store_MBps``. MB here is 10^6 bytes. ``--store s3`` runs a moto S3 server on
+loopback (in this process, which only waits) and points the replicas at it through AWS_ENDPOINT_URL_S3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from composer_serverless.rendezvous.allreduce import ExchangeSettings, allreduce, shard_bounds
+from composer_serverless.rendezvous.codec import decode, encode, max_payload_bytes
+from composer_serverless.rendezvous.store import ObjectStore
+
+IDENTITY = {"run_id": "bench", "round": "1", "fragment": "0"}
+PHASES = ("raw", "allreduce", "naive")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, required=True)
+    parser.add_argument("--mb", type=float, required=True, help="size of each replica's fp32 tensor, in MiB")
+    parser.add_argument("--store", choices=("file", "s3"), required=True)
+    parser.add_argument("--codec", choices=("fp32", "bf16", "int8"), default="fp32")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.replicas < 2:
+        parser.error("--replicas must be at least 2")
+
+    with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmp, _store_url(args.store, tmp) as url:
+        load_before = os.getloadavg()
+        samples = _run_replicas(url, args)
+        load_after = os.getloadavg()
+    result = summarise(samples, args)
+    result["machine"] = {
+        "cpus": os.cpu_count(),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in load_after],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, (dict, list))}, indent=2))
+    return 0
+
+
+class _store_url:
+    """The store URL for the run; for s3, a moto server on loopback for as long as the context is open."""
+
+    def __init__(self, kind: str, tmp: str) -> None:
+        self.kind = kind
+        self.tmp = tmp
+        self.server: Any = None
+
+    def __enter__(self) -> str:
+        if self.kind == "file":
+            return f"file://{self.tmp}/store"
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        os.environ.update(
+            AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+            AWS_EC2_METADATA_DISABLED="true",
+        )
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        os.environ["AWS_ENDPOINT_URL_S3"] = f"http://{host}:{port}"
+        boto3.client("s3").create_bucket(Bucket="allreduce-bench")
+        return "s3://allreduce-bench/run"
+
+    def __exit__(self, *exc: object) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def _run_replicas(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(args.replicas)
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_replica, args=(url, rank, args.replicas, args.mb, args.codec, args.repeats, barrier, queue))
+        for rank in range(args.replicas)
+    ]
+    for p in procs:
+        p.start()
+    samples = [queue.get(timeout=3600) for _ in procs]
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise RuntimeError(f"a replica exited with {p.exitcode}")
+    return [s for replica_samples in samples for s in replica_samples]
+
+
+def _replica(url: str, rank: int, n: int, mb: float, codec: str, repeats: int, barrier: Any, queue: Any) -> None:
+    torch.set_num_threads(1)
+    values = torch.randn(int(mb * 2**20 / 4), generator=torch.Generator().manual_seed(rank))
+    store = ObjectStore(url)
+    samples = []
+    for repeat in range(repeats + 1):  # repeat 0 warms connections and caches, and is not reported
+        for phase in PHASES:
+            prefix = f"{phase}-{repeat}"
+            barrier.wait()
+            started = time.monotonic()
+            up, down = PHASE_FUNCTIONS[phase](store, prefix, values, rank, n, codec)
+            finished = time.monotonic()
+            samples.append(
+                {"phase": phase, "repeat": repeat, "rank": rank, "start": started, "end": finished, "up": up, "down": down}
+            )
+            barrier.wait()
+            if rank == 0:
+                store.delete(prefix)
+    queue.put(samples)
+
+
+def _raw(store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: int, codec: str) -> tuple[int, int]:
+    bounds = shard_bounds(values.numel(), n)
+    blobs = [encode(values[a:b], IDENTITY, codec) for a, b in bounds]  # the wire bytes; not part of the timing
+    up = down = 0
+    for s in range(n):
+        store.put(f"{prefix}/{rank}-{s}", blobs[s])
+        up += len(blobs[s])
+    _wait_for(store, prefix, n * n)
+    buffer = bytearray(max(len(b) for b in blobs) + 4096)
+    reads = [f"{prefix}/{p}-{rank}" for p in range(n) if p != rank] + [f"{prefix}/{p}-{p}" for p in range(n) if p != rank]
+    for key in reads:
+        down += store.get_into(key, buffer)
+    return up, down
+
+
+def _allreduce(store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: int, codec: str) -> tuple[int, int]:
+    settings = ExchangeSettings(replicas=n, min_replicas=n, codec=codec, timeout_s=1800)
+    result = allreduce(store, values, prefix=prefix, identity=IDENTITY, rank=rank, settings=settings, grace_s=600)
+    return result.bytes_up, result.bytes_down
+
+
+def _naive(store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: int, codec: str) -> tuple[int, int]:
+    """Everyone uploads everything and reads everyone else's: upload S, download (N-1) * S."""
+    payload = encode(values, {**IDENTITY, "rank": str(rank)}, codec)
+    store.put(f"{prefix}/{rank}", payload)
+    _wait_for(store, prefix, n)
+    total = torch.zeros(values.numel())
+    buffer = bytearray(max_payload_bytes(values.numel(), codec))
+    down = 0
+    for p in range(n):
+        if p == rank:
+            total += decode(payload, {**IDENTITY, "rank": str(p)}, codec, values.numel())
+            continue
+        size = store.get_into(f"{prefix}/{p}", buffer)
+        down += size
+        total += decode(memoryview(buffer)[:size], {**IDENTITY, "rank": str(p)}, codec, values.numel())
+    total /= n
+    return len(payload), down
+
+
+PHASE_FUNCTIONS = {"raw": _raw, "allreduce": _allreduce, "naive": _naive}
+
+
+def _wait_for(store: ObjectStore, prefix: str, count: int) -> None:
+    delay = 0.002
+    while len(store.list_tree(prefix)) < count:
+        time.sleep(delay)
+        delay = min(0.05, delay * 1.5)
+
+
+def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    n = args.replicas
+    measured = [s for s in samples if s["repeat"] > 0]
+
+    def phase(name: str) -> dict[str, Any]:
+        rows = [s for s in measured if s["phase"] == name]
+        walls = []
+        for repeat in sorted({s["repeat"] for s in rows}):
+            group = [s for s in rows if s["repeat"] == repeat]
+            walls.append(max(s["end"] for s in group) - min(s["start"] for s in group))
+        return {
+            "bytes_up_per_replica": max(s["up"] for s in rows),
+            "bytes_down_per_replica": max(s["down"] for s in rows),
+            "wall_s": statistics.median(walls),
+            "walls_s": [round(w, 4) for w in walls],
+        }
+
+    raw, ours, naive = phase("raw"), phase("allreduce"), phase("naive")
+    values = int(args.mb * 2**20 / 4)
+    wire = sum(len(encode(torch.zeros(b - a), IDENTITY, args.codec)) for a, b in shard_bounds(values, n))
+    bound = 2 * (n - 1) / n * wire
+    store_mbps = (raw["bytes_up_per_replica"] + raw["bytes_down_per_replica"]) / 1e6 / raw["wall_s"]
+    bound_s = bound / 1e6 / store_mbps
+
+    def figures(p: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **p,
+            "ratio_to_bound": p["bytes_down_per_replica"] / bound,
+            "time_ratio_to_bound": p["wall_s"] / bound_s,
+        }
+
+    ours_f, naive_f = figures(ours), figures(naive)
+    return {
+        "replicas": n,
+        "mb": args.mb,
+        "store": args.store,
+        "codec": args.codec,
+        "payload_bytes": values * 4,
+        "wire_bytes": wire,
+        "bytes_up_per_replica": ours_f["bytes_up_per_replica"],
+        "bytes_down_per_replica": ours_f["bytes_down_per_replica"],
+        "bound_down_bytes": bound,
+        "ratio_to_bound": ours_f["ratio_to_bound"],
+        "naive_bytes_down_per_replica": naive_f["bytes_down_per_replica"],
+        "naive_ratio_to_bound": naive_f["ratio_to_bound"],
+        "wall_s": ours_f["wall_s"],
+        "naive_wall_s": naive_f["wall_s"],
+        "store_MBps": store_mbps,
+        "bound_s": bound_s,
+        "time_ratio_to_bound": ours_f["time_ratio_to_bound"],
+        "naive_time_ratio_to_bound": naive_f["time_ratio_to_bound"],
+        # How much the protocol (codec, checksums, quorum, two phases) costs over moving raw bytes.
+        "time_ratio_to_raw": ours_f["wall_s"] / raw["wall_s"],
+        "repeats": args.repeats,
+        "phases": {"raw": raw, "allreduce": ours_f, "naive": naive_f},
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
