@@ -30,6 +30,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,10 @@ _POLL_CAP_S = 0.5
 
 class ExchangeError(RuntimeError):
     """This replica could not complete the exchange (too few replicas, a timeout, missing shards)."""
+
+
+class StaleRoundError(ExchangeError):
+    """The store has already completed this round: this replica is behind and must not reopen it."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,7 @@ def allreduce(
     rank: int,
     settings: ExchangeSettings,
     grace_s: float,
+    is_stale: Callable[[], bool] | None = None,
 ) -> ExchangeResult:
     """Average ``values`` (flat fp32) over the quorum of this sync; see the module docstring.
 
@@ -120,11 +126,14 @@ def allreduce(
         rank: this replica's rank.
         settings: replicas, min_replicas, codec, timeout.
         grace_s: how long after arriving this replica waits for stragglers before fixing a quorum.
+        is_stale: asked before this replica fixes a quorum; True means the store has completed this round
+            already (its exchange objects may be pruned), so the quorum must not be created again.
 
     Raises:
+        StaleRoundError: ``is_stale`` said so when this replica was about to fix the quorum.
         ExchangeError: no quorum of ``min_replicas`` or no complete result within ``settings.timeout_s``.
     """
-    return _Exchange(store, values, prefix, identity, rank, settings, grace_s).run()
+    return _Exchange(store, values, prefix, identity, rank, settings, grace_s, is_stale).run()
 
 
 class _Exchange:
@@ -139,8 +148,10 @@ class _Exchange:
         rank: int,
         settings: ExchangeSettings,
         grace_s: float,
+        is_stale: Callable[[], bool] | None,
     ) -> None:
         self.store = store.child(prefix)
+        self.is_stale = is_stale
         self.values = values.detach().reshape(-1).to(torch.float32)
         self.identity = identity
         self.rank = rank
@@ -202,14 +213,16 @@ class _Exchange:
         delay = _POLL_FIRST_S
         while True:
             keys = set(self.store.list_tree(""))
+            present = complete_ranks(keys, self.n)
+            now = time.monotonic()
+            # Observed before looking for the quorum: the last replica to arrive usually finds it fixed
+            # already, and its near-zero wait belongs in its history as much as the first one's long wait.
+            if len(present) == self.n and self.result.waited_for_all_s is None:
+                self.result.waited_for_all_s = now - self.started
             if QUORUM in keys:
                 quorum = self._read_quorum()
                 if quorum is not None:
                     return quorum
-            present = complete_ranks(keys, self.n)
-            now = time.monotonic()
-            if len(present) == self.n and self.result.waited_for_all_s is None:
-                self.result.waited_for_all_s = now - self.started
             if self.rank in present:
                 self._prefetch(keys, present)
                 now = time.monotonic()
@@ -224,9 +237,12 @@ class _Exchange:
             delay = _sleep(delay)
 
     def _decide(self, present: list[int], reason: str) -> list[int]:
+        if self.is_stale is not None and self.is_stale():
+            raise StaleRoundError(f"{self.store.url}: the store has already completed this round")
         doc = {"participants": present, "decided_by": self.rank, "reason": reason}
         if self.store.create(QUORUM, json.dumps(doc).encode()):
             logger.info("[replica %d] quorum %s fixed: %s (%s)", self.rank, self.store.url, present, reason)
+            return present
         quorum = self._read_quorum()
         if quorum is None:
             raise ExchangeError(f"{self.store.url}/{QUORUM} vanished after it was created")

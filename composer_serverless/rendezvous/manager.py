@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torchft.work import _DummyWork
 
 from composer_serverless.rendezvous.allreduce import (
-    ExchangeError,
     ExchangeResult,
     ExchangeSettings,
+    StaleRoundError,
     allreduce,
 )
 from composer_serverless.rendezvous.checkpoint import latest_round
@@ -44,10 +44,6 @@ from composer_serverless.rendezvous.deadline import ArrivalHistory, GraceSetting
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
-
-
-class BehindError(ExchangeError):
-    """The store already holds a later complete state than the sync this replica is attempting."""
 
 
 @dataclass
@@ -233,8 +229,6 @@ class ObjectStoreManager:
 
     def _exchange(self, tensor: torch.Tensor, outcome: SyncOutcome, future: torch.futures.Future) -> None:
         try:
-            if latest_round(self._store) >= outcome.round:
-                raise BehindError(f"round {outcome.round} is already complete in the store")
             grace_s = self._arrivals.grace_s()
             result: ExchangeResult = allreduce(
                 self._store,
@@ -244,6 +238,7 @@ class ObjectStoreManager:
                 rank=self._rank,
                 settings=self._settings,
                 grace_s=grace_s,
+                is_stale=lambda: latest_round(self._store) >= outcome.round,
             )
             tensor.copy_(result.average.view_as(tensor))
             outcome.participants = result.participants
@@ -254,7 +249,7 @@ class ObjectStoreManager:
             self.bytes_up += result.bytes_up
             self.bytes_down += result.bytes_down
         except Exception as e:  # reported through should_commit, as torchft's Manager does
-            if isinstance(e, BehindError):
+            if isinstance(e, StaleRoundError):
                 logger.info("[replica %d] %s", self._rank, e)
             else:
                 logger.exception("[replica %d] round %d fragment %d exchange failed", self._rank, outcome.round, outcome.fragment)

@@ -14,8 +14,9 @@ Around it the replica keeps the run going through failures:
   bit-identically from the store.
 * Right after every sync, the one moment DiLoCo holds no exchange in flight, it compares itself with the
   store: a replica that is a whole round behind (restarted, or failing) loads LATEST; one that keeps
-  arriving after the quorum is fixed waits for the round in progress to be published and joins the next
-  one in step with the others, instead of training rounds nobody averages.
+  arriving after the quorum is fixed (``LATE_SYNCS_TO_REALIGN`` syncs running) waits for the round in
+  progress to be published and joins the next one in step with the others, instead of training rounds
+  nobody averages.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ from torchft.local_sgd import DiLoCo
 from composer_serverless.config import DiLoCoConfig, RunConfig, TrainConfig
 from composer_serverless.models import load_pretrained
 from composer_serverless.rendezvous import checkpoint
-from composer_serverless.rendezvous.allreduce import QUORUM, ExchangeSettings
+from composer_serverless.rendezvous.allreduce import QUORUM, ExchangeSettings, StaleRoundError
 from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.deadline import GraceSettings
-from composer_serverless.rendezvous.manager import BehindError, ObjectStoreManager, SyncOutcome
+from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutcome
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.objective import Objective, make_objective
 from composer_serverless.telemetry import Reporter
@@ -51,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 MODEL_PREFIX = "model"
 FINAL_PREFIX = "final"
+# A replica that misses the quorum this many syncs in a row skips ahead to the next round instead of
+# training rounds nobody averages (it keeps receiving the averages in the meantime).
+LATE_SYNCS_TO_REALIGN = 2
 
 
 class SyncError(RuntimeError):
@@ -317,7 +321,7 @@ class Replica:
         dl = self.config.diloco
         last_step = dl.rounds * dl.fragments
         seen = self.manager.syncs_attempted
-        failures = 0
+        failures = late_streak = 0
         self.meter.reset()
         while self.manager.current_step() < last_step:
             self.meter.losses.append(self._inner_step())
@@ -327,7 +331,7 @@ class Replica:
             seen = self.manager.syncs_attempted
             outcome = self.manager.last_sync
             assert outcome is not None
-            if outcome.committed or isinstance(outcome.error, BehindError):
+            if outcome.committed or isinstance(outcome.error, StaleRoundError):
                 failures = 0
             else:
                 failures += 1
@@ -335,8 +339,11 @@ class Replica:
                     raise SyncError(f"{failures} syncs failed in a row; the last: {outcome.error}")
             if outcome.committed and self.manager.current_step() % dl.fragments == 0:
                 self._finish_round(outcome)
-            if self._align(late=outcome.late):
+            # Late once is a hiccup (an evaluation, a slow step); late twice running is a lag that persists.
+            late_streak = late_streak + 1 if outcome.late else 0
+            if self._align(late=late_streak >= LATE_SYNCS_TO_REALIGN):
                 self.meter.reset()
+                late_streak = 0
 
     def _inner_step(self) -> torch.Tensor:
         loss, _ = self.objective.loss(self.model)
@@ -389,8 +396,8 @@ class Replica:
     def _align(self, *, late: bool) -> bool:
         """Catch up with the store if this replica is behind it; True if it loaded a published state.
 
-        A replica a whole round (or more) behind loads LATEST. At a round boundary, a replica that arrived
-        after the quorum of its last sync, or whose next round already has a quorum without it, would
+        A replica a whole round (or more) behind loads LATEST. At a round boundary, a replica that keeps
+        arriving after the quorum (``late``), or whose next round already has a quorum without it, would
         otherwise stay behind forever, healing every sync without contributing: it waits for the round in
         progress to be published and starts the next one with everyone else.
         """

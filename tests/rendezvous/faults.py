@@ -10,7 +10,7 @@ whatever the interleaving of its threads:
 * ``fail_on``: every call on a matching key fails permanently (PermissionError), e.g. to stop one
   replica's uploads in one round.
 * ``kill_on``: the process SIGKILLs itself at the first call on a matching key: a deterministic kill -9.
-* ``hold_on`` + ``release_file``: calls on a matching key wait until ``release_file`` exists, so a test can
+* ``hold``: {pattern: file}: calls on a key matching a pattern wait until its file exists, so a test can
   order events across processes (hold the survivors until a restarted replica is back) without timing.
 """
 
@@ -45,8 +45,7 @@ class FaultyStore(ObjectStore):
         seed: int = 0,
         fail_on: str | None = None,
         kill_on: str | None = None,
-        hold_on: str | None = None,
-        release_file: str | None = None,
+        hold: dict[str, str] | None = None,
     ) -> None:
         super().__init__(url, retry=RetryPolicy(attempts=4, first_s=0.01, cap_s=0.05))
         self.fraction = fraction
@@ -54,8 +53,7 @@ class FaultyStore(ObjectStore):
         self.seed = seed
         self.fail_on = re.compile(fail_on) if fail_on else None
         self.kill_on = re.compile(kill_on) if kill_on else None
-        self.hold_on = re.compile(hold_on) if hold_on else None
-        self.release_file = release_file
+        self.hold = [(re.compile(pattern), release) for pattern, release in (hold or {}).items()]
         # Keys are drawn relative to this root, so the same keys fail wherever the test's tmp dir is.
         self._base = self._root
         # Shared by child stores (copy.copy), so counts are per process.
@@ -68,8 +66,8 @@ class FaultyStore(ObjectStore):
         where = where[len(self._base) :].lstrip("/")
         if self.kill_on and self.kill_on.search(where):
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.hold_on and self.hold_on.search(where):
-            while not os.path.exists(str(self.release_file)):
+        for pattern, release in self.hold:
+            while pattern.search(where) and not os.path.exists(release):
                 time.sleep(0.02)
         with self._lock:
             attempt = self.tried.get((op, where), 0)

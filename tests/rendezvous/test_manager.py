@@ -14,10 +14,10 @@ from analytic_replica import CASES, SYNC_EVERY, case_key
 from faults import InjectedFault
 from runs import HERE, subprocess_env, wait_all
 
-from composer_serverless.rendezvous.allreduce import ExchangeSettings
+from composer_serverless.rendezvous.allreduce import ExchangeSettings, StaleRoundError
 from composer_serverless.rendezvous.checkpoint import LATEST
 from composer_serverless.rendezvous.deadline import GraceSettings
-from composer_serverless.rendezvous.manager import BehindError, ObjectStoreManager
+from composer_serverless.rendezvous.manager import ObjectStoreManager
 from composer_serverless.rendezvous.store import ObjectStore, RetryPolicy
 
 
@@ -130,15 +130,15 @@ def test_a_failed_exchange_does_not_commit_or_advance(tmp_path: Path) -> None:
     assert manager.last_sync.error is not None and not manager.last_sync.committed
 
 
-def test_a_replica_behind_the_store_does_not_exchange(tmp_path: Path) -> None:
+def test_a_replica_behind_the_store_does_not_reopen_a_completed_round(tmp_path: Path) -> None:
     store = ObjectStore(f"file://{tmp_path}/run")
     store.put(LATEST, json.dumps({"round": 1}).encode())
     manager = manager_for(store)
     manager.start_quorum()
     manager.allreduce(torch.ones(3)).wait()
     assert not manager.should_commit()
-    assert isinstance(manager.last_sync.error, BehindError)
-    assert store.list_tree("rounds") == []
+    assert isinstance(manager.last_sync.error, StaleRoundError)
+    assert "quorum.json" not in store.list_tree("rounds/1/0")
 
 
 def test_a_second_allreduce_in_one_sync_fails_the_sync(tmp_path: Path) -> None:
