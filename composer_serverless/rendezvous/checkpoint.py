@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any
 
 import safetensors.torch
 import torch
 
 from composer_serverless.rendezvous.store import ObjectStore
+
+logger = logging.getLogger(__name__)
 
 STATE = "state"
 LATEST = "state/LATEST"
@@ -117,9 +120,13 @@ def read_snapshot(store: ObjectStore, prefix: str) -> Any:
         FileNotFoundError: there is no complete snapshot under ``prefix``.
         CheckpointError: a file is missing, of the wrong size, or fails its checksum.
     """
-    manifest = json.loads(store.get(f"{prefix}/{MANIFEST_FILE}"))["files"]
-    if set(manifest) != {TENSORS_FILE, STATE_FILE}:
-        raise CheckpointError(f"{store.url_of(prefix)}: manifest lists {sorted(manifest)}")
+    raw = store.get(f"{prefix}/{MANIFEST_FILE}")
+    try:
+        manifest = json.loads(raw)["files"]
+        if set(manifest) != {TENSORS_FILE, STATE_FILE}:
+            raise ValueError(f"it lists {sorted(manifest)}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{store.url_of(prefix)}/{MANIFEST_FILE} is not a valid manifest: {e}") from e
     files = {}
     for name, expected in manifest.items():
         try:
@@ -186,6 +193,8 @@ def load_replica(store: ObjectStore, rank: int, round_index: int) -> tuple[int, 
             return k, read_snapshot(store, f"{REPLICAS}/{rank}/{k}")
         except FileNotFoundError:
             continue  # written partly when the replica died: its manifest is missing
+        except CheckpointError as e:
+            logger.warning("replica %d: skipping its unreadable state of round %d: %s", rank, k, e)
     return None
 
 

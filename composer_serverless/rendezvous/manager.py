@@ -100,7 +100,6 @@ class ObjectStoreManager:
         fragments: number of DiLoCo fragments; sync ``s`` carries fragment ``s % fragments``.
         settings: replicas, min_replicas, codec and timeout of every exchange.
         grace: bounds of the adaptive wait for stragglers.
-        step: the first sync to run (``fragments * round`` of the state the replica starts from).
     """
 
     # DiLoCo refuses an asynchronous quorum; ours is decided inside each exchange.
@@ -115,7 +114,6 @@ class ObjectStoreManager:
         fragments: int,
         settings: ExchangeSettings,
         grace: GraceSettings,
-        step: int = 0,
     ) -> None:
         if not 0 <= rank < settings.replicas:
             raise ValueError(f"rank {rank} is outside [0, {settings.replicas})")
@@ -125,7 +123,7 @@ class ObjectStoreManager:
         self._fragments = fragments
         self._settings = settings
         self._arrivals = ArrivalHistory(grace)
-        self._step = step
+        self._step = 0
         self._sync: _Sync | None = None
         self._state_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
         self.last_sync: SyncOutcome | None = None

@@ -1,0 +1,112 @@
+"""Checkpoints in the store: pickle-free state dicts, manifests, LATEST, pruning, per-replica fallback."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from composer_serverless.rendezvous import checkpoint
+from composer_serverless.rendezvous.checkpoint import CheckpointError, flatten, unflatten
+from composer_serverless.rendezvous.store import ObjectStore
+
+
+def optimizer_states() -> dict:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.8, 0.9))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    model(torch.randn(5, 3)).sum().backward()
+    adamw.step()
+    sgd.step()
+    schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 0.5 ** step)
+    return {
+        "adamw": adamw.state_dict(),
+        "sgd": sgd.state_dict(),
+        "schedule": schedule.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "nested": [{"a": (1, 2.5, None, True)}, "text"],
+    }
+
+
+def assert_same(a, b) -> None:
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_flatten_round_trips_optimizer_states_through_json_and_safetensors(tmp_path: Path) -> None:
+    state = optimizer_states()
+    skeleton, tensors = flatten(state)
+    json.dumps(skeleton)  # the skeleton is plain JSON
+    assert all(isinstance(t, torch.Tensor) for t in tensors.values())
+    assert_same(unflatten(json.loads(json.dumps(skeleton)), tensors), state)
+    # And loadable into fresh optimizers (int keys and tuples survived).
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    torch.optim.AdamW(model.parameters()).load_state_dict(unflatten(skeleton, tensors)["adamw"])
+
+
+def test_flatten_refuses_what_it_cannot_represent() -> None:
+    with pytest.raises(TypeError):
+        flatten({"f": lambda: 0})
+    with pytest.raises(TypeError):
+        flatten({(1, 2): "tuple key"})
+
+
+@pytest.fixture(params=["file", "memory"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    return ObjectStore(f"file://{tmp_path}/run" if request.param == "file" else f"memory://ckpt-{tmp_path.name}")
+
+
+def test_snapshots_are_checked_against_their_manifest(store: ObjectStore) -> None:
+    state = optimizer_states()
+    checkpoint.write_snapshot(store, "snap", state)
+    assert_same(checkpoint.read_snapshot(store, "snap"), state)
+    tensors = bytearray(store.get("snap/tensors.safetensors"))
+    tensors[-1] ^= 1
+    store.put("snap/tensors.safetensors", tensors)
+    with pytest.raises(CheckpointError, match="checksum"):
+        checkpoint.read_snapshot(store, "snap")
+    store.put("snap/manifest.json", b"not json")
+    with pytest.raises(CheckpointError, match="manifest"):
+        checkpoint.read_snapshot(store, "snap")
+    with pytest.raises(FileNotFoundError):
+        checkpoint.read_snapshot(store, "absent")
+
+
+def test_latest_moves_forward_only_and_old_rounds_are_pruned(store: ObjectStore) -> None:
+    assert checkpoint.latest_round(store) == 0
+    for k in range(1, 6):
+        store.put(f"rounds/{k}/0/quorum.json", b"{}")
+        checkpoint.write_global(store, k, {"step": k})
+        checkpoint.advance_latest(store, k)
+    assert checkpoint.latest_round(store) == 5
+    checkpoint.advance_latest(store, 3)  # a slow publisher of an older round
+    assert checkpoint.latest_round(store) == 5
+    assert sorted(store.list("state")) == ["4", "5", "LATEST"]
+    assert sorted(store.list("rounds")) == ["4", "5"]
+    assert checkpoint.load_global(store, 5) == {"step": 5}
+
+
+def test_a_replica_falls_back_to_its_newest_readable_state(store: ObjectStore) -> None:
+    for k in (1, 2, 3):
+        checkpoint.save_replica(store, 0, k, {"round": k})
+    assert checkpoint.load_replica(store, 0, 3) == (3, {"round": 3})
+    assert checkpoint.load_replica(store, 0, 2) == (2, {"round": 2})
+    store.delete("replicas/0/3/manifest.json")  # died while writing round 3
+    assert checkpoint.load_replica(store, 0, 3) == (2, {"round": 2})
+    store.put("replicas/0/2/state.json", b"{}")  # corrupt
+    assert checkpoint.load_replica(store, 0, 3) == (1, {"round": 1})
+    assert checkpoint.load_replica(store, 1, 3) is None
