@@ -157,10 +157,13 @@ class ObjectStoreManager:
             )
             return _DummyWork(tensor)
         sync.exchanged = True
+        # A CPU fp32 copy, taken here on the caller's thread (and stream), so the exchange thread never
+        # touches accelerator memory that DiLoCo may still be writing on a side stream.
+        values = tensor.detach().reshape(-1).to("cpu", torch.float32)
         future: torch.futures.Future = torch.futures.Future()
         sync.thread = threading.Thread(
             target=self._exchange,
-            args=(tensor, sync.outcome, future),
+            args=(tensor, values, sync.outcome, future),
             name=f"exchange-{sync.outcome.round}-{sync.outcome.fragment}",
             daemon=True,
         )
@@ -225,12 +228,14 @@ class ObjectStoreManager:
 
     # --- the exchange thread ------------------------------------------------------------------------
 
-    def _exchange(self, tensor: torch.Tensor, outcome: SyncOutcome, future: torch.futures.Future) -> None:
+    def _exchange(
+        self, tensor: torch.Tensor, values: torch.Tensor, outcome: SyncOutcome, future: torch.futures.Future
+    ) -> None:
         try:
             grace_s = self._arrivals.grace_s()
             result: ExchangeResult = allreduce(
                 self._store,
-                tensor.detach().reshape(-1),
+                values,
                 prefix=f"rounds/{outcome.round}/{outcome.fragment}",
                 identity={"run_id": self._run_id, "round": str(outcome.round), "fragment": str(outcome.fragment)},
                 rank=self._rank,
