@@ -13,7 +13,16 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -143,7 +152,12 @@ class LocalExecutorConfig(_Strict):
     )
 
 
-ExecutorConfig = Annotated[LocalExecutorConfig, Field(discriminator="type")]
+def _executor_type(value: Any) -> str:
+    """The executor's ``type``; a table without one means the local backend."""
+    return value.get("type", "local") if isinstance(value, dict) else getattr(value, "type", "local")
+
+
+ExecutorConfig = Annotated[Annotated[LocalExecutorConfig, Tag("local")], Discriminator(_executor_type)]
 
 
 class RunConfig(_Strict):
@@ -241,6 +255,11 @@ def _explain(error: ValidationError, raw: dict[str, Any], source: str) -> str:
             suggestion = ".".join(filter(None, [parent, *close]))
             hint = f"did you mean {suggestion}?" if close else f"known keys here: {', '.join(known)}"
             lines.append(f"  {key}: unknown key; {hint}")
+            continue
+        if item["type"] == "union_tag_invalid":
+            lines.append(
+                f"  {key}.type: unknown {key} {item['ctx']['tag']!r}; choose one of {item['ctx']['expected_tags']}"
+            )
             continue
         if item["type"] == "missing":
             lines.append(f"  {key}: required but not set\n    fix: add it to {source} or pass --set {key}=<value>")

@@ -66,10 +66,10 @@ def plot_losses(metrics: dict[int, list[dict[str, Any]]]) -> bytes:
     for rank, rows in sorted(metrics.items()):
         points = [(r["round"], r["train_loss"]) for r in rows if "train_loss" in r]
         if points:
-            ax.plot(*zip(*points), lw=1, alpha=0.7, label=f"replica {rank} train")
+            ax.plot(*zip(*points, strict=True), lw=1, alpha=0.7, label=f"replica {rank} train")
     evals = _eval_curve(metrics)
     if evals:
-        ax.plot(*zip(*evals), "k-o", lw=2, ms=4, label="global model, held-out")
+        ax.plot(*zip(*evals, strict=True), "k-o", lw=2, ms=4, label="global model, held-out")
     ax.set_xlabel("outer round")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)

@@ -15,6 +15,7 @@ run's prefix.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -127,11 +128,8 @@ class ObjectStore:
 
     def delete(self, key: str) -> None:
         """Remove an object or a whole prefix; a missing one is not an error."""
-        path = self.path(key)
-        try:
-            self._fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
+        with contextlib.suppress(FileNotFoundError):
+            self._fs.rm(self.path(key), recursive=True)
 
     def local_dir(self, prefix: str) -> Path | None:
         """The local directory holding ``prefix`` when the store is a local filesystem, else None."""
