@@ -172,8 +172,9 @@ def _poll(cell: Cell, console: Console) -> None:
 def results_table(cells: list[Cell]) -> Table:
     keys = list(cells[0].values) if cells else []
     table = Table(title="sweep results")
-    for column in ["cell", *keys, "state", "rounds", "final held-out loss", "run"]:
-        table.add_column(column)
+    for column in ["cell", *keys, "state", "rounds", "final held-out loss"]:
+        table.add_column(column, no_wrap=True)
+    table.add_column("run", overflow="fold")
     for cell in cells:
         summary = cell.summary or {}
         loss = summary.get("final_eval_loss")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from composer_serverless.executors.base import worker_argv
-from composer_serverless.executors.modal import SpawnRequest, Spawned
+from composer_serverless.executors.modal import Spawned, SpawnRequest
 
 REPO = Path(__file__).resolve().parents[2]
 

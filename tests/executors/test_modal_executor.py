@@ -9,10 +9,10 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from rich.console import Console
 
 from composer_serverless import runs
