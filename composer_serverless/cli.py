@@ -11,6 +11,7 @@ import enum
 import json
 import logging
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -120,7 +121,7 @@ def _print_dry_run(prepared: Prepared) -> None:
     if prepared.problems:
         err_console.print("[yellow]launch would stop here until these are fixed:[/]", highlight=False)
         for problem in prepared.problems:
-            err_console.print(f"  {problem}", markup=False, highlight=False)
+            err_console.print(textwrap.indent(problem, "  "), markup=False, highlight=False)
     else:
         err_console.print("this machine has what the launch needs (the store is probed at launch)", highlight=False)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import secrets
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,7 +118,7 @@ def prepare(config: RunConfig, source: str) -> Prepared:
 def start(prepared: Prepared, console: Console) -> Supervisor:
     """Create the run in the store and start its replicas; nothing is written if a check fails first."""
     if prepared.problems:
-        raise ConfigError("cannot launch:\n" + "\n".join(f"  {p}" for p in prepared.problems))
+        raise ConfigError("cannot launch:\n" + "\n".join(textwrap.indent(p, "  ") for p in prepared.problems))
     run, _ = create_run(prepared.config, prepared.source, console)
     handles = prepared.executor.launch(prepared.plan)
     supervisor = Supervisor(run, prepared.executor, LaunchRecord(prepared.plan, tuple(handles), created_at=time.time()))

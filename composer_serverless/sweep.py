@@ -10,6 +10,7 @@ the others. The result is a table: the grid values, the state, rounds committed 
 from __future__ import annotations
 
 import itertools
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ def plan_sweep(path: Path, grid: list[str], overrides: list[str], executor_type:
         cells.append(Cell(index, values, prepare(config.model_copy(update={"run_id": run_id}), str(path))))
     problems = sorted({p for cell in cells for p in cell.prepared.problems})
     if problems:
-        raise ConfigError("cannot launch the sweep:\n" + "\n".join(f"  {p}" for p in problems))
+        raise ConfigError("cannot launch the sweep:\n" + "\n".join(textwrap.indent(p, "  ") for p in problems))
     return cells
 
 
