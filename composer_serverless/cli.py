@@ -44,17 +44,23 @@ class Executor(str, enum.Enum):
 
 
 ExecutorOption = Annotated[
-    Executor | None, typer.Option("--executor", help="backend for the replicas; overrides the config's [executor]")
+    Executor | None,
+    typer.Option("--executor", help="backend for the replicas; overrides the config's [executor]"),
 ]
 ReplicasOption = Annotated[int | None, typer.Option(help="override diloco.replicas")]
 SetOption = Annotated[list[str], typer.Option("--set", help="override any key: --set diloco.sync_every=20")]
-RunArgument = Annotated[str, typer.Argument(help="the run's URL, as launch printed it (s3://bucket/runs/ID, ./runs/ID)")]
+RunArgument = Annotated[
+    str, typer.Argument(help="the run's URL, as launch printed it (s3://bucket/runs/ID, ./runs/ID)")
+]
 
 
 @app.callback()
-def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log at INFO level")] = False) -> None:
+def _main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log at INFO level")] = False,
+) -> None:
     logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 
 
@@ -123,7 +129,9 @@ def _print_dry_run(prepared: Prepared) -> None:
         for problem in prepared.problems:
             err_console.print(textwrap.indent(problem, "  "), markup=False, highlight=False)
     else:
-        err_console.print("this machine has what the launch needs (the store is probed at launch)", highlight=False)
+        err_console.print(
+            "this machine has what the launch needs (the store is probed at launch)", highlight=False
+        )
 
 
 @app.command()
@@ -133,25 +141,44 @@ def status(run: RunArgument) -> None:
 
     with _user_errors():
         opened, rows = runs.status(run)
-    table = Table(title=f"{opened.config.run_id} on {opened.record.plan.executor}" + (" (cancelled)" if opened.record.cancelled else ""))
+    table = Table(
+        title=f"{opened.config.run_id} on {opened.record.plan.executor}"
+        + (" (cancelled)" if opened.record.cancelled else "")
+    )
     for column in ("rank", "state", "attempt", "round", "step", "loss", "last heartbeat", "backend id"):
         table.add_column(column, no_wrap=True)
     table.add_column("detail", overflow="fold")
     for row in rows:
         age = "-" if row.heartbeat_age_s is None else f"{row.heartbeat_age_s:.0f}s ago"
-        table.add_row(str(row.rank), row.state, str(row.attempt), row.round, row.step, row.loss, age, row.backend_id, row.detail)
+        table.add_row(
+            str(row.rank),
+            row.state,
+            str(row.attempt),
+            row.round,
+            row.step,
+            row.loss,
+            age,
+            row.backend_id,
+            row.detail,
+        )
     console.print(table)
     if opened.store.exists("summary.json"):
         summary = json.loads(opened.store.get("summary.json"))
-        console.print(f"finished: held-out loss {summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']:.4f}; "
-                      f"report {opened.store.url_of('summary.json')}", highlight=False)
+        console.print(
+            f"finished: held-out loss {summary['initial_eval_loss']:.4f} -> "
+            f"{summary['final_eval_loss']:.4f}; "
+            f"report {opened.store.url_of('summary.json')}",
+            highlight=False,
+        )
 
 
 @app.command()
 def logs(
     run: RunArgument,
     rank: Annotated[int, typer.Option("--rank", help="which replica")],
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the replica ends")] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="keep printing until the replica ends")
+    ] = False,
 ) -> None:
     """Print a replica's log (its latest attempt)."""
     from composer_serverless import runs
@@ -176,7 +203,9 @@ def cancel(run: RunArgument) -> None:
 def export(
     run: RunArgument,
     out: Annotated[Path, typer.Argument(help="new directory for the final model (Hugging Face format)")],
-    push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", help="also upload it to this Hub repo")] = None,
+    push_to_hub: Annotated[
+        str | None, typer.Option("--push-to-hub", help="also upload it to this Hub repo")
+    ] = None,
 ) -> None:
     """Copy the run's final model out of the store, and optionally push it to the Hugging Face Hub."""
     from composer_serverless import runs
@@ -189,7 +218,9 @@ def export(
 @app.command()
 def sweep(
     config: Annotated[Path, typer.Argument(help="TOML config every cell starts from")],
-    grid: Annotated[list[str], typer.Option("--grid", help="key=v1,v2,...; one per key; every combination runs")],
+    grid: Annotated[
+        list[str], typer.Option("--grid", help="key=v1,v2,...; one per key; every combination runs")
+    ],
     executor: ExecutorOption = None,
     replicas: ReplicasOption = None,
     set_: SetOption = [],  # noqa: B006
@@ -198,7 +229,9 @@ def sweep(
     from composer_serverless import sweep as grid_sweep
 
     with _user_errors():
-        cells = grid_sweep.plan_sweep(config, grid, _overrides(set_, replicas), executor.value if executor else None)
+        cells = grid_sweep.plan_sweep(
+            config, grid, _overrides(set_, replicas), executor.value if executor else None
+        )
         finished = grid_sweep.run_sweep(cells, console, on_interrupt=ask_cancel_or_detach)
     if finished is None:
         return

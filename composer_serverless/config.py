@@ -169,10 +169,10 @@ class LocalExecutorConfig(_Strict):
 
 
 class _CloudExecutorConfig(_Strict):
-    """What every paid backend needs: a spend guard, a timeout that covers the work, restarts, secrets, price."""
+    """What every paid backend needs: a spend guard, a timeout covering the work, restarts, secrets."""
 
     max_replicas: int = Field(
-        16, ge=1, le=1024, description="most replicas a launch may start; raise it deliberately, it caps the bill"
+        16, ge=1, le=1024, description="most replicas a launch may start (it caps the bill; raise on purpose)"
     )
     timeout_s: int = Field(
         6 * 3600,
@@ -208,7 +208,7 @@ class _CloudExecutorConfig(_Strict):
     def _secret_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
         bad = [n for n in names if not ENV_NAME_PATTERN.match(n)]
         if bad:
-            raise ValueError(f"{bad} are not environment variable names: use letters, digits and '_', not a value")
+            raise ValueError(f"{bad} are not environment variable names (letters, digits, '_'; not values)")
         return names
 
 
@@ -244,7 +244,7 @@ class ModalExecutorConfig(_CloudExecutorConfig):
     def _modal_secret_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
         bad = [n for n in names if not MODAL_NAME_PATTERN.match(n)]
         if bad:
-            raise ValueError(f"{bad} are not Modal secret names (letters, digits, '.', '_', '-', under 64 chars)")
+            raise ValueError(f"{bad} are not Modal secret names (letters, digits, '.', '_', '-'; < 64 chars)")
         return names
 
 
@@ -252,7 +252,7 @@ class HFJobsExecutorConfig(_CloudExecutorConfig):
     """Replicas as Hugging Face Jobs, one job per replica, labelled with the run and the rank."""
 
     type: Literal["hf_jobs"] = "hf_jobs"
-    flavor: str = Field("a100-large", description="HF Jobs hardware flavor per replica, e.g. a100-large, h200")
+    flavor: str = Field("a100-large", description="HF Jobs hardware flavor per replica, e.g. a100-large")
     image: str = Field(
         DEFAULT_HF_JOBS_IMAGE,
         min_length=1,
@@ -268,13 +268,13 @@ class HFJobsExecutorConfig(_CloudExecutorConfig):
     )
     namespace: str | None = Field(
         None,
-        description="user or organisation the jobs run (and bill) under; resolved once from your token when unset",
+        description="user or organisation the jobs run and bill under; unset: your token's user, found once",
     )
     timeout_s: int = Field(
         6 * 3600,
         ge=60,
         le=7 * 24 * 3600,
-        description="seconds one replica job may run (HF Jobs' default of 30 minutes would cut real runs short)",
+        description="seconds one replica job may run (HF Jobs' default, 30 minutes, cuts real runs short)",
     )
     scheduling_deadline_s: float = Field(
         1800.0,
@@ -398,7 +398,8 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
 def select_executor(raw: dict[str, Any], executor_type: str) -> None:
     """Make ``raw`` use the ``executor_type`` backend, dropping a table written for another backend."""
     if executor_type not in EXECUTOR_TYPES:
-        raise ConfigError(f"--executor {executor_type!r}: unknown executor; choose one of {', '.join(EXECUTOR_TYPES)}")
+        choices = ", ".join(EXECUTOR_TYPES)
+        raise ConfigError(f"--executor {executor_type!r}: unknown executor; choose one of {choices}")
     table = raw.get("executor")
     if not isinstance(table, dict) or table.get("type", "local") != executor_type:
         raw["executor"] = {"type": executor_type}

@@ -44,7 +44,17 @@ LOCAL_STATUS_POLL_S = 1.0
 
 Choice = Literal["cancel", "detach"]
 
-__all__ = ["RunCancelled", "RunFailed", "Prepared", "prepare", "start", "launch", "follow", "watch", "create_run"]
+__all__ = [
+    "RunCancelled",
+    "RunFailed",
+    "Prepared",
+    "prepare",
+    "start",
+    "launch",
+    "follow",
+    "watch",
+    "create_run",
+]
 
 
 def cancel_on_interrupt() -> Choice:
@@ -121,7 +131,9 @@ def start(prepared: Prepared, console: Console) -> Supervisor:
         raise ConfigError("cannot launch:\n" + "\n".join(textwrap.indent(p, "  ") for p in prepared.problems))
     run, _ = create_run(prepared.config, prepared.source, console)
     handles = prepared.executor.launch(prepared.plan)
-    supervisor = Supervisor(run, prepared.executor, LaunchRecord(prepared.plan, tuple(handles), created_at=time.time()))
+    supervisor = Supervisor(
+        run, prepared.executor, LaunchRecord(prepared.plan, tuple(handles), created_at=time.time())
+    )
     try:
         supervisor.save()
     except BaseException:
@@ -147,7 +159,10 @@ def launch(
 
 
 def follow(
-    supervisor: Supervisor, config: RunConfig, console: Console, on_interrupt: Callable[[], Choice] = cancel_on_interrupt
+    supervisor: Supervisor,
+    config: RunConfig,
+    console: Console,
+    on_interrupt: Callable[[], Choice] = cancel_on_interrupt,
 ) -> dict[str, Any] | None:
     """Watch a started run to its end, then write and print its report; None if the user detached."""
     plan = supervisor.record.plan
@@ -166,7 +181,8 @@ def follow(
         supervisor.cancel()
         raise RunCancelled("cancelled at your request") from None
     except BaseException:
-        supervisor.executor.cancel(supervisor.handles)  # a failed run must not keep its other replicas billing
+        # A failed run must not keep its other replicas billing.
+        supervisor.executor.cancel(supervisor.handles)
         raise
     summary = write_report(supervisor.run, config, time.monotonic() - started)
     print_report(supervisor.run, summary, console)
@@ -199,11 +215,15 @@ def watch(supervisor: Supervisor, config: RunConfig, console: Console) -> None:
         TextColumn("replica {task.fields[rank]}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("round {task.fields[round]}/{task.fields[rounds]}  loss {task.fields[loss]}  {task.fields[state]}"),
+        TextColumn(
+            "round {task.fields[round]}/{task.fields[rounds]}  loss {task.fields[loss]}  {task.fields[state]}"
+        ),
         console=console,
     )
     tasks = {
-        h.rank: progress.add_task("", total=total, rank=h.rank, round=0, rounds=dl.rounds, loss="-", state="pending")
+        h.rank: progress.add_task(
+            "", total=total, rank=h.rank, round=0, rounds=dl.rounds, loss="-", state="pending"
+        )
         for h in supervisor.handles
     }
     states: dict[int, str] = {}
@@ -217,12 +237,16 @@ def watch(supervisor: Supervisor, config: RunConfig, console: Console) -> None:
                 next_status = time.monotonic() + status_poll_s(config)
                 for event in poll.events:
                     progress.console.print(f"[yellow]{escape(event)}[/]", highlight=False)
-                states = {s.rank: s.state if s.state != "pending" else f"pending: {s.detail}" for s in poll.statuses}
+                states = {
+                    s.rank: s.state if s.state != "pending" else f"pending: {s.detail}" for s in poll.statuses
+                }
                 finished = poll.finished
             beats = read_heartbeats(supervisor.run)
             for rank, task in tasks.items():
                 beat, backend = beats.get(rank, {}), states.get(rank, "pending")
-                fields: dict[str, Any] = {"state": beat.get("state", backend) if backend == "running" else backend}
+                fields: dict[str, Any] = {
+                    "state": beat.get("state", backend) if backend == "running" else backend
+                }
                 if beat:
                     fields.update(
                         completed=max(0, beat.get("round", 1) - 1) * dl.sync_every + beat.get("step", 0),

@@ -44,19 +44,23 @@ def open_store(url: str) -> ObjectStore:
     connect while doing so), neither of which can hold a run.
     """
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:/(?!/)", url):
-        raise ConfigError(f"{url!r} is a malformed URL: a protocol is followed by '://'\n  fix: {RUN_URL_HINT}")
+        raise ConfigError(
+            f"{url!r} is a malformed URL: a protocol is followed by '://'\n  fix: {RUN_URL_HINT}"
+        )
     protocol = store_protocol(url)
     if protocol not in STORE_PROTOCOLS:
         raise ConfigError(
             f"{url!r} is not a store URL: {protocol}:// cannot hold a run; use a directory, file:///path, "
-            f"s3://bucket/prefix, gs://bucket/prefix or hf://buckets/<ns>/<bucket>/prefix\n  fix: {RUN_URL_HINT}"
+            f"s3://bucket/prefix, gs://bucket/prefix or hf://buckets/<ns>/<bucket>/prefix\n"
+            f"  fix: {RUN_URL_HINT}"
         )
     try:
         return ObjectStore(url)
     except (ValueError, ImportError) as e:
         raise ConfigError(
             f"{url!r} is not a store URL this machine can open: {e}\n"
-            "  fix: use a directory, file:///path or s3://bucket/prefix (s3 needs: pip install 'composer-serverless[s3]')"
+            "  fix: use a directory, file:///path or s3://bucket/prefix "
+            "(s3 needs: pip install 'composer-serverless[s3]')"
         ) from None
 
 
@@ -77,7 +81,9 @@ class OpenRun:
     def handle(self, rank: int) -> ReplicaHandle:
         handles = {h.rank: h for h in self.record.current()}
         if rank not in handles:
-            raise ConfigError(f"--rank {rank}: the run has ranks 0..{len(handles) - 1}\n  fix: pick one of those")
+            raise ConfigError(
+                f"--rank {rank}: the run has ranks 0..{len(handles) - 1}\n  fix: pick one of those"
+            )
         return handles[rank]
 
     def save(self) -> None:
@@ -149,7 +155,9 @@ def _as_cancelled(run: OpenRun, statuses: list[ReplicaStatus]) -> list[ReplicaSt
     if not run.record.cancelled:
         return statuses
     return [
-        dataclasses.replace(s, state="cancelled", detail=s.detail or "cancelled") if s.state == "failed" else s
+        dataclasses.replace(s, state="cancelled", detail=s.detail or "cancelled")
+        if s.state == "failed"
+        else s
         for s in statuses
     ]
 
@@ -173,7 +181,7 @@ def logs(url: str, rank: int, follow: bool) -> Iterator[str]:
 
 
 def cancel(url: str) -> list[ReplicaStatus]:
-    """Record the cancellation, then cancel every replica's live attempt; already-ended ones are left alone."""
+    """Record the cancellation, then cancel every replica's live attempt; ended ones are left alone."""
     run = open_run(url)
     run.record = dataclasses.replace(run.record, cancelled=True)
     run.save()
@@ -204,10 +212,14 @@ def export(url: str, out: Path, push_to_hub: str | None = None) -> str | None:
         try:
             validate_repo_id(push_to_hub)
         except HFValidationError as e:
-            raise ConfigError(f"--push-to-hub {push_to_hub!r}: {e}\n  fix: use <user-or-org>/<name>") from None
+            raise ConfigError(
+                f"--push-to-hub {push_to_hub!r}: {e}\n  fix: use <user-or-org>/<name>"
+            ) from None
         token = secret_value("HF_TOKEN")
         if token is None:
-            raise ConfigError("--push-to-hub needs a Hugging Face token\n  fix: export HF_TOKEN=... or run `hf auth login`")
+            raise ConfigError(
+                "--push-to-hub needs a Hugging Face token\n  fix: export HF_TOKEN=... or run `hf auth login`"
+            )
     store.download_dir(FINAL_PREFIX, out)
     if push_to_hub is None:
         return None
@@ -215,5 +227,7 @@ def export(url: str, out: Path, push_to_hub: str | None = None) -> str | None:
 
     api = HfApi(token=token)
     api.create_repo(push_to_hub, exist_ok=True)
-    commit = api.upload_folder(repo_id=push_to_hub, folder_path=str(out), commit_message=f"Trained with DiLoCo: {url}")
+    commit = api.upload_folder(
+        repo_id=push_to_hub, folder_path=str(out), commit_message=f"Trained with DiLoCo: {url}"
+    )
     return commit.commit_url

@@ -76,15 +76,20 @@ class Supervisor:
                 self.executor.cancel([handle])
                 self._given_up[handle.rank] = f"got no hardware ({status.detail})"
                 events.append(
-                    f"replica {handle.rank} {self._given_up[handle.rank]}; cancelled it, the run goes on without it"
+                    f"replica {handle.rank} {self._given_up[handle.rank]}; "
+                    "cancelled it, the run goes on without it"
                 )
             elif status.state == "cancelled" and handle.rank not in self._given_up:
-                raise RunCancelled(f"replica {handle.rank} was cancelled ({status.detail or 'from elsewhere'})")
+                raise RunCancelled(
+                    f"replica {handle.rank} was cancelled ({status.detail or 'from elsewhere'})"
+                )
         if events:
             statuses = self.executor.status(self.handles)
         finished = all(s.state in TERMINAL_STATES for s in statuses)
         if finished and not any(s.state == "succeeded" for s in statuses):
-            why = [f"replica {s.rank} {self._given_up.get(s.rank, s.state + ': ' + s.detail)}" for s in statuses]
+            why = [
+                f"replica {s.rank} {self._given_up.get(s.rank, s.state + ': ' + s.detail)}" for s in statuses
+            ]
             raise RunFailed("no replica ran: " + "; ".join(why))
         return Poll(statuses, events, finished)
 
@@ -95,7 +100,8 @@ class Supervisor:
         if handle.attempt > restarts:
             tried = f" after {handle.attempt} attempts" if handle.attempt > 1 else ""
             raise RunFailed(
-                f"replica {handle.rank} failed{tried} ({status.detail}); last lines of its log ({handle.log}):\n"
+                f"replica {handle.rank} failed{tried} ({status.detail}); "
+                f"last lines of its log ({handle.log}):\n"
                 + "\n".join(self.log_tail(handle))
             )
         (new,) = self.executor.launch(self.record.plan.only(handle.rank))
@@ -114,7 +120,7 @@ class Supervisor:
             return [f"(log unavailable: {type(e).__name__}: {e})"]
 
     def cancel(self) -> None:
-        """Record the cancellation first (so no watcher mistakes the dying replicas for failures), then cancel."""
+        """Record the cancellation first (so no watcher takes dying replicas for failures), then cancel."""
         self.record = dataclasses.replace(self.record, cancelled=True)
         self.save()
         self.executor.cancel(self.handles)

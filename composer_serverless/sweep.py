@@ -54,24 +54,31 @@ class Cell:
 
 
 def parse_grid(grid: list[str]) -> list[tuple[str, list[str]]]:
-    """``["a.b=1,2", "c=x,y"]`` -> ``[("a.b", ["1", "2"]), ("c", ["x", "y"])]``; ConfigError when malformed."""
+    """``["a.b=1,2", "c=x"]`` -> ``[("a.b", ["1", "2"]), ("c", ["x"])]``; ConfigError when malformed."""
     axes = []
     for item in grid:
         key, sep, values = item.partition("=")
         parts = [v.strip() for v in values.split(",")]
         if not sep or not key.strip() or not all(parts):
-            raise ConfigError(f"--grid {item!r}: expected key=value1,value2,..., e.g. --grid diloco.outer_lr=0.5,0.7")
+            raise ConfigError(
+                f"--grid {item!r}: expected key=value1,value2,..., e.g. --grid diloco.outer_lr=0.5,0.7"
+            )
         axes.append((key.strip(), parts))
     keys = [k for k, _ in axes]
     if len(set(keys)) != len(keys):
-        raise ConfigError(f"--grid names a key twice: {keys}\n  fix: one --grid per key, values comma-separated")
+        raise ConfigError(
+            f"--grid names a key twice: {keys}\n  fix: one --grid per key, values comma-separated"
+        )
     return axes
 
 
 def plan_sweep(path: Path, grid: list[str], overrides: list[str], executor_type: str | None) -> list[Cell]:
     """Validate and plan every cell; raises ConfigError (naming the cell) before anything is created."""
     axes = parse_grid(grid)
-    combos = [dict(zip([k for k, _ in axes], values, strict=True)) for values in itertools.product(*(v for _, v in axes))]
+    combos = [
+        dict(zip([k for k, _ in axes], values, strict=True))
+        for values in itertools.product(*(v for _, v in axes))
+    ]
     cells = []
     base = None
     for index, values in enumerate(combos):
@@ -86,7 +93,9 @@ def plan_sweep(path: Path, grid: list[str], overrides: list[str], executor_type:
         cells.append(Cell(index, values, prepare(config.model_copy(update={"run_id": run_id}), str(path))))
     problems = sorted({p for cell in cells for p in cell.prepared.problems})
     if problems:
-        raise ConfigError("cannot launch the sweep:\n" + "\n".join(textwrap.indent(p, "  ") for p in problems))
+        raise ConfigError(
+            "cannot launch the sweep:\n" + "\n".join(textwrap.indent(p, "  ") for p in problems)
+        )
     return cells
 
 
@@ -101,7 +110,8 @@ def run_sweep(
             cell.state = "running"
             plan = cell.prepared.plan
             console.print(
-                f"cell {cell.index} ({_describe(cell.values)}): run {plan.run_id} at {cell.supervisor.run.url}",
+                f"cell {cell.index} ({_describe(cell.values)}): "
+                f"run {plan.run_id} at {cell.supervisor.run.url}",
                 markup=False,
             )
         _watch(cells, console)
@@ -129,8 +139,13 @@ def _live(cells: list[Cell]) -> list[Any]:
 
 
 def _watch(cells: list[Cell], console: Console) -> None:
-    progress = Progress(TextColumn("cell {task.fields[cell]}"), BarColumn(), TaskProgressColumn(),
-                        TextColumn("{task.fields[state]}"), console=console)
+    progress = Progress(
+        TextColumn("cell {task.fields[cell]}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[state]}"),
+        console=console,
+    )
     tasks = {}
     for cell in cells:
         dl = cell.prepared.config.diloco
@@ -142,7 +157,9 @@ def _watch(cells: list[Cell], console: Console) -> None:
                 _poll(cell, progress.console)
                 beats = read_heartbeats(cell.supervisor.run)
                 dl = cell.prepared.config.diloco
-                done = sum(max(0, b.get("round", 1) - 1) * dl.sync_every + b.get("step", 0) for b in beats.values())
+                done = sum(
+                    max(0, b.get("round", 1) - 1) * dl.sync_every + b.get("step", 0) for b in beats.values()
+                )
                 progress.update(tasks[cell.index], completed=done, state=cell.state)
             time.sleep(HEARTBEAT_POLL_S)
         for cell in cells:
@@ -181,8 +198,14 @@ def results_table(cells: list[Cell]) -> Table:
         loss = summary.get("final_eval_loss")
         rounds = f"{summary['rounds_committed']}/{summary['rounds']}" if summary else "-"
         url = cell.supervisor.run.url if cell.supervisor is not None else "-"
-        table.add_row(str(cell.index), *(cell.values[k] for k in keys), cell.state, rounds,
-                      "-" if loss is None else f"{loss:.4f}", url)
+        table.add_row(
+            str(cell.index),
+            *(cell.values[k] for k in keys),
+            cell.state,
+            rounds,
+            "-" if loss is None else f"{loss:.4f}",
+            url,
+        )
     return table
 
 

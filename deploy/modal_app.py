@@ -32,7 +32,7 @@ def main(config: str, replicas: int = 0, set: str = "", dry_run: bool = False) -
 
 
 def _grid(config: str, grid: str, replicas: int = 0, set: str = "") -> None:
-    """Run every combination of --grid "key=v1,v2 key2=v1,v2" as its own run on Modal; print the results table."""
+    """Run each combination of --grid "key=v1,v2 key2=v1,v2" as its own run on Modal; print a table."""
     grids = [arg for item in shlex.split(grid) for arg in ("--grid", item)]
     _exit(run(["sweep", config, "--executor", "modal", *grids, *_common(replicas, set)]))
 

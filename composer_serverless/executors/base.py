@@ -95,7 +95,8 @@ class LaunchPlan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LaunchPlan:
         replicas = tuple(
-            ReplicaSpec(r["rank"], tuple(r["command"]), dict(r["env"]), tuple(r["secrets"])) for r in data["replicas"]
+            ReplicaSpec(r["rank"], tuple(r["command"]), dict(r["env"]), tuple(r["secrets"]))
+            for r in data["replicas"]
         )
         return cls(
             executor=data["executor"],
@@ -137,7 +138,7 @@ class ReplicaStatus:
 
 @dataclass(frozen=True)
 class LaunchRecord:
-    """``launch.json``: the plan, every attempt's handle (oldest first), when it launched, whether cancelled."""
+    """``launch.json``: the plan, every attempt's handle (oldest first), launch time, whether cancelled."""
 
     plan: LaunchPlan
     handles: tuple[ReplicaHandle, ...]

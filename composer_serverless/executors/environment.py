@@ -24,6 +24,7 @@ STORE_CREDENTIALS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # Non-secret settings the S3 clients read; forwarded so replicas reach the same endpoint and region.
 FORWARDED_SETTINGS = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
 LOCAL_PROTOCOLS = frozenset({"file", "local", "memory"})
+_LOGIN_HINT = " (or run `hf auth login`)"
 
 
 def store_protocol(url: str) -> str:
@@ -67,7 +68,7 @@ def secret_name_problems(names: tuple[str, ...]) -> list[str]:
     """One problem line per secret the replicas need whose value is not available here."""
     return [
         f"{name} is not set: the replicas need it as a secret (to reach the store or the Hub)\n"
-        f"  fix: export {name}=... in the shell that launches{' (or run `hf auth login`)' if name == 'HF_TOKEN' else ''}"
+        f"  fix: export {name}=... in the shell that launches{_LOGIN_HINT if name == 'HF_TOKEN' else ''}"
         for name in names
         if not secret_value(name)
     ]

@@ -53,7 +53,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HUB_TOKEN = "HF_TOKEN"
-_STAGES = {"RUNNING": "running", "COMPLETED": "succeeded", "CANCELED": "cancelled", "ERROR": "failed", "DELETED": "failed"}
+_STAGES = {
+    "RUNNING": "running",
+    "COMPLETED": "succeeded",
+    "CANCELED": "cancelled",
+    "ERROR": "failed",
+    "DELETED": "failed",
+}
 
 
 class HFJobsExecutor:
@@ -78,12 +84,14 @@ class HFJobsExecutor:
             raise ConfigError(
                 f"diloco.replicas ({replicas}) exceeds executor.max_replicas ({ex.max_replicas}): "
                 f"{replicas} {ex.flavor} jobs at once\n"
-                f"  fix: fewer replicas, or --set executor.max_replicas={replicas} if you mean to pay for them"
+                f"  fix: fewer replicas, or --set executor.max_replicas={replicas} to pay for them"
             )
         check_timeout_covers_work(config)
         env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **forwarded_settings()}
         secrets = present_secrets(config, always=(HUB_TOKEN,))
-        specs = tuple(ReplicaSpec(rank, _command(run_url, rank, ex.package), env, secrets) for rank in range(replicas))
+        specs = tuple(
+            ReplicaSpec(rank, _command(run_url, rank, ex.package), env, secrets) for rank in range(replicas)
+        )
         price = ex.price_per_hour or HF_FLAVOR_PRICES[ex.flavor]
         basis = "executor.price_per_hour" if ex.price_per_hour else f"HF Jobs list price of {ex.flavor}"
         return LaunchPlan(
@@ -91,7 +99,9 @@ class HFJobsExecutor:
             run_id=config.run_id or "",
             run_url=run_url,
             replicas=specs,
-            cost=estimate_cost(config, price_per_replica_hour=price, price_basis=basis, gpus_per_replica=_gpus(ex.flavor)),
+            cost=estimate_cost(
+                config, price_per_replica_hour=price, price_basis=basis, gpus_per_replica=_gpus(ex.flavor)
+            ),
             resources={
                 "image": ex.image,
                 "package": ex.package,
@@ -148,11 +158,16 @@ class HFJobsExecutor:
         if not handles:
             return []
         meta = handles[0].meta
-        jobs = {job.id: job for job in self._api.list_jobs(namespace=meta["namespace"], labels={"run_id": meta["run_id"]})}
+        jobs = {
+            job.id: job
+            for job in self._api.list_jobs(namespace=meta["namespace"], labels={"run_id": meta["run_id"]})
+        }
         return [_status(handle, jobs.get(handle.backend_id)) for handle in handles]
 
     def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
-        yield from self._api.fetch_job_logs(job_id=handle.backend_id, namespace=handle.meta["namespace"], follow=follow)
+        yield from self._api.fetch_job_logs(
+            job_id=handle.backend_id, namespace=handle.meta["namespace"], follow=follow
+        )
 
     def cancel(self, handles: list[ReplicaHandle]) -> None:
         from huggingface_hub.errors import HfHubHTTPError
@@ -188,7 +203,8 @@ def _status(handle: ReplicaHandle, job: Any) -> ReplicaStatus:
         waited = time.time() - float(handle.meta["launched_at"])
         deadline = float(handle.meta["scheduling_deadline_s"])
         if waited > deadline:
-            detail = f"still SCHEDULING after {waited:.0f} s (deadline {deadline:g} s){': ' + message if message else ''}"
+            reason = f": {message}" if message else ""
+            detail = f"still SCHEDULING after {waited:.0f} s (deadline {deadline:g} s){reason}"
             return ReplicaStatus(handle.rank, "unscheduled", None, detail)
         return ReplicaStatus(handle.rank, "pending", None, message or "waiting for hardware")
     state = _STAGES.get(stage)

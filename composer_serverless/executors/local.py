@@ -42,7 +42,7 @@ CANCEL_GRACE_S = 5.0
 
 @dataclass(frozen=True)
 class _Identity:
-    """What ``/proc/<pid>/stat`` says about a process: enough to tell it from a later one with the same pid."""
+    """What ``/proc/<pid>/stat`` says of a process: enough to tell it from a later one with the same pid."""
 
     state: str
     pgid: int
@@ -72,8 +72,8 @@ class LocalProcessExecutor:
             )
         if replicas > ex.max_replicas:
             raise ConfigError(
-                f"diloco.replicas ({replicas}) exceeds executor.max_replicas ({ex.max_replicas}) for local processes\n"
-                f"  fix: fewer replicas, or --set executor.max_replicas={replicas} if this machine can take them"
+                f"diloco.replicas ({replicas}) exceeds executor.max_replicas ({ex.max_replicas}) here\n"
+                f"  fix: fewer replicas, or --set executor.max_replicas={replicas} if this machine takes them"
             )
         threads = ex.threads_per_replica or max(1, (os.cpu_count() or 1) // replicas)
         # One BLAS/OpenMP pool per replica, sized so replicas share the cores instead of oversubscribing them.
@@ -83,7 +83,9 @@ class LocalProcessExecutor:
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
         }
-        specs = tuple(ReplicaSpec(rank, worker_argv(run_url, rank, sys.executable), env) for rank in range(replicas))
+        specs = tuple(
+            ReplicaSpec(rank, worker_argv(run_url, rank, sys.executable), env) for rank in range(replicas)
+        )
         free = CostEstimate(0.0, "local processes: no cloud bill", 0, 0.0, 0.0, 0.0, 0.0)
         return LaunchPlan(
             executor=self.name,
@@ -91,7 +93,11 @@ class LocalProcessExecutor:
             run_url=run_url,
             replicas=specs,
             cost=free,
-            resources={"threads_per_replica": threads, "log_dir": str(self._log_dir), "secrets": "inherited environment"},
+            resources={
+                "threads_per_replica": threads,
+                "log_dir": str(self._log_dir),
+                "secrets": "inherited environment",
+            },
             launcher_restarts=ex.max_restarts,
         )
 
@@ -142,7 +148,7 @@ class LocalProcessExecutor:
         return ReplicaStatus(handle.rank, "failed", code, detail)
 
     def _foreign_status(self, handle: ReplicaHandle) -> ReplicaStatus | None:
-        """A replica started by another process: running while its identity holds, else None (look at beats)."""
+        """A replica another process started: running while its identity holds, else None (see beats)."""
         if not _on_this_machine(handle):
             return None
         identity = _read_identity(int(handle.backend_id))
@@ -200,13 +206,20 @@ def _status_from_heartbeat(handle: ReplicaHandle, beat: dict | None) -> ReplicaS
         return ReplicaStatus(handle.rank, "failed", 1, f"final heartbeat: {beat.get('error', 'failed')}")
     if not _on_this_machine(handle):
         state = beat["state"] if fresh else "no heartbeat yet"
-        return ReplicaStatus(handle.rank, "running", None, f"on {handle.meta.get('host')}; last heartbeat: {state}")
+        return ReplicaStatus(
+            handle.rank, "running", None, f"on {handle.meta.get('host')}; last heartbeat: {state}"
+        )
     return ReplicaStatus(handle.rank, "failed", None, "the process ended without a final heartbeat (killed?)")
 
 
 def _identity_meta(pid: int) -> dict[str, str]:
     identity = _read_identity(pid)
-    meta = {"pid": str(pid), "pgid": str(pid), "host": socket.gethostname(), "started_at": f"{time.time():.3f}"}
+    meta = {
+        "pid": str(pid),
+        "pgid": str(pid),
+        "host": socket.gethostname(),
+        "started_at": f"{time.time():.3f}",
+    }
     if identity is not None:
         meta.update(start_ticks=str(identity.start_ticks), boot_id=_boot_id())
     return meta
@@ -234,7 +247,9 @@ def _on_this_machine(handle: ReplicaHandle) -> bool:
 
 
 def _matches(handle: ReplicaHandle, identity: _Identity) -> bool:
-    return str(identity.start_ticks) == handle.meta.get("start_ticks") and str(identity.pgid) == handle.meta.get("pgid")
+    return str(identity.start_ticks) == handle.meta.get("start_ticks") and str(
+        identity.pgid
+    ) == handle.meta.get("pgid")
 
 
 def _same_process(handle: ReplicaHandle) -> bool:

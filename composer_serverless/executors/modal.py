@@ -30,6 +30,7 @@ from composer_serverless.executors.base import (
     LaunchPlan,
     ReplicaHandle,
     ReplicaSpec,
+    ReplicaState,
     ReplicaStatus,
     worker_argv,
 )
@@ -91,7 +92,7 @@ class ModalCalls(Protocol):
 
     def spawn(self, request: SpawnRequest) -> Spawned: ...
 
-    def poll(self, call_id: str) -> tuple[str, str]:
+    def poll(self, call_id: str) -> tuple[ReplicaState, str]:
         """(state, detail) of one call: running, succeeded, failed or cancelled."""
         ...
 
@@ -110,11 +111,15 @@ class ModalSDKCalls:
 
         secrets = [modal.Secret.from_name(name) for name in request.modal_secrets]
         if request.secret_env:
-            secrets.insert(0, modal.Secret.from_dict({name: secret_value(name) for name in request.secret_env}))
+            secrets.insert(
+                0, modal.Secret.from_dict({name: secret_value(name) for name in request.secret_env})
+            )
         function = train_replica.with_options(
             gpu=request.gpu,
             timeout=request.timeout_s,
-            retries=modal.Retries(max_retries=request.retries, initial_delay=RETRY_DELAY_S, backoff_coefficient=1.0),
+            retries=modal.Retries(
+                max_retries=request.retries, initial_delay=RETRY_DELAY_S, backoff_coefficient=1.0
+            ),
             secrets=secrets,
             env=dict(request.env),
         )
@@ -123,7 +128,7 @@ class ModalSDKCalls:
             app_id = app.app_id or ""
         return Spawned(app_id, {rank: call.object_id for rank, call in calls.items()})
 
-    def poll(self, call_id: str) -> tuple[str, str]:
+    def poll(self, call_id: str) -> tuple[ReplicaState, str]:
         import modal
 
         try:
@@ -172,7 +177,7 @@ class ModalExecutor:
             raise ConfigError(
                 f"diloco.replicas ({replicas}) exceeds executor.max_replicas ({ex.max_replicas}): "
                 f"{replicas * ex.gpu_count} {ex.gpu} GPUs at once\n"
-                f"  fix: fewer replicas, or --set executor.max_replicas={replicas} if you mean to pay for them"
+                f"  fix: fewer replicas, or --set executor.max_replicas={replicas} to pay for them"
             )
         check_timeout_covers_work(config)
         env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **forwarded_settings()}
@@ -213,7 +218,10 @@ class ModalExecutor:
         try:
             import modal
         except ImportError:
-            return [*problems, "the modal package is not installed\n  fix: pip install 'composer-serverless[modal]'"]
+            return [
+                *problems,
+                "the modal package is not installed\n  fix: pip install 'composer-serverless[modal]'",
+            ]
         if not (modal.config.config.get("token_id") and modal.config.config.get("token_secret")):
             problems.append(
                 "no Modal token: neither MODAL_TOKEN_ID/MODAL_TOKEN_SECRET nor a ~/.modal.toml profile\n"
@@ -244,7 +252,7 @@ class ModalExecutor:
         statuses = []
         for handle in handles:
             state, detail = self._calls.poll(handle.backend_id)
-            statuses.append(ReplicaStatus(handle.rank, state, 0 if state == "succeeded" else None, detail))  # type: ignore[arg-type]
+            statuses.append(ReplicaStatus(handle.rank, state, 0 if state == "succeeded" else None, detail))
         return statuses
 
     def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:

@@ -29,7 +29,7 @@ app = modal.App(APP_NAME, image=image)
     single_use_containers=True,
 )
 def train_replica(run_url: str, rank: int) -> int:
-    """Run replica ``rank`` of the run at ``run_url`` in this container; raises (so Modal retries) on failure."""
+    """Run replica ``rank`` of the run at ``run_url`` here; raises on failure, so Modal retries it."""
     from composer_serverless.replicas.worker import main
 
     return main(["--run", run_url, "--rank", str(rank)])

@@ -77,7 +77,7 @@ HF_FLAVOR_PRICES: dict[str, float] = {
 def estimate_cost(
     config: RunConfig, *, price_per_replica_hour: float, price_basis: str, gpus_per_replica: int
 ) -> CostEstimate:
-    """The plan's cost: a hard upper bound from the timeout, and an expected figure when step time is known."""
+    """The plan's cost: an upper bound from the timeout, and an expected figure when step time is known."""
     ex = config.executor
     replicas = config.diloco.replicas
     max_hours = replicas * (1 + ex.max_restarts) * ex.timeout_s / 3600
@@ -112,7 +112,7 @@ def check_timeout_covers_work(config: RunConfig) -> None:
     raise ConfigError(
         f"executor.timeout_s ({ex.timeout_s} s) is shorter than the work one replica is configured for: "
         f"startup_s {ex.startup_s:g} s + {dl.rounds} rounds x {dl.sync_every} steps x "
-        f"{ex.seconds_per_step:g} s/step = {needed:,.0f} s; the backend would stop every replica before the end\n"
+        f"{ex.seconds_per_step:g} s/step = {needed:,.0f} s; the backend would stop every replica early\n"
         f"  fix: --set executor.timeout_s={math.ceil(needed * 1.5)} (50% headroom for syncs), "
         "or fewer diloco.rounds"
     )

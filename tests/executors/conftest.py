@@ -132,12 +132,16 @@ def write_config(path: Path, body: str) -> Path:
 def cli(*args: str, env: dict[str, str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     """The real ``composer-serverless`` CLI in a fresh interpreter."""
     return subprocess.run(
-        [sys.executable, "-m", "composer_serverless.cli", *args], env=env, input=stdin, capture_output=True, text=True
+        [sys.executable, "-m", "composer_serverless.cli", *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
     )
 
 
 def cli_background(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    """The CLI in its own session (Ctrl-C can be sent to it alone), stdin open for the cancel/detach prompt."""
+    """The CLI in its own session (so Ctrl-C reaches it alone), stdin open for the cancel/detach prompt."""
     return subprocess.Popen(
         [sys.executable, "-m", "composer_serverless.cli", *args],
         env=env,
@@ -151,5 +155,9 @@ def cli_background(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
 
 def store_objects(client, bucket: str = "bucket") -> dict[str, bytes]:
     """Every object in the bucket, by key."""
-    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])]
+    keys = [
+        o["Key"]
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for o in page.get("Contents", [])
+    ]
     return {key: client.get_object(Bucket=bucket, Key=key)["Body"].read() for key in keys}

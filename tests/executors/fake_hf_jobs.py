@@ -77,7 +77,9 @@ class FakeJob:
 class FakeHFJobs:
     """Serve the Jobs API on 127.0.0.1; ``hold`` decides which job specs never leave SCHEDULING."""
 
-    def __init__(self, token: str, namespace: str, image_env: dict[str, str], scheduling_s: float = 0.2) -> None:
+    def __init__(
+        self, token: str, namespace: str, image_env: dict[str, str], scheduling_s: float = 0.2
+    ) -> None:
         self.token = token
         self.namespace = namespace
         self.image_env = image_env
@@ -138,7 +140,11 @@ class FakeHFJobs:
         job.events.append({"data": f"===== Job started at {_now_z()} =====", "timestamp": _now_z()})
         try:
             job.proc = subprocess.Popen(
-                job.spec["command"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                job.spec["command"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
                 start_new_session=True,
             )
         except OSError as e:
@@ -198,7 +204,9 @@ class FakeHFJobs:
                 namespace, rest = segments[2], segments[3:]
                 if method == "POST" and not rest:
                     length = int(self.headers.get("Content-Length", 0))
-                    return self._json(200, fake._create(namespace, json.loads(self.rfile.read(length))).info())
+                    return self._json(
+                        200, fake._create(namespace, json.loads(self.rfile.read(length))).info()
+                    )
                 if method == "GET" and not rest:
                     return self._list(parse_qsl(parts.query))
                 job = fake.jobs.get(rest[0])

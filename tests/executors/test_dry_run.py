@@ -21,7 +21,10 @@ EXECUTORS = {
 
 
 def _offline_prefix() -> list[str]:
-    if shutil.which("unshare") is None or subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode:
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode
+    ):
         pytest.skip("cannot create a network namespace here (needs unshare and the privilege to use it)")
     return ["unshare", "-n"]
 
@@ -31,10 +34,22 @@ def test_dry_run_prints_plan_and_cost_without_network(executor, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "HF_", "MODAL_"))}
     env.update(HOME=str(tmp_path), HF_HOME=str(tmp_path / "hf"), PYTHONPATH=str(REPO), COLUMNS="200")
     config = REPO / "deploy" / "configs" / "local-demo.toml"
-    args = ["launch", str(config), "--executor", executor, "--set", "run_id=dry", *EXECUTORS[executor], "--dry-run"]
+    args = [
+        "launch",
+        str(config),
+        "--executor",
+        executor,
+        "--set",
+        "run_id=dry",
+        *EXECUTORS[executor],
+        "--dry-run",
+    ]
     result = subprocess.run(
         [*_offline_prefix(), sys.executable, "-m", "composer_serverless.cli", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)

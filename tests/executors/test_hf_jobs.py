@@ -70,7 +70,11 @@ def test_two_replica_run_through_hf_jobs_then_status_logs_cancel_and_no_secret_a
 
     logs = [cli("logs", run_url, "--rank", str(rank), env=hf_env) for rank in (0, 1)]
     assert all(log.returncode == 0 for log in logs), [log.stderr for log in logs]
-    assert "[replica 1]" in logs[1].stdout and "round 2/2" in logs[1].stdout and "Job started" not in logs[1].stdout
+    assert (
+        "[replica 1]" in logs[1].stdout
+        and "round 2/2" in logs[1].stdout
+        and "Job started" not in logs[1].stdout
+    )
 
     # Cancelling jobs that already ended is not an error: the server's 4xx is tolerated.
     cancel = cli("cancel", run_url, env=hf_env)
@@ -79,7 +83,11 @@ def test_two_replica_run_through_hf_jobs_then_status_logs_cancel_and_no_secret_a
 
     dry = cli("launch", str(_config(tmp_path, store, "dry")), "--dry-run", env=hf_env)
     assert dry.returncode == 0, dry.stderr
-    assert json.loads(dry.stdout)["replicas"][0]["secrets"] == ["HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+    assert json.loads(dry.stdout)["replicas"][0]["secrets"] == [
+        "HF_TOKEN",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+    ]
     _check_no_secret_anywhere(
         client,
         fake_hf,
@@ -99,8 +107,13 @@ def _check_job_specs(fake, run_url):
         assert spec["command"][-4:] == ["--run", run_url, "--rank", spec["labels"]["rank"]]
         # Credentials travel as secrets, under the names the user's environment has them; settings as env.
         assert set(spec["secrets"]) == {"HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
-        assert spec["secrets"]["AWS_SECRET_ACCESS_KEY"] == SECRET_ACCESS_KEY and spec["secrets"]["HF_TOKEN"] == HF_TOKEN
-        assert "AWS_ENDPOINT_URL_S3" in spec["environment"] and not set(spec["environment"]) & set(spec["secrets"])
+        assert (
+            spec["secrets"]["AWS_SECRET_ACCESS_KEY"] == SECRET_ACCESS_KEY
+            and spec["secrets"]["HF_TOKEN"] == HF_TOKEN
+        )
+        assert "AWS_ENDPOINT_URL_S3" in spec["environment"] and not set(spec["environment"]) & set(
+            spec["secrets"]
+        )
 
 
 def _check_polling(fake):
@@ -113,7 +126,7 @@ def _check_polling(fake):
 
 
 def _check_no_secret_anywhere(client, fake, texts):
-    """argv, env and labels of every job, the outputs given, and every object in the store (plan, run.json...)."""
+    """argv, env and labels of every job, the outputs given, every object in the store (plan, run.json...)."""
     objects = store_objects(client)
     assert "runs/hf-e2e/launch.json" in objects and "runs/hf-e2e/run.json" in objects
     haystacks = dict(texts)

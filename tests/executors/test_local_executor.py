@@ -93,7 +93,9 @@ class ArgvSampler(threading.Thread):
         return self.seen
 
 
-def test_dead_replica_is_relaunched_run_completes_and_no_secret_anywhere(tmp_path, s3_store, crash, monkeypatch):
+def test_dead_replica_is_relaunched_run_completes_and_no_secret_anywhere(
+    tmp_path, s3_store, crash, monkeypatch
+):
     store, client = s3_store
     crash("1", 1)
     monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
@@ -101,13 +103,19 @@ def test_dead_replica_is_relaunched_run_completes_and_no_secret_anywhere(tmp_pat
     sampler = ArgvSampler(f"{store}/relaunch")
     sampler.start()
     out = io.StringIO()
-    summary = launch(_config(store, "relaunch", max_restarts=1), "relaunch.toml", Console(file=out, width=200))
+    summary = launch(
+        _config(store, "relaunch", max_restarts=1), "relaunch.toml", Console(file=out, width=200)
+    )
     argv_seen = sampler.stop()
     output = out.getvalue()
-    assert summary is not None and summary["rounds_committed"] == 2 and summary["replicas_bit_identical"], output
+    assert summary is not None and summary["rounds_committed"] == 2 and summary["replicas_bit_identical"], (
+        output
+    )
     assert "replica 1 died (exit code 3); started it again (attempt 2 of 2)" in output
 
-    record = LaunchRecord.from_json(client.get_object(Bucket="bucket", Key=f"runs/relaunch/{LAUNCH_KEY}")["Body"].read())
+    record = LaunchRecord.from_json(
+        client.get_object(Bucket="bucket", Key=f"runs/relaunch/{LAUNCH_KEY}")["Body"].read()
+    )
     assert [(h.rank, h.attempt) for h in record.handles] == [(0, 1), (1, 1), (1, 2)]
     log = Path(record.current()[1].log).read_text()
     assert log.index("crashing on purpose") < log.index("round 2/2")
@@ -132,7 +140,9 @@ def test_replica_that_keeps_failing_fails_the_run_with_its_log(tmp_path, crash):
     assert "crashing on purpose (crash 2)" in message
     record = LaunchRecord.from_json(ObjectStore(str(store / "keeps-failing")).get(LAUNCH_KEY))
     rank0 = record.current()[0]
-    assert not Path(f"/proc/{rank0.backend_id}").exists() or _state(rank0.backend_id) == "Z"  # its peer was ended
+    assert (
+        not Path(f"/proc/{rank0.backend_id}").exists() or _state(rank0.backend_id) == "Z"
+    )  # its peer was ended
 
 
 def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path):
@@ -150,7 +160,11 @@ def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path):
         threads_per_replica = 1
         """,
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "COLUMNS": "200"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "COLUMNS": "200",
+    }
     launcher = cli_background("launch", str(config), env=env)
     members = store / "local-detach" / "members"
     while not all(_beat(members / f"{r}.json").get("state") == "training" for r in (0, 1)):
@@ -161,7 +175,10 @@ def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path):
     assert launcher.returncode == 0 and "detached" in out, out + err
 
     run_url = str(store / "local-detach")
-    pids = [h.backend_id for h in LaunchRecord.from_json((store / "local-detach" / LAUNCH_KEY).read_bytes()).current()]
+    pids = [
+        h.backend_id
+        for h in LaunchRecord.from_json((store / "local-detach" / LAUNCH_KEY).read_bytes()).current()
+    ]
     status = cli("status", run_url, env=env)
     assert status.returncode == 0 and status.stdout.count("running") == 2, status.stdout + status.stderr
     assert all(pid in status.stdout for pid in pids)
@@ -178,7 +195,9 @@ def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path):
 def test_cancel_never_signals_a_process_it_did_not_start(tmp_path):
     sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
     real = ReplicaHandle(0, str(sleeper.pid), None, meta=_identity_meta(sleeper.pid))
-    recycled = dataclasses.replace(real, meta={**real.meta, "start_ticks": str(int(real.meta["start_ticks"]) - 1)})
+    recycled = dataclasses.replace(
+        real, meta={**real.meta, "start_ticks": str(int(real.meta["start_ticks"]) - 1)}
+    )
     executor = LocalProcessExecutor(ObjectStore(str(tmp_path)), tmp_path)  # another process's view: no Popen
     executor.cancel([recycled], grace_s=0.1)
     assert sleeper.poll() is None, "a pid whose start time does not match was signalled"

@@ -1,5 +1,6 @@
-"""Modal without a Modal account: the plan (no network), the replica function's body through Modal's own
-``.local()``, the launcher driving ``ModalExecutor`` through a fake of its server seam, and ``modal run --help``.
+"""Modal without a Modal account: the plan (no network), the replica function's body through Modal's
+own ``.local()``, the launcher driving ``ModalExecutor`` through a fake of its server seam, and
+``modal run --help``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,13 @@ def test_plan_without_network(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "https://s3.example.com")
     monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
     config = _config(
-        "s3://bucket/runs", replicas=4, rounds=10, gpu="a100-80gb", gpu_count=2, timeout_s=7200, max_restarts=3,
+        "s3://bucket/runs",
+        replicas=4,
+        rounds=10,
+        gpu="a100-80gb",
+        gpu_count=2,
+        timeout_s=7200,
+        max_restarts=3,
         seconds_per_step=0.5,
     )
     plan = ModalExecutor().plan(config, "s3://bucket/runs/modal-run")
@@ -72,7 +79,8 @@ def test_plan_without_network(monkeypatch, tmp_path):
     assert spec.command == worker_argv("s3://bucket/runs/modal-run", 1)
     assert spec.secrets == ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
     assert spec.env["AWS_ENDPOINT_URL_S3"] == "https://s3.example.com"
-    # $2.50/GPU-hour x 2 GPUs; at most 4 replicas x (1 + 3 restarts) x 2 h; expected 4 x (300 s + 10 x 3 x 0.5 s).
+    # $2.50/GPU-hour x 2 GPUs; at most 4 replicas x (1 + 3 restarts) x 2 h;
+    # expected 4 x (300 s + 10 x 3 x 0.5 s).
     assert plan.cost.price_per_replica_hour == 5.0 and plan.cost.gpus_per_replica == 2
     assert plan.cost.max_usd == 4 * 4 * 2 * 5.0
     assert plan.cost.expected_usd == round(4 * (300 + 10 * 3 * 0.5) / 3600 * 5.0, 2)
@@ -81,13 +89,15 @@ def test_plan_without_network(monkeypatch, tmp_path):
 
 
 def test_image_installs_what_pyproject_declares():
-    """The Modal image cannot read pyproject.toml in a container, so it lists the requirements; keep them equal."""
+    """The image cannot read pyproject.toml in a container, so it lists the requirements: keep them equal."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     declared = [r for r in project["dependencies"] if "python_version" not in r]
     declared += project["optional-dependencies"]["s3"] + project["optional-dependencies"]["hf"]
 
     def name(requirement: str) -> str:
-        return requirement.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip().lower()
+        return (
+            requirement.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip().lower()
+        )
 
     assert sorted(map(name, IMAGE_REQUIREMENTS)) == sorted(set(map(name, declared)))
     pinned = (REPO / "Makefile").read_text().split("pip install --quiet torch==")[1].split()[0]
@@ -127,20 +137,28 @@ def test_launcher_drives_modal_through_the_seam(tmp_path, s3_store, fake_modal):
 
 def test_cancel_from_another_process_through_the_seam(tmp_path, s3_store, fake_modal):
     store, _ = s3_store
-    start(prepare(_config(store, rounds=500, run_id="modal-cancel"), "modal.toml"), Console(file=io.StringIO()))
+    start(
+        prepare(_config(store, rounds=500, run_id="modal-cancel"), "modal.toml"), Console(file=io.StringIO())
+    )
     statuses = runs.cancel(f"{store}/modal-cancel")
     assert sorted(fake_modal.cancelled) == sorted(fake_modal.procs)
     assert [s.state for s in statuses] == ["cancelled", "cancelled"]
     assert all(proc.poll() is not None for proc in fake_modal.procs.values())
 
 
-@pytest.mark.parametrize(("ref", "options"), [("", ["--config", "--replicas", "--set", "--dry-run"]), ("::sweep", ["--grid"])])
+@pytest.mark.parametrize(
+    ("ref", "options"), [("", ["--config", "--replicas", "--set", "--dry-run"]), ("::sweep", ["--grid"])]
+)
 def test_modal_run_help_works_offline(tmp_path, ref, options):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
     env.update(HOME=str(tmp_path), PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
     modal_cli = Path(sys.executable).parent / "modal"
     result = subprocess.run(
-        [str(modal_cli), "run", f"deploy/modal_app.py{ref}", "--help"], cwd=REPO, env=env, capture_output=True, text=True
+        [str(modal_cli), "run", f"deploy/modal_app.py{ref}", "--help"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert all(option in result.stdout for option in ["--config", *options])

@@ -64,7 +64,9 @@ class ScriptedExecutor:
 def _supervisor(tmp_path, executor: ScriptedExecutor, replicas: int = 2, restarts: int = 1) -> Supervisor:
     assert isinstance(executor, ServerlessExecutor)
     specs = tuple(ReplicaSpec(r, ("worker", str(r))) for r in range(replicas))
-    plan = LaunchPlan("scripted", "run", "url", specs, CostEstimate(0, "free", 0, 0, 0), launcher_restarts=restarts)
+    plan = LaunchPlan(
+        "scripted", "run", "url", specs, CostEstimate(0, "free", 0, 0, 0), launcher_restarts=restarts
+    )
     handles = executor.launch(plan)
     supervisor = Supervisor(ObjectStore(str(tmp_path / "run")), executor, LaunchRecord(plan, tuple(handles)))
     supervisor.save()
@@ -81,7 +83,9 @@ def _until_finished(supervisor: Supervisor) -> list[str]:
 
 
 def test_dead_replica_is_relaunched_and_recorded(tmp_path):
-    executor = ScriptedExecutor({(0, 1): ["running", "succeeded"], (1, 1): ["failed"], (1, 2): ["running", "succeeded"]})
+    executor = ScriptedExecutor(
+        {(0, 1): ["running", "succeeded"], (1, 1): ["failed"], (1, 2): ["running", "succeeded"]}
+    )
     supervisor = _supervisor(tmp_path, executor)
     events = _until_finished(supervisor)
     assert executor.launched == [0, 1, 1]
@@ -95,7 +99,9 @@ def test_replica_that_keeps_failing_fails_the_run_with_its_log_tail(tmp_path):
     supervisor = _supervisor(tmp_path, executor)
     with pytest.raises(RunFailed, match=r"replica 1 failed after 2 attempts \(failed detail\)") as failure:
         _until_finished(supervisor)
-    assert "r1a2 line 49" in str(failure.value) and "r1a2 line 19" not in str(failure.value)  # the last 30 lines
+    assert "r1a2 line 49" in str(failure.value) and "r1a2 line 19" not in str(
+        failure.value
+    )  # the last 30 lines
 
 
 def test_backend_that_retries_itself_gets_no_relaunch(tmp_path):
@@ -106,10 +112,14 @@ def test_backend_that_retries_itself_gets_no_relaunch(tmp_path):
 
 
 def test_unscheduled_replica_is_cancelled_and_the_run_goes_on(tmp_path):
-    executor = ScriptedExecutor({(0, 1): ["running", "running", "succeeded"], (1, 1): ["pending", "unscheduled", "cancelled"]})
+    executor = ScriptedExecutor(
+        {(0, 1): ["running", "running", "succeeded"], (1, 1): ["pending", "unscheduled", "cancelled"]}
+    )
     events = _until_finished(_supervisor(tmp_path, executor))
     assert executor.cancelled == ["r1a1"]
-    assert events == ["replica 1 got no hardware (unscheduled detail); cancelled it, the run goes on without it"]
+    assert events == [
+        "replica 1 got no hardware (unscheduled detail); cancelled it, the run goes on without it"
+    ]
 
 
 def test_cancel_from_elsewhere_ends_the_watch(tmp_path):
@@ -137,7 +147,9 @@ def test_ctrl_c_asks_whether_to_cancel_or_detach(tmp_path, answer, cancelled):
 
     executor = Interrupted({})
     supervisor = _supervisor(tmp_path, executor)
-    config = validate_config({"model": {"tiny": TINY.model_dump()}, "diloco": {"replicas": 2, "sync_every": 2, "rounds": 1}})
+    config = validate_config(
+        {"model": {"tiny": TINY.model_dump()}, "diloco": {"replicas": 2, "sync_every": 2, "rounds": 1}}
+    )
     out = io.StringIO()
     if cancelled:
         with pytest.raises(RunCancelled):
@@ -150,4 +162,6 @@ def test_ctrl_c_asks_whether_to_cancel_or_detach(tmp_path, answer, cancelled):
 
 
 def _supervisor_view(supervisor: Supervisor) -> Supervisor:
-    return Supervisor(supervisor.run, supervisor.executor, LaunchRecord.from_json(supervisor.run.get("launch.json")))
+    return Supervisor(
+        supervisor.run, supervisor.executor, LaunchRecord.from_json(supervisor.run.get("launch.json"))
+    )

@@ -76,7 +76,9 @@ def test_export_copies_the_final_model_and_pushes_it_to_the_hub(swept, tmp_path,
     monkeypatch.setattr(huggingface_hub, "HfApi", RecordingHfApi)
     monkeypatch.setenv("HF_TOKEN", "hf_push_token")
     out = tmp_path / "model"
-    result = CliRunner().invoke(app, ["export", str(store / "grid-c0"), str(out), "--push-to-hub", "me/tiny-diloco"])
+    result = CliRunner().invoke(
+        app, ["export", str(store / "grid-c0"), str(out), "--push-to-hub", "me/tiny-diloco"]
+    )
     assert result.exit_code == 0, result.output
     AutoModelForCausalLM.from_pretrained(out)
     assert pushed["token"] == "hf_push_token" and pushed["repo"] == ("me/tiny-diloco", True)

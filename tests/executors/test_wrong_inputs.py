@@ -16,12 +16,24 @@ from composer_serverless.executors.modal import ModalExecutor
 from tests.executors.conftest import HF_TOKEN, store_objects, write_config
 
 S3 = "s3://bucket/runs"
-HF = ["--executor", "hf_jobs", "--set", f"store={S3}", "--set", "executor.image=ghcr.io/example/composer-serverless:1"]
+HF = [
+    "--executor",
+    "hf_jobs",
+    "--set",
+    f"store={S3}",
+    "--set",
+    "executor.image=ghcr.io/example/composer-serverless:1",
+]
 MODAL = ["--executor", "modal", "--set", f"store={S3}"]
 
 # (what is wrong, CLI arguments, environment changes (None unsets), what the message must say)
 CASES = [
-    ("missing HF token", ["launch", "{cfg}", *HF], {"HF_TOKEN": None}, ["HF_TOKEN is not set", "hf auth login"]),
+    (
+        "missing HF token",
+        ["launch", "{cfg}", *HF],
+        {"HF_TOKEN": None},
+        ["HF_TOKEN is not set", "hf auth login"],
+    ),
     (
         "missing AWS keys for an s3:// store",
         ["launch", "{cfg}", *HF],
@@ -60,11 +72,23 @@ CASES = [
     ),
     (
         "timeout too short for the configured steps",
-        ["launch", "{cfg}", *MODAL, "--set", "executor.seconds_per_step=2", "--set", "executor.timeout_s=600",
-         "--set", "diloco.rounds=100"],
+        [
+            "launch",
+            "{cfg}",
+            *MODAL,
+            "--set",
+            "executor.seconds_per_step=2",
+            "--set",
+            "executor.timeout_s=600",
+            "--set",
+            "diloco.rounds=100",
+        ],
         {},
-        ["executor.timeout_s (600 s) is shorter than the work one replica is configured for", "= 900 s",
-         "fix: --set executor.timeout_s=1350"],
+        [
+            "executor.timeout_s (600 s) is shorter than the work one replica is configured for",
+            "= 900 s",
+            "fix: --set executor.timeout_s=1350",
+        ],
     ),
     (
         "unreachable store",
@@ -76,13 +100,19 @@ CASES = [
         "local store with a cloud executor",
         ["launch", "{cfg}", "--executor", "hf_jobs"],
         {},
-        ["is on this machine, but HF Jobs replicas run elsewhere and could not reach it", "--set store=s3://"],
+        [
+            "is on this machine, but HF Jobs replicas run elsewhere and could not reach it",
+            "--set store=s3://",
+        ],
     ),
     (
         "stock image without the package",
         ["launch", "{cfg}", "--executor", "hf_jobs", "--set", f"store={S3}"],
         {},
-        ["does not contain composer-serverless, and executor.package is not set", "deploy/hf_jobs/Dockerfile"],
+        [
+            "does not contain composer-serverless, and executor.package is not set",
+            "deploy/hf_jobs/Dockerfile",
+        ],
     ),
     (
         "in-memory store for subprocess replicas",
@@ -90,12 +120,27 @@ CASES = [
         {},
         ["lives in one process's memory; replica subprocesses cannot see it"],
     ),
-    ("store that cannot hold a run", ["launch", "{cfg}", "--set", "store=ftp://example.com/runs"], {}, ["ftp:// cannot hold a run"]),
+    (
+        "store that cannot hold a run",
+        ["launch", "{cfg}", "--set", "store=ftp://example.com/runs"],
+        {},
+        ["ftp:// cannot hold a run"],
+    ),
     ("unknown executor", ["launch", "{cfg}", "--executor", "nope"], {}, ["Invalid value for '--executor'"]),
     ("malformed run URL", ["status", "s3:/bucket/runs/x"], {}, ["'s3:/bucket/runs/x' is a malformed URL"]),
-    ("URL that is not a run", ["logs", "{tmp}/nowhere", "--rank", "0"], {}, ["is not a run: there is no run.json there"]),
+    (
+        "URL that is not a run",
+        ["logs", "{tmp}/nowhere", "--rank", "0"],
+        {},
+        ["is not a run: there is no run.json there"],
+    ),
     ("export of something that is not a run", ["export", "{tmp}/nowhere", "{tmp}/out"], {}, ["is not a run"]),
-    ("malformed sweep grid", ["sweep", "{cfg}", "--grid", "diloco.outer_lr"], {}, ["--grid 'diloco.outer_lr': expected key=value1,value2"]),
+    (
+        "malformed sweep grid",
+        ["sweep", "{cfg}", "--grid", "diloco.outer_lr"],
+        {},
+        ["--grid 'diloco.outer_lr': expected key=value1,value2"],
+    ),
     (
         "bad value in one sweep cell",
         ["sweep", "{cfg}", "--grid", "diloco.outer_lr=0.5,-1"],
@@ -157,4 +202,3 @@ def test_wrong_input_exits_2_with_a_clear_message_and_launches_nothing(
     assert not launched
     assert not store.exists() and not (tmp_path / "out").exists()
     assert store_objects(user_env) == {}
-
