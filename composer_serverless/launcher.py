@@ -33,7 +33,7 @@ from composer_serverless.executors.base import LaunchPlan, LaunchRecord, Serverl
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.trainer import FINAL_PREFIX, MODEL_PREFIX
 from composer_serverless.report import PLOT_KEY, SUMMARY_KEY, write_report
-from composer_serverless.runs import absolute_store, open_store
+from composer_serverless.runs import STORE_HINT, absolute_store, open_store
 from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor
 from composer_serverless.telemetry import read_heartbeats, read_metrics
 
@@ -119,7 +119,7 @@ def prepare(config: RunConfig, source: str) -> Prepared:
     store = absolute_store(config.store)
     run_id = config.run_id or new_run_id(source)
     resolved = config.model_copy(update={"run_id": run_id, "store": store})
-    run = open_store(store).child(run_id)
+    run = open_store(store, fix=STORE_HINT).child(run_id)
     executor = make_executor(resolved, run)
     plan = executor.plan(resolved, run.url)
     return Prepared(resolved, source, run, executor, plan, executor.preflight(plan))

@@ -34,25 +34,24 @@ from composer_serverless.telemetry import read_heartbeats
 logger = logging.getLogger(__name__)
 
 RUN_URL_HINT = "RUN is the URL `launch` printed, e.g. s3://bucket/runs/<run_id> or ./runs/<run_id>"
+STORE_HINT = "set store to a directory or an object store, e.g. --set store=s3://<bucket>/runs"
 STORE_PROTOCOLS = frozenset({"file", "local", "memory", "s3", "gcs", "az", "abfs", "hf"})
 
 
-def open_store(url: str) -> ObjectStore:
+def open_store(url: str, fix: str = RUN_URL_HINT) -> ObjectStore:
     """``ObjectStore(url)`` with a message a user can act on when the URL is not an object store we can open.
 
     Only object-store protocols are accepted: fsspec would happily open ``ftp://`` or ``http://`` (and
-    connect while doing so), neither of which can hold a run.
+    connect while doing so), neither of which can hold a run. ``fix`` is the advice for where the URL came
+    from (a RUN argument, or the config's ``store``).
     """
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:/(?!/)", url):
-        raise ConfigError(
-            f"{url!r} is a malformed URL: a protocol is followed by '://'\n  fix: {RUN_URL_HINT}"
-        )
+        raise ConfigError(f"{url!r} is a malformed URL: a protocol is followed by '://'\n  fix: {fix}")
     protocol = store_protocol(url)
     if protocol not in STORE_PROTOCOLS:
         raise ConfigError(
             f"{url!r} is not a store URL: {protocol}:// cannot hold a run; use a directory, file:///path, "
-            f"s3://bucket/prefix, gs://bucket/prefix or hf://buckets/<ns>/<bucket>/prefix\n"
-            f"  fix: {RUN_URL_HINT}"
+            f"s3://bucket/prefix, gs://bucket/prefix or hf://buckets/<ns>/<bucket>/prefix\n  fix: {fix}"
         )
     try:
         return ObjectStore(url)

@@ -124,7 +124,7 @@ CASES = [
         "store that cannot hold a run",
         ["launch", "{cfg}", "--set", "store=ftp://example.com/runs"],
         {},
-        ["ftp:// cannot hold a run"],
+        ["ftp:// cannot hold a run", "fix: set store to a directory or an object store"],
     ),
     ("unknown executor", ["launch", "{cfg}", "--executor", "nope"], {}, ["Invalid value for '--executor'"]),
     ("malformed run URL", ["status", "s3:/bucket/runs/x"], {}, ["'s3:/bucket/runs/x' is a malformed URL"]),
