@@ -1,8 +1,7 @@
 """Launch backends behind one protocol (see ``base.py``): local processes, Modal functions, HF Jobs.
 
 Backends are imported when chosen, so a local run never imports a cloud SDK and a cloud SDK that is not
-installed only matters to the runs that use it. This module imports nothing at load time because the config
-module reads the price tables in ``pricing.py``.
+installed only matters to the runs that use it.
 """
 
 from __future__ import annotations
