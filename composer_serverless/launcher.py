@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from composer_serverless.config import ConfigError, RunConfig
+from composer_serverless.config import ConfigError, RunConfig, validate_config
 from composer_serverless.executors.base import TERMINAL_STATES, ReplicaHandle, ServerlessExecutor
 from composer_serverless.executors.local import LocalProcessExecutor
 from composer_serverless.rendezvous.store import ObjectStore
@@ -51,7 +51,8 @@ def create_run(config: RunConfig, source: str, console: Console) -> tuple[Object
     run = root.child(run_id)
     if run.exists("run.json"):
         raise ConfigError(f"run {run.url} already exists\n  fix: choose another run_id, or leave run_id unset")
-    resolved = config.model_copy(update={"run_id": run_id})
+    # Validated again (model_copy would not): whatever reaches run.json is exactly what replicas will accept.
+    resolved = validate_config({**config.model_dump(), "run_id": run_id}, source="the resolved config")
     if resolved.model.tiny is not None:
         with console.status("building the tiny model and fitting its tokenizer on the demo corpus"):
             _build_tiny_into(run, resolved)
