@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from composer_serverless.config import ConfigError, RunConfig
+from composer_serverless.config import ConfigError, RunConfig, validate_config
 from composer_serverless.executors import make_executor
 from composer_serverless.executors.base import LaunchPlan, LaunchRecord, ServerlessExecutor
 from composer_serverless.rendezvous.store import ObjectStore
@@ -75,7 +75,8 @@ def create_run(config: RunConfig, source: str, console: Console) -> tuple[Object
     run = root.child(run_id)
     if run.exists("run.json"):
         raise ConfigError(f"run {run.url} already exists\n  fix: choose another run_id, or leave run_id unset")
-    resolved = config.model_copy(update={"run_id": run_id})
+    # Validated again (model_copy would not): whatever reaches run.json is exactly what replicas will accept.
+    resolved = validate_config({**config.model_dump(), "run_id": run_id}, source="the resolved config")
     if resolved.model.tiny is not None:
         with console.status("building the tiny model and fitting its tokenizer on the demo corpus"):
             _build_tiny_into(run, resolved)
@@ -118,7 +119,9 @@ def prepare(config: RunConfig, source: str) -> Prepared:
     """Resolve the run id, build the executor and its plan; raises ConfigError for a plan that cannot work."""
     store = absolute_store(config.store)
     run_id = config.run_id or new_run_id(source)
-    resolved = config.model_copy(update={"run_id": run_id, "store": store})
+    # Validated again (model_copy would not): the plan is built from exactly what run.json will hold.
+    raw = {**config.model_dump(), "run_id": run_id, "store": store}
+    resolved = validate_config(raw, source="the resolved config")
     run = open_store(store, fix=STORE_HINT).child(run_id)
     executor = make_executor(resolved, run)
     plan = executor.plan(resolved, run.url)

@@ -83,16 +83,18 @@ class ObjectStoreManager:
         identity = {"run_id": self._run_id, "round": str(self._step), "fragment": str(fragment)}
         started = time.monotonic()
         try:
+            # The exchange works on a CPU fp32 copy whatever the parameters' device and dtype; the average is
+            # copied back onto the tensor's own device.
             average, stats = naive_allreduce(
                 self._store,
                 f"rounds/{self._step}/{fragment}",
-                tensor.detach().reshape(-1).to(torch.float32),
+                tensor.detach().reshape(-1).to("cpu", torch.float32),
                 rank=self._rank,
                 participants=list(range(self._replicas)),
                 identity=identity,
                 timeout_s=self._timeout_s,
             )
-            tensor.copy_(average.view_as(tensor).to(tensor.dtype))
+            tensor.copy_(average.view_as(tensor))
             self.bytes_up += stats.bytes_up
             self.bytes_down += stats.bytes_down
         except Exception as e:  # reported through should_commit, as torchft's Manager does
