@@ -9,7 +9,6 @@ training stack.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import re
 import time
@@ -30,8 +29,6 @@ from composer_serverless.executors.base import (
 from composer_serverless.executors.environment import secret_value, store_protocol
 from composer_serverless.rendezvous.store import ObjectStore, StoreError
 from composer_serverless.telemetry import read_heartbeats
-
-logger = logging.getLogger(__name__)
 
 RUN_URL_HINT = "RUN is the URL `launch` printed, e.g. s3://bucket/runs/<run_id> or ./runs/<run_id>"
 STORE_HINT = "set store to a directory or an object store, e.g. --set store=s3://<bucket>/runs"

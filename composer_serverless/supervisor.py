@@ -16,7 +16,6 @@ Policy, per replica:
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 
 from composer_serverless.executors.base import (
@@ -28,8 +27,6 @@ from composer_serverless.executors.base import (
     ServerlessExecutor,
 )
 from composer_serverless.rendezvous.store import ObjectStore
-
-logger = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 30
 

@@ -20,7 +20,6 @@ is the real one, and tests substitute a fake that records the calls.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,8 +41,6 @@ from composer_serverless.executors.environment import (
     secret_value,
 )
 from composer_serverless.executors.pricing import MODAL_GPU_PRICES, check_timeout_covers_work, estimate_cost
-
-logger = logging.getLogger(__name__)
 
 APP_NAME = "composer-serverless"
 PYTHON_VERSION = "3.11"
