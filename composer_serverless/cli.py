@@ -1,20 +1,32 @@
-"""``composer-serverless``: the command line. Thin: parse, configure logging, call the launcher.
+"""``composer-serverless``: the command line. Thin: parse, configure logging, call the launcher or a run op.
 
-Exit status 2 means the input was wrong (config, overrides, store) and nothing was launched or written;
-1 means a run failed.
+Exit status 2 means the input was wrong (config, overrides, credentials, store, run URL) and nothing was
+launched or written; 1 means a run failed or was cancelled.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import json
 import logging
+import sys
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from rich.prompt import Prompt
+from rich.table import Table
 
 from composer_serverless.config import ConfigError, load_config
 from composer_serverless.rendezvous.store import StoreError
+
+if TYPE_CHECKING:
+    from composer_serverless.launcher import Prepared
 
 app = typer.Typer(
     add_completion=False,
@@ -25,51 +37,244 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+class Executor(str, enum.Enum):
+    local = "local"
+    modal = "modal"
+    hf_jobs = "hf_jobs"
+
+
+ExecutorOption = Annotated[
+    Executor | None,
+    typer.Option("--executor", help="backend for the replicas; overrides the config's [executor]"),
+]
+ReplicasOption = Annotated[int | None, typer.Option(help="override diloco.replicas")]
+SetOption = Annotated[list[str], typer.Option("--set", help="override any key: --set diloco.sync_every=20")]
+RunArgument = Annotated[
+    str, typer.Argument(help="the run's URL, as launch printed it (s3://bucket/runs/ID, ./runs/ID)")
+]
+
+
 @app.callback()
-def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log at INFO level")] = False) -> None:
+def _main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log at INFO level")] = False,
+) -> None:
     logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """Wrong input -> exit 2 with its message; a failed or cancelled run -> exit 1."""
+    from composer_serverless.supervisor import RunCancelled, RunFailed
+
+    try:
+        yield
+    except (ConfigError, StoreError) as e:
+        err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
+        raise typer.Exit(2) from None
+    except RunFailed as e:
+        err_console.print(f"[red]run failed:[/] {escape(str(e))}", highlight=False)
+        raise typer.Exit(1) from None
+    except RunCancelled as e:
+        err_console.print(f"[yellow]run cancelled:[/] {escape(str(e))}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+def ask_cancel_or_detach() -> str:
+    """Ctrl-C while watching: cancel the replicas (the default) or detach and leave them running."""
+    try:
+        answer = Prompt.ask(
+            "\ninterrupted: [c]ancel the replicas, or [d]etach and leave them running?",
+            choices=["c", "d"],
+            default="c",
+            console=err_console,
+        )
+    except (EOFError, KeyboardInterrupt):  # no one to ask, or a second Ctrl-C: cancel
+        return "cancel"
+    return "detach" if answer == "d" else "cancel"
+
+
+def _overrides(set_: list[str], replicas: int | None) -> list[str]:
+    return [*set_, *([f"diloco.replicas={replicas}"] if replicas is not None else [])]
 
 
 @app.command()
 def launch(
     config: Annotated[
-        Path | None, typer.Argument(help="TOML config, e.g. deploy/configs/local-demo.toml; omit with --resume")
+        Path | None,
+        typer.Argument(help="TOML config, e.g. deploy/configs/local-demo.toml; omitted with --resume"),
     ] = None,
-    replicas: Annotated[int | None, typer.Option(help="override diloco.replicas")] = None,
-    set_: Annotated[list[str], typer.Option("--set", help="override any key: --set diloco.sync_every=20")] = [],  # noqa: B006
+    executor: ExecutorOption = None,
+    replicas: ReplicasOption = None,
+    set_: SetOption = [],  # noqa: B006
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="print the plan and its cost; touch no network, start nothing")
+    ] = False,
     resume: Annotated[
         str | None,
-        typer.Option(help="continue the run at this store URL (e.g. runs/<run_id>) from its latest state"),
+        typer.Option(
+            "--resume", metavar="RUN", help="restart every replica of the run at this URL from its latest state"
+        ),
     ] = None,
 ) -> None:
     """Validate the config, create the run in the store, start the replicas and watch them to the end.
 
-    With --resume RUN, restart the replicas of an existing run instead: they continue from its latest
-    published state and their own saved state, with the configuration the run was created with.
+    With --resume RUN, restart the replicas of an existing run instead (after they all died): they continue
+    from its latest published state and their own saved state, with the configuration it was created with.
     """
-    from composer_serverless.launcher import RunFailed
-    from composer_serverless.launcher import launch as run_launch
-    from composer_serverless.launcher import resume as run_resume
+    from composer_serverless import launcher
 
-    overrides = [*set_, *([f"diloco.replicas={replicas}"] if replicas is not None else [])]
-    try:
+    with _user_errors():
         if resume is not None:
-            if config is not None or overrides:
-                raise ConfigError("--resume continues a run as it was created: pass no CONFIG, --set or --replicas")
-            run_resume(resume, console)
-        elif config is None:
-            raise ConfigError("pass a CONFIG to start a run, or --resume RUN to continue one")
-        else:
-            run_launch(load_config(config, overrides), str(config), console)
-    except (ConfigError, StoreError) as e:
-        err_console.print(f"[red]error:[/] {e}", highlight=False)
-        raise typer.Exit(2) from None
-    except RunFailed as e:
-        err_console.print(f"[red]run failed:[/] {e}", highlight=False)
-        raise typer.Exit(1) from None
+            if config is not None or set_ or replicas is not None or executor is not None or dry_run:
+                raise ConfigError(
+                    "--resume continues a run as it was created\n"
+                    "  fix: pass only --resume RUN (no CONFIG, --set, --replicas, --executor or --dry-run)"
+                )
+            launcher.resume(resume, console, on_interrupt=ask_cancel_or_detach)
+            return
+        if config is None:
+            raise ConfigError("missing CONFIG\n  fix: pass a TOML config to start a run, or --resume RUN")
+        cfg = load_config(config, _overrides(set_, replicas), executor.value if executor else None)
+        if dry_run:
+            _print_dry_run(launcher.prepare(cfg, str(config)))
+            return
+        launcher.launch(cfg, str(config), console, on_interrupt=ask_cancel_or_detach)
+
+
+def _print_dry_run(prepared: Prepared) -> None:
+    typer.echo(prepared.plan.to_json())
+    err_console.print(f"estimated cost: {prepared.plan.cost.summary()}", markup=False, highlight=False)
+    if prepared.problems:
+        err_console.print("[yellow]launch would stop here until these are fixed:[/]", highlight=False)
+        for problem in prepared.problems:
+            err_console.print(textwrap.indent(problem, "  "), markup=False, highlight=False)
+    else:
+        err_console.print(
+            "this machine has what the launch needs (the store is probed at launch)", highlight=False
+        )
+
+
+@app.command()
+def status(run: RunArgument) -> None:
+    """Each replica's state, round, step, loss, last heartbeat and backend job id."""
+    from composer_serverless import runs
+
+    with _user_errors():
+        opened, rows = runs.status(run)
+    table = Table(
+        title=f"{opened.config.run_id} on {opened.record.plan.executor}"
+        + (" (cancelled)" if opened.record.cancelled else "")
+    )
+    for column in ("rank", "state", "attempt", "round", "step", "loss", "last heartbeat", "backend id"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for row in rows:
+        age = "-" if row.heartbeat_age_s is None else f"{row.heartbeat_age_s:.0f}s ago"
+        table.add_row(
+            str(row.rank),
+            row.state,
+            str(row.attempt),
+            row.round,
+            row.step,
+            row.loss,
+            age,
+            row.backend_id,
+            row.detail,
+        )
+    console.print(table)
+    if opened.store.exists("summary.json"):
+        summary = json.loads(opened.store.get("summary.json"))
+        console.print(
+            f"finished: held-out loss {summary['initial_eval_loss']:.4f} -> "
+            f"{summary['final_eval_loss']:.4f}; "
+            f"report {opened.store.url_of('summary.json')}",
+            highlight=False,
+        )
+
+
+@app.command()
+def logs(
+    run: RunArgument,
+    rank: Annotated[int, typer.Option("--rank", help="which replica")],
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="keep printing until the replica ends")
+    ] = False,
+) -> None:
+    """Print a replica's log (its latest attempt)."""
+    from composer_serverless import runs
+
+    with _user_errors():
+        for line in runs.logs(run, rank, follow):
+            typer.echo(line)
+
+
+@app.command()
+def cancel(run: RunArgument) -> None:
+    """Cancel every replica of the run; replicas that already ended are left as they are."""
+    from composer_serverless import runs
+
+    with _user_errors():
+        statuses = runs.cancel(run)
+    for st in statuses:
+        console.print(f"replica {st.rank}: {st.state} {st.detail}", markup=False, highlight=False)
+
+
+@app.command()
+def export(
+    run: RunArgument,
+    out: Annotated[Path, typer.Argument(help="new directory for the final model (Hugging Face format)")],
+    push_to_hub: Annotated[
+        str | None, typer.Option("--push-to-hub", help="also upload it to this Hub repo")
+    ] = None,
+) -> None:
+    """Copy the run's final model out of the store, and optionally push it to the Hugging Face Hub."""
+    from composer_serverless import runs
+
+    with _user_errors():
+        commit = runs.export(run, out, push_to_hub)
+    console.print(f"final model copied to {out}" + (f"; pushed: {commit}" if commit else ""), markup=False)
+
+
+@app.command()
+def sweep(
+    config: Annotated[Path, typer.Argument(help="TOML config every cell starts from")],
+    grid: Annotated[
+        list[str], typer.Option("--grid", help="key=v1,v2,...; one per key; every combination runs")
+    ],
+    executor: ExecutorOption = None,
+    replicas: ReplicasOption = None,
+    set_: SetOption = [],  # noqa: B006
+) -> None:
+    """Run every combination of the --grid values as its own run, side by side; print a results table."""
+    from composer_serverless import sweep as grid_sweep
+
+    with _user_errors():
+        cells = grid_sweep.plan_sweep(
+            config, grid, _overrides(set_, replicas), executor.value if executor else None
+        )
+        finished = grid_sweep.run_sweep(cells, console, on_interrupt=ask_cancel_or_detach)
+    if finished is None:
+        return
+    console.print(grid_sweep.results_table(finished))
+    if any(cell.state != "succeeded" for cell in finished):
+        raise typer.Exit(1)
+
+
+def run(argv: list[str]) -> int:
+    """Run the CLI with ``argv`` and return its exit status (for the Modal entrypoints)."""
+    try:
+        app(argv, prog_name="composer-serverless")
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
 
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,10 +10,20 @@ from __future__ import annotations
 import difflib
 import re
 import sys
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,6 +31,11 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MODAL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,63}$")
+HF_NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+# A stock PyTorch CUDA runtime image: the replicas then pip-install the package (executor.package) at start.
+DEFAULT_HF_JOBS_IMAGE = "pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime"
 
 
 class ConfigError(ValueError):
@@ -172,9 +187,172 @@ class LocalExecutorConfig(_Strict):
     threads_per_replica: int | None = Field(
         None, ge=1, description="torch threads per replica; default shares the CPU cores evenly"
     )
+    max_replicas: int = Field(
+        32, ge=1, le=1024, description="most replicas this machine may run; a guard against a mistyped count"
+    )
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        le=10,
+        description="times the launcher starts a dead replica again; 0 fails the run at the first death, "
+        "which is what a local bug usually wants",
+    )
 
 
-ExecutorConfig = Annotated[LocalExecutorConfig, Field(discriminator="type")]
+class _CloudExecutorConfig(_Strict):
+    """What every paid backend needs: a spend guard, a timeout covering the work, restarts, secrets."""
+
+    max_replicas: int = Field(
+        16, ge=1, le=1024, description="most replicas a launch may start (it caps the bill; raise on purpose)"
+    )
+    timeout_s: int = Field(
+        6 * 3600,
+        ge=60,
+        description="seconds one replica attempt may run before the backend stops it (and its billing)",
+    )
+    max_restarts: int = Field(
+        2, ge=0, le=10, description="times a dead or preempted replica is started again before the run fails"
+    )
+    seconds_per_step: float | None = Field(
+        None,
+        gt=0,
+        description="measured seconds per inner step on this hardware; enables the expected-cost estimate "
+        "and the check that timeout_s covers the configured steps",
+    )
+    startup_s: float = Field(
+        300.0, ge=0, description="seconds a replica spends before its first step (image pull, model download)"
+    )
+    status_poll_s: float = Field(
+        10.0,
+        ge=0.1,
+        description="seconds between status requests to the backend while watching (each is one API call); "
+        "progress from the store updates every second regardless",
+    )
+    secrets: tuple[str, ...] = Field(
+        (),
+        description="extra environment variable names whose values reach the replicas as secrets "
+        "(the store's and the Hub's credentials are added automatically)",
+    )
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [n for n in names if not ENV_NAME_PATTERN.match(n)]
+        if bad:
+            raise ValueError(f"{bad} are not environment variable names (letters, digits, '_'; not values)")
+        return names
+
+
+class ModalExecutorConfig(_CloudExecutorConfig):
+    """Replicas as Modal functions, one GPU container each, spawned in a detached app."""
+
+    type: Literal["modal"] = "modal"
+    gpu: str = Field("H100", description="Modal GPU type per replica, e.g. H100, A100-80GB, L40S")
+    gpu_count: int = Field(1, ge=1, le=8, description="GPUs per replica container")
+    timeout_s: int = Field(
+        6 * 3600,
+        ge=60,
+        le=24 * 3600,
+        description="seconds one replica attempt may run (Modal allows at most 24 h; its default of 300 s "
+        "would kill any real run)",
+    )
+    modal_secrets: tuple[str, ...] = Field(
+        (), description="names of secrets already stored in your Modal workspace to attach to every replica"
+    )
+    price_per_gpu_hour: float | None = Field(
+        None, gt=0, description="USD per GPU-hour for the cost estimate; default is Modal's list price"
+    )
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, gpu: str) -> str:
+        from composer_serverless.executors.pricing import MODAL_GPU_PRICES
+
+        return _known_name(gpu.upper(), MODAL_GPU_PRICES, "GPU type", hint="put the count in gpu_count")
+
+    @field_validator("modal_secrets")
+    @classmethod
+    def _modal_secret_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [n for n in names if not MODAL_NAME_PATTERN.match(n)]
+        if bad:
+            raise ValueError(f"{bad} are not Modal secret names (letters, digits, '.', '_', '-'; < 64 chars)")
+        return names
+
+
+class HFJobsExecutorConfig(_CloudExecutorConfig):
+    """Replicas as Hugging Face Jobs, one job per replica, labelled with the run and the rank."""
+
+    type: Literal["hf_jobs"] = "hf_jobs"
+    flavor: str = Field("a100-large", description="HF Jobs hardware flavor per replica, e.g. a100-large")
+    image: str = Field(
+        DEFAULT_HF_JOBS_IMAGE,
+        min_length=1,
+        description="public Docker image the replicas run in (a stock PyTorch image, or one built from "
+        "deploy/hf_jobs/Dockerfile that already contains composer-serverless)",
+    )
+    package: str | None = Field(
+        None,
+        min_length=1,
+        description="pip requirement installed in the image before the worker starts, e.g. "
+        "'composer-serverless[s3,hf] @ https://github.com/you/composer-serverless/archive/<commit>.tar.gz'; "
+        "unset when the image already contains the package",
+    )
+    namespace: str | None = Field(
+        None,
+        description="user or organisation the jobs run and bill under; unset: your token's user, found once",
+    )
+    timeout_s: int = Field(
+        6 * 3600,
+        ge=60,
+        le=7 * 24 * 3600,
+        description="seconds one replica job may run (HF Jobs' default, 30 minutes, cuts real runs short)",
+    )
+    scheduling_deadline_s: float = Field(
+        1800.0,
+        ge=1,
+        description="seconds a replica may wait for hardware (SCHEDULING) before it is cancelled and the run "
+        "goes on without it",
+    )
+    price_per_hour: float | None = Field(
+        None, gt=0, description="USD per job-hour for the cost estimate; default is the flavor's list price"
+    )
+
+    @field_validator("flavor")
+    @classmethod
+    def _known_flavor(cls, flavor: str) -> str:
+        from composer_serverless.executors.pricing import HF_FLAVOR_PRICES
+
+        return _known_name(flavor.lower(), HF_FLAVOR_PRICES, "flavor")
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace_name(cls, namespace: str | None) -> str | None:
+        if namespace is not None and not HF_NAMESPACE_PATTERN.match(namespace):
+            raise ValueError(f"{namespace!r} is not a Hugging Face user or organisation name")
+        return namespace
+
+
+def _known_name(name: str, known: dict[str, float], what: str, hint: str = "") -> str:
+    if name in known:
+        return name
+    close = difflib.get_close_matches(name, list(known), n=1)
+    suggestion = f"did you mean {close[0]!r}? " if close else ""
+    extra = f"; {hint}" if hint and ":" in name else ""
+    raise ValueError(f"unknown {what} {name!r}; {suggestion}known: {', '.join(known)}{extra}")
+
+
+def _executor_type(value: Any) -> str:
+    """The executor's ``type``; a table without one means the local backend."""
+    return value.get("type", "local") if isinstance(value, dict) else getattr(value, "type", "local")
+
+
+ExecutorConfig = Annotated[
+    Annotated[LocalExecutorConfig, Tag("local")]
+    | Annotated[ModalExecutorConfig, Tag("modal")]
+    | Annotated[HFJobsExecutorConfig, Tag("hf_jobs")],
+    Discriminator(_executor_type),
+]
+EXECUTOR_TYPES = ("local", "modal", "hf_jobs")
 
 
 class RunConfig(_Strict):
@@ -213,8 +391,14 @@ class RunConfig(_Strict):
         return self.model_dump_json(indent=2)
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read a TOML config, apply ``dotted.key=value`` overrides, and validate the result.
+def load_config(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = (), executor_type: str | None = None
+) -> RunConfig:
+    """Read a TOML config, switch its executor if asked, apply ``dotted.key=value`` overrides, and validate.
+
+    ``executor_type`` replaces the file's ``[executor]`` table when the file names another backend (its keys
+    belong to that backend), and keeps it when the file already names this one; overrides come after, so
+    ``--executor modal --set executor.gpu=A100-80GB`` works on any config.
 
     Raises:
         ConfigError: the file is missing or not TOML, an override is malformed, a key is unknown or a value
@@ -227,6 +411,8 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from e
+    if executor_type is not None:
+        select_executor(raw, executor_type)
     for override in overrides:
         apply_override(raw, override)
     return validate_config(raw, source=str(path))
@@ -238,6 +424,16 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_explain(e, raw, source)) from None
+
+
+def select_executor(raw: dict[str, Any], executor_type: str) -> None:
+    """Make ``raw`` use the ``executor_type`` backend, dropping a table written for another backend."""
+    if executor_type not in EXECUTOR_TYPES:
+        choices = ", ".join(EXECUTOR_TYPES)
+        raise ConfigError(f"--executor {executor_type!r}: unknown executor; choose one of {choices}")
+    table = raw.get("executor")
+    if not isinstance(table, dict) or table.get("type", "local") != executor_type:
+        raw["executor"] = {"type": executor_type}
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
@@ -272,6 +468,11 @@ def _explain(error: ValidationError, raw: dict[str, Any], source: str) -> str:
             suggestion = ".".join(filter(None, [parent, *close]))
             hint = f"did you mean {suggestion}?" if close else f"known keys here: {', '.join(known)}"
             lines.append(f"  {key}: unknown key; {hint}")
+            continue
+        if item["type"] == "union_tag_invalid":
+            lines.append(
+                f"  {key}.type: unknown {key} {item['ctx']['tag']!r}; choose one of {item['ctx']['expected_tags']}"
+            )
             continue
         if item["type"] == "missing":
             lines.append(f"  {key}: required but not set\n    fix: add it to {source} or pass --set {key}=<value>")
@@ -310,8 +511,13 @@ def _fields_at(loc: list[str]) -> dict[str, str | None]:
         field = next((m.model_fields[part] for m in candidates if part in m.model_fields), None)
         if field is None:
             return {}
-        members = getattr(field.annotation, "__args__", (field.annotation,))
+        members = [_unannotated(a) for a in getattr(field.annotation, "__args__", (field.annotation,))]
         candidates = [a for a in members if isinstance(a, type) and issubclass(a, BaseModel)]
     if len(candidates) != 1:
         return {}
     return {name: f.description for name, f in candidates[0].model_fields.items()}
+
+
+def _unannotated(annotation: Any) -> Any:
+    """``Annotated[X, ...]`` -> ``X``: union members carry their discriminator tag this way."""
+    return typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated else annotation

@@ -1,7 +1,12 @@
 """The executor protocol: how a launch plan becomes N running replicas on some backend.
 
-Plans and handles are frozen, JSON-serialisable values: a plan can be printed and tested without any
-network, and handles are stored in the run so another process can watch or cancel it.
+Plans and handles are frozen, JSON-serialisable values. A plan (what will be started, with what resources,
+at what estimated cost) is built and tested without any network; handles (how to find a started replica
+again) are stored in the run as ``launch.json``, so any process holding the run URL can watch, read the logs
+of, or cancel the replicas: the launcher may detach or die without orphaning them.
+
+Secrets appear here only by name: a spec lists the environment variables whose values reach the replica as
+secrets, and each backend reads the values from the launcher's environment at the moment it launches.
 """
 
 from __future__ import annotations
@@ -14,39 +19,113 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from composer_serverless.config import RunConfig
 
-ReplicaState = Literal["pending", "running", "succeeded", "failed", "cancelled"]
-TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+WORKER_MODULE = "composer_serverless.replicas.worker"
+LAUNCH_KEY = "launch.json"
+
+ReplicaState = Literal["pending", "running", "succeeded", "failed", "cancelled", "unscheduled"]
+TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "unscheduled"})
+
+
+def worker_argv(run_url: str, rank: int, python: str = "python") -> tuple[str, ...]:
+    """The replica command every backend runs; backends differ only in where ``python`` lives."""
+    return (python, "-u", "-m", WORKER_MODULE, "--run", run_url, "--rank", str(rank))
 
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """One replica to start: the worker command and the (non-secret) environment it runs with."""
+    """One replica to start: its command, its non-secret environment, and the names of its secrets."""
 
     rank: int
     command: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
+    secrets: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """What a plan may cost, in USD, from a list price per replica-hour.
+
+    ``max_usd`` is a bound, not a guess: every replica runs to its timeout and uses every restart.
+    ``expected_usd`` needs ``executor.seconds_per_step`` (measured on the hardware) and counts start-up plus
+    the configured inner steps once per replica; it leaves out sync waits and restarts.
+    """
+
+    price_per_replica_hour: float
+    price_basis: str
+    gpus_per_replica: int
+    max_replica_hours: float
+    max_usd: float
+    expected_replica_hours: float | None = None
+    expected_usd: float | None = None
+
+    def summary(self) -> str:
+        if self.price_per_replica_hour == 0:
+            return f"$0 ({self.price_basis})"
+        expected = (
+            f"expected ${self.expected_usd:,.2f} ({self.expected_replica_hours:,.2f} replica-hours)"
+            if self.expected_usd is not None
+            else "expected: set executor.seconds_per_step to estimate"
+        )
+        return (
+            f"{expected}; at most ${self.max_usd:,.2f} ({self.max_replica_hours:,.2f} replica-hours, every "
+            f"replica to its timeout with every restart) at ${self.price_per_replica_hour:,.2f}/replica-hour "
+            f"({self.price_basis})"
+        )
 
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Everything an executor will start for a run, decided before anything is started."""
+    """Everything an executor will start for a run, decided before anything is started.
+
+    ``launcher_restarts`` is how often the launcher may start a dead replica again; backends that retry by
+    themselves (Modal) get 0 here and their retries in ``resources``.
+    """
 
     executor: str
+    run_id: str
     run_url: str
     replicas: tuple[ReplicaSpec, ...]
+    cost: CostEstimate
     resources: dict[str, Any] = field(default_factory=dict)
+    launcher_restarts: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LaunchPlan:
+        replicas = tuple(
+            ReplicaSpec(r["rank"], tuple(r["command"]), dict(r["env"]), tuple(r["secrets"]))
+            for r in data["replicas"]
+        )
+        return cls(
+            executor=data["executor"],
+            run_id=data["run_id"],
+            run_url=data["run_url"],
+            replicas=replicas,
+            cost=CostEstimate(**data["cost"]),
+            resources=data["resources"],
+            launcher_restarts=data["launcher_restarts"],
+        )
+
+    def only(self, rank: int) -> LaunchPlan:
+        """The same plan restricted to one replica: what a relaunch of ``rank`` starts."""
+        return dataclasses.replace(self, replicas=tuple(s for s in self.replicas if s.rank == rank))
+
 
 @dataclass(frozen=True)
 class ReplicaHandle:
-    """How to find a started replica again: its backend id and where its log is."""
+    """How to find a started replica again: its backend id, where its log is, and backend details.
+
+    ``meta`` holds what a backend needs to address the replica from another process (a process's start
+    time and group, a job's namespace, a Modal app id); everything in it is a string.
+    """
 
     rank: int
     backend_id: str
     log: str | None = None
+    attempt: int = 1
+    meta: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,11 +136,59 @@ class ReplicaStatus:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class LaunchRecord:
+    """``launch.json``: the plan, every attempt's handle (oldest first), launch time, whether cancelled."""
+
+    plan: LaunchPlan
+    handles: tuple[ReplicaHandle, ...]
+    created_at: float = 0.0
+    cancelled: bool = False
+
+    def current(self) -> list[ReplicaHandle]:
+        """The latest attempt of each rank, in rank order."""
+        latest: dict[int, ReplicaHandle] = {}
+        for handle in self.handles:
+            if handle.rank not in latest or handle.attempt >= latest[handle.rank].attempt:
+                latest[handle.rank] = handle
+        return [latest[rank] for rank in sorted(latest)]
+
+    def with_handles(self, *handles: ReplicaHandle) -> LaunchRecord:
+        return dataclasses.replace(self, handles=(*self.handles, *handles))
+
+    def to_json(self) -> bytes:
+        payload = {
+            "plan": json.loads(self.plan.to_json()),
+            "handles": [dataclasses.asdict(h) for h in self.handles],
+            "created_at": self.created_at,
+            "cancelled": self.cancelled,
+        }
+        return json.dumps(payload, indent=2, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> LaunchRecord:
+        raw = json.loads(data)
+        return cls(
+            plan=LaunchPlan.from_dict(raw["plan"]),
+            handles=tuple(ReplicaHandle(**h) for h in raw["handles"]),
+            created_at=raw["created_at"],
+            cancelled=raw["cancelled"],
+        )
+
+
 @runtime_checkable
 class ServerlessExecutor(Protocol):
+    """A backend that runs replicas. Implementations: local processes, Modal functions, HF Jobs."""
+
     name: str
 
-    def plan(self, config: RunConfig, run_url: str) -> LaunchPlan: ...
+    def plan(self, config: RunConfig, run_url: str) -> LaunchPlan:
+        """The replicas, resources and cost for ``config``; raises ConfigError for what cannot work."""
+        ...
+
+    def preflight(self, plan: LaunchPlan) -> list[str]:
+        """Problems in this machine's setup that would make ``launch`` fail (credentials), without network."""
+        ...
 
     def launch(self, plan: LaunchPlan) -> list[ReplicaHandle]: ...
 
@@ -69,4 +196,6 @@ class ServerlessExecutor(Protocol):
 
     def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]: ...
 
-    def cancel(self, handles: list[ReplicaHandle]) -> None: ...
+    def cancel(self, handles: list[ReplicaHandle]) -> None:
+        """End the replicas; replicas that have already ended are left alone without error."""
+        ...

@@ -1,8 +1,14 @@
 """``LocalProcessExecutor``: every replica is a subprocess on this machine, logging to its own file.
 
 The debugging backend: the same worker command the cloud backends run, so a run that works here differs on
-Modal or HF Jobs only in where the processes live. Each replica gets its own process group so cancelling
-ends the replica and anything it started, and nothing else.
+Modal or HF Jobs only in where the processes live. Each replica is the leader of its own session and process
+group, so a terminal's Ctrl-C reaches only the launcher (which then asks whether to cancel or detach) and
+cancelling ends the replica and whatever it started, and nothing else.
+
+Handles carry the process's identity (pid, process group, start time from ``/proc``, boot id, host), so a
+later ``status`` or ``cancel`` from another process signals a pid only while it still belongs to the replica
+that was started: a recycled pid is never signalled. When the process is gone and was not ours to reap, its
+outcome comes from the replica's final heartbeat in the store.
 """
 
 from __future__ import annotations
@@ -10,29 +16,66 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from composer_serverless.config import RunConfig
-from composer_serverless.executors.base import LaunchPlan, ReplicaHandle, ReplicaSpec, ReplicaStatus
+from composer_serverless.config import ConfigError, RunConfig
+from composer_serverless.executors.base import (
+    CostEstimate,
+    LaunchPlan,
+    ReplicaHandle,
+    ReplicaSpec,
+    ReplicaStatus,
+    worker_argv,
+)
+from composer_serverless.executors.environment import store_protocol
+from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.telemetry import read_heartbeats
 
-WORKER_MODULE = "composer_serverless.replicas.worker"
+CANCEL_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class _Identity:
+    """What ``/proc/<pid>/stat`` says of a process: enough to tell it from a later one with the same pid."""
+
+    state: str
+    pgid: int
+    start_ticks: int
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in ("Z", "X")  # a zombie has exited; only its exit status is left
 
 
 class LocalProcessExecutor:
     name = "local"
 
-    def __init__(self, log_dir: Path) -> None:
-        self._log_dir = log_dir
+    def __init__(self, run: ObjectStore, log_dir: Path) -> None:
+        self._run = run
+        self._log_dir = log_dir.absolute()
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._cancelled: set[int] = set()
 
     def plan(self, config: RunConfig, run_url: str) -> LaunchPlan:
+        ex = config.executor
         replicas = config.diloco.replicas
-        threads = config.executor.threads_per_replica or max(1, (os.cpu_count() or 1) // replicas)
+        if store_protocol(config.store) == "memory":
+            raise ConfigError(
+                f"store {config.store!r} lives in one process's memory; replica subprocesses cannot see it\n"
+                "  fix: --set store=runs (a directory) or an s3:// URL"
+            )
+        if replicas > ex.max_replicas:
+            raise ConfigError(
+                f"diloco.replicas ({replicas}) exceeds executor.max_replicas ({ex.max_replicas}) here\n"
+                f"  fix: fewer replicas, or --set executor.max_replicas={replicas} if this machine takes them"
+            )
+        threads = ex.threads_per_replica or max(1, (os.cpu_count() or 1) // replicas)
         # One BLAS/OpenMP pool per replica, sized so replicas share the cores instead of oversubscribing them.
         env = {
             "OMP_NUM_THREADS": str(threads),
@@ -41,10 +84,25 @@ class LocalProcessExecutor:
             "PYTHONUNBUFFERED": "1",
         }
         specs = tuple(
-            ReplicaSpec(rank, (sys.executable, "-m", WORKER_MODULE, "--run", run_url, "--rank", str(rank)), env)
-            for rank in range(replicas)
+            ReplicaSpec(rank, worker_argv(run_url, rank, sys.executable), env) for rank in range(replicas)
         )
-        return LaunchPlan(self.name, run_url, specs, {"threads_per_replica": threads, "log_dir": str(self._log_dir)})
+        free = CostEstimate(0.0, "local processes: no cloud bill", 0, 0.0, 0.0, 0.0, 0.0)
+        return LaunchPlan(
+            executor=self.name,
+            run_id=config.run_id or "",
+            run_url=run_url,
+            replicas=specs,
+            cost=free,
+            resources={
+                "threads_per_replica": threads,
+                "log_dir": str(self._log_dir),
+                "secrets": "inherited environment",
+            },
+            launcher_restarts=ex.max_restarts,
+        )
+
+    def preflight(self, plan: LaunchPlan) -> list[str]:
+        return []  # replicas inherit this environment, credentials included
 
     def launch(self, plan: LaunchPlan) -> list[ReplicaHandle]:
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -61,16 +119,24 @@ class LocalProcessExecutor:
                     start_new_session=True,
                 )
             self._procs[proc.pid] = proc
-            handles.append(ReplicaHandle(spec.rank, str(proc.pid), str(log)))
+            handles.append(ReplicaHandle(spec.rank, str(proc.pid), str(log), meta=_identity_meta(proc.pid)))
         return handles
 
     def status(self, handles: list[ReplicaHandle]) -> list[ReplicaStatus]:
-        return [self._status(h) for h in handles]
+        beats = None
+        statuses = []
+        for handle in handles:
+            status = self._own_status(handle) or self._foreign_status(handle)
+            if status is None:
+                beats = read_heartbeats(self._run) if beats is None else beats
+                status = _status_from_heartbeat(handle, beats.get(handle.rank))
+            statuses.append(status)
+        return statuses
 
-    def _status(self, handle: ReplicaHandle) -> ReplicaStatus:
+    def _own_status(self, handle: ReplicaHandle) -> ReplicaStatus | None:
         proc = self._procs.get(int(handle.backend_id))
-        if proc is None:
-            raise KeyError(f"replica {handle.rank} (pid {handle.backend_id}) was not started by this executor")
+        if proc is None or not _same_process(handle):
+            return None
         code = proc.poll()
         if code is None:
             return ReplicaStatus(handle.rank, "running")
@@ -81,35 +147,124 @@ class LocalProcessExecutor:
         detail = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         return ReplicaStatus(handle.rank, "failed", code, detail)
 
+    def _foreign_status(self, handle: ReplicaHandle) -> ReplicaStatus | None:
+        """A replica another process started: running while its identity holds, else None (see beats)."""
+        if not _on_this_machine(handle):
+            return None
+        identity = _read_identity(int(handle.backend_id))
+        if identity is not None and identity.alive and _matches(handle, identity):
+            return ReplicaStatus(handle.rank, "running")
+        return None
+
     def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
-        if handle.log is None:
-            return
+        if handle.log is None or not Path(handle.log).exists():
+            raise FileNotFoundError(
+                f"the log of replica {handle.rank} is not on this machine ({handle.log}, written on "
+                f"{handle.meta.get('host', 'another host')})"
+            )
         with open(handle.log, errors="replace") as f:
             while True:
                 line = f.readline()
                 if line:
                     yield line.rstrip("\n")
-                elif follow and self._status(handle).state == "running":
+                elif follow and self.status([handle])[0].state == "running":
                     time.sleep(0.2)
                 else:
                     return
 
-    def cancel(self, handles: list[ReplicaHandle], grace_s: float = 5.0) -> None:
-        """SIGTERM each replica's process group, then SIGKILL whatever is left after ``grace_s``."""
-        live = [self._procs[int(h.backend_id)] for h in handles if int(h.backend_id) in self._procs]
-        live = [p for p in live if p.poll() is None]
-        for proc in live:
-            self._cancelled.add(proc.pid)
-            _signal_group(proc.pid, signal.SIGTERM)
+    def cancel(self, handles: list[ReplicaHandle], grace_s: float = CANCEL_GRACE_S) -> None:
+        """SIGTERM each live replica's process group, then SIGKILL what is left after ``grace_s``.
+
+        A process is signalled only after its identity (start time, group) is checked against the handle.
+        """
+        live = [h for h in handles if self._alive(h)]
+        for handle in live:
+            self._cancelled.add(int(handle.backend_id))
+            _signal_group(handle, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for proc in live:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait()
+        for handle in live:
+            while self._alive(handle) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self._alive(handle):
+                _signal_group(handle, signal.SIGKILL)
+
+    def _alive(self, handle: ReplicaHandle) -> bool:
+        """Whether the replica's own process still runs; our children are also reaped here."""
+        proc = self._procs.get(int(handle.backend_id))
+        if proc is not None and _same_process(handle):
+            return proc.poll() is None
+        return _verified_alive(handle)
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
+def _status_from_heartbeat(handle: ReplicaHandle, beat: dict | None) -> ReplicaStatus:
+    """The outcome of a replica whose process is gone (or on another machine), from its last heartbeat."""
+    started = float(handle.meta.get("started_at", 0))
+    fresh = beat is not None and beat.get("time", 0) >= started - 1.0
+    if fresh and beat["state"] == "done":
+        return ReplicaStatus(handle.rank, "succeeded", 0, "final heartbeat: done")
+    if fresh and beat["state"] == "failed":
+        return ReplicaStatus(handle.rank, "failed", 1, f"final heartbeat: {beat.get('error', 'failed')}")
+    if not _on_this_machine(handle):
+        state = beat["state"] if fresh else "no heartbeat yet"
+        return ReplicaStatus(
+            handle.rank, "running", None, f"on {handle.meta.get('host')}; last heartbeat: {state}"
+        )
+    return ReplicaStatus(handle.rank, "failed", None, "the process ended without a final heartbeat (killed?)")
+
+
+def _identity_meta(pid: int) -> dict[str, str]:
+    identity = _read_identity(pid)
+    meta = {
+        "pid": str(pid),
+        "pgid": str(pid),
+        "host": socket.gethostname(),
+        "started_at": f"{time.time():.3f}",
+    }
+    if identity is not None:
+        meta.update(start_ticks=str(identity.start_ticks), boot_id=_boot_id())
+    return meta
+
+
+def _read_identity(pid: int) -> _Identity | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) is parenthesised and may hold spaces; the fields after it are plain.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return _Identity(state=fields[0], pgid=int(fields[2]), start_ticks=int(fields[19]))
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _on_this_machine(handle: ReplicaHandle) -> bool:
+    return handle.meta.get("host") == socket.gethostname() and handle.meta.get("boot_id", "") == _boot_id()
+
+
+def _matches(handle: ReplicaHandle, identity: _Identity) -> bool:
+    return str(identity.start_ticks) == handle.meta.get("start_ticks") and str(
+        identity.pgid
+    ) == handle.meta.get("pgid")
+
+
+def _same_process(handle: ReplicaHandle) -> bool:
+    """True unless ``/proc`` proves the pid now belongs to another process (no ``/proc``: trust our Popen)."""
+    identity = _read_identity(int(handle.backend_id))
+    return identity is None or "start_ticks" not in handle.meta or _matches(handle, identity)
+
+
+def _verified_alive(handle: ReplicaHandle) -> bool:
+    if not _on_this_machine(handle):
+        return False
+    identity = _read_identity(int(handle.backend_id))
+    return identity is not None and identity.alive and _matches(handle, identity)
+
+
+def _signal_group(handle: ReplicaHandle, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, sig)
+        os.killpg(int(handle.meta["pgid"]), sig)

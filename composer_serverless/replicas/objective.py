@@ -14,6 +14,9 @@ import torch
 from composer_serverless.config import RunConfig
 from composer_serverless.replicas.data import Batches, shard, stdlib_corpus
 
+# Held-out sequences are drawn from this many interleaved file streams, independent of the training batch size.
+EVAL_STREAMS = 8
+
 
 @runtime_checkable
 class Objective(Protocol):
@@ -40,9 +43,11 @@ class LMObjective:
         files = shard(corpus.train, rank, config.diloco.replicas, config.seed)
         seq_len, batch_size = config.data.seq_len, config.data.batch_size
         self._train = Batches(corpus, files, tokenizer, seq_len, batch_size, seed=config.seed + rank)
-        # Fixed seed: every replica that evaluates scores the same held-out sequences.
-        self._heldout = Batches(corpus, corpus.heldout, tokenizer, seq_len, batch_size, seed=0)
-        self._eval_batches = -(-config.eval.sequences // batch_size)
+        # Fixed seed and stream count: every replica, and any run with another batch size, scores the same
+        # held-out sequences.
+        self._heldout = Batches(corpus, corpus.heldout, tokenizer, seq_len, EVAL_STREAMS, seed=0)
+        self._eval_sequences = config.eval.sequences
+        self._batch_size = batch_size
         self._eval_set: list[torch.Tensor] | None = None
 
     def loss(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
@@ -53,14 +58,15 @@ class LMObjective:
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         if self._eval_set is None:
-            self._eval_set = [self._heldout.next() for _ in range(self._eval_batches)]
+            rows = torch.cat([self._heldout.next() for _ in range(-(-self._eval_sequences // EVAL_STREAMS))])
+            self._eval_set = list(rows[: self._eval_sequences].split(self._batch_size))
         was_training = model.training
         model.eval()
         device = _device_of(model)
-        # Every batch has the same shape, so the mean of batch means is the token mean.
-        losses = [model(input_ids=b.to(device), labels=b.to(device)).loss.float().item() for b in self._eval_set]
+        # Rows all have the same length, so weighting each batch's mean by its rows gives the token mean.
+        total = sum(model(input_ids=b.to(device), labels=b.to(device)).loss.float().item() * len(b) for b in self._eval_set)
         model.train(was_training)
-        return {"eval/loss": sum(losses) / len(losses)}
+        return {"eval/loss": total / self._eval_sequences}
 
     def state_dict(self) -> dict[str, Any]:
         return {"train": self._train.state_dict()}

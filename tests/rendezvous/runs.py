@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,17 @@ from composer_serverless.config import RunConfig, validate_config
 from composer_serverless.launcher import create_run
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.telemetry import read_metrics
+
+# Two fragments with overlap and alpha: between rounds the local parameters differ from the global ones,
+# which makes resuming (and any fault) exercise every piece of per-replica state.
+REFERENCE_SETTINGS: dict[str, Any] = {
+    "rounds": 5,
+    "min_replicas": 2,
+    "fragments": 2,
+    "fragment_sync_delay": 1,
+    "fragment_update_alpha": 0.5,
+    "codec": "int8",
+}
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -37,35 +49,12 @@ def subprocess_env() -> dict[str, str]:
     }
 
 
-def build_tiny_model(out: Path) -> Path:
-    """A 2-layer Llama (hidden 32) with a small byte-level BPE tokenizer, saved with save_pretrained."""
-    import sysconfig
+@dataclass(frozen=True)
+class ReferenceRun:
+    """A clean run of REFERENCE_SETTINGS and the global-parameter digests its replicas reported per round."""
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from composer_serverless.models import train_tokenizer
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(stdlib / name).read_text() for name in ("textwrap.py", "string.py", "bisect.py")]
-    tokenizer = train_tokenizer(texts, vocab_size=320)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    run: ObjectStore
+    digests: dict[int, set[str]]
 
 
 def make_config(store: str, run_id: str, model_dir: Path, **diloco: Any) -> RunConfig:

@@ -8,9 +8,10 @@ import signal
 import time
 from pathlib import Path
 
-from conftest import REFERENCE_SETTINGS, ReferenceRun
 from runs import (
     PROCESS_TIMEOUT_S,
+    REFERENCE_SETTINGS,
+    ReferenceRun,
     create,
     digests,
     logs_of,

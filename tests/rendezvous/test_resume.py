@@ -9,8 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REFERENCE_SETTINGS, ReferenceRun
-from runs import REPO, create, digests, logs_of, make_config, rows, run_replicas, subprocess_env
+from runs import (
+    REFERENCE_SETTINGS,
+    REPO,
+    ReferenceRun,
+    create,
+    digests,
+    logs_of,
+    make_config,
+    rows,
+    run_replicas,
+    subprocess_env,
+)
 
 from composer_serverless.rendezvous.checkpoint import latest_round
 from composer_serverless.rendezvous.store import ObjectStore

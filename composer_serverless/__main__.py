@@ -1,0 +1,5 @@
+"""``python -m composer_serverless`` is the ``composer-serverless`` command."""
+
+from composer_serverless.cli import main
+
+main()

@@ -1,0 +1,91 @@
+"""What a cloud replica needs from the launcher's machine: a store it can reach, credentials, settings.
+
+Cloud replicas share nothing with the launcher but the store and what the launcher hands them at launch.
+So before anything is started we check that the store is one they can reach (not a local directory), that
+the model is not a local path, and which credentials they need; credentials travel by *name* (the backend
+reads the value from this environment at launch and delivers it as a secret), settings such as the S3
+region or endpoint travel as plain environment variables.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import fsspec
+
+from composer_serverless.config import ConfigError, RunConfig
+
+# Credentials each store protocol needs in the replicas, and optional ones forwarded when present.
+STORE_CREDENTIALS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "s3": (("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"), ("AWS_SESSION_TOKEN",)),
+    "hf": (("HF_TOKEN",), ()),
+}
+# Non-secret settings the S3 clients read; forwarded so replicas reach the same endpoint and region.
+FORWARDED_SETTINGS = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+LOCAL_PROTOCOLS = frozenset({"file", "local", "memory"})
+_LOGIN_HINT = " (or run `hf auth login`)"
+
+
+def store_protocol(url: str) -> str:
+    """The fsspec protocol of ``url`` (``file`` for a plain path), normalised (``s3a`` -> ``s3``)."""
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    return {"s3a": "s3", "gs": "gcs"}.get(protocol, protocol)
+
+
+def check_reachable_by_cloud_replicas(config: RunConfig, executor: str) -> None:
+    """Refuse what replicas in the cloud could never read: a local store or a local model directory."""
+    protocol = store_protocol(config.store)
+    if protocol in LOCAL_PROTOCOLS:
+        raise ConfigError(
+            f"store {config.store!r} is on this machine, but {executor} replicas run elsewhere and could not "
+            "reach it\n  fix: --set store=s3://<bucket>/runs (or any object store both can reach), "
+            "or --executor local"
+        )
+    path = config.model.path
+    if path is not None and Path(path).expanduser().exists():
+        raise ConfigError(
+            f"model.path {path!r} is a directory on this machine, which {executor} replicas cannot read\n"
+            "  fix: push it to the Hugging Face Hub and set model.path to its repo id"
+        )
+
+
+def secret_names(config: RunConfig, always: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(required, optional) environment variable names delivered to the replicas as secrets."""
+    required, optional = STORE_CREDENTIALS.get(store_protocol(config.store), ((), ()))
+    extra = getattr(config.executor, "secrets", ())
+    required_all = tuple(dict.fromkeys((*always, *required, *extra)))
+    return required_all, tuple(n for n in optional if n not in required_all)
+
+
+def present_secrets(config: RunConfig, always: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The secret names to deliver: every required one and the optional ones that are set here."""
+    required, optional = secret_names(config, always)
+    return (*required, *(n for n in optional if secret_value(n)))
+
+
+def secret_name_problems(names: tuple[str, ...]) -> list[str]:
+    """One problem line per secret the replicas need whose value is not available here."""
+    return [
+        f"{name} is not set: the replicas need it as a secret (to reach the store or the Hub)\n"
+        f"  fix: export {name}=... in the shell that launches{_LOGIN_HINT if name == 'HF_TOKEN' else ''}"
+        for name in names
+        if not secret_value(name)
+    ]
+
+
+def secret_value(name: str) -> str | None:
+    """The value to deliver for secret ``name``: the environment's, or for HF_TOKEN the logged-in token."""
+    value = os.environ.get(name)
+    if value or name != "HF_TOKEN":
+        return value or None
+    try:
+        from huggingface_hub import get_token
+    except ImportError:
+        return None
+    return get_token()
+
+
+def forwarded_settings() -> dict[str, str]:
+    """The non-secret S3 settings set here, passed to replicas as plain environment variables."""
+    return {name: os.environ[name] for name in FORWARDED_SETTINGS if os.environ.get(name)}

@@ -1,0 +1,35 @@
+"""The Modal App that runs replicas: one GPU function whose body is the replica worker.
+
+It lives inside the package on purpose: Modal mounts the whole top-level package of a function defined in a
+package, so containers get exactly the code that launched them. Module-level code runs again in every
+container and therefore only builds lazy Modal objects (no network, no config, no arguments). The static
+options below are safe defaults; each run overrides GPU, timeout, retries, secrets and environment with
+``with_options`` (see ``executors/modal.py``). There is deliberately no ``max_containers``: a cap below the
+number of replicas would queue some of them behind a sync barrier that waits for them.
+"""
+
+from __future__ import annotations
+
+import modal
+
+from composer_serverless.executors.modal import APP_NAME, IMAGE_REQUIREMENTS, PYTHON_VERSION, RETRY_DELAY_S
+
+image = (
+    modal.Image.debian_slim(python_version=PYTHON_VERSION)
+    .pip_install(*IMAGE_REQUIREMENTS)
+    .env({"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+)
+app = modal.App(APP_NAME, image=image)
+
+
+@app.function(
+    gpu="H100",
+    timeout=6 * 3600,
+    retries=modal.Retries(max_retries=2, initial_delay=RETRY_DELAY_S, backoff_coefficient=1.0),
+    single_use_containers=True,
+)
+def train_replica(run_url: str, rank: int) -> int:
+    """Run replica ``rank`` of the run at ``run_url`` here; raises on failure, so Modal retries it."""
+    from composer_serverless.replicas.worker import main
+
+    return main(["--run", run_url, "--rank", str(rank)])

@@ -1,0 +1,190 @@
+"""HF Jobs end to end: the real CLI and the real huggingface_hub client against a fake Jobs API on loopback.
+
+Each job's command runs as a local process; the replicas meet in a moto S3 server (``s3://bucket/runs``).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from urllib.parse import parse_qsl, urlsplit
+
+import pytest
+
+from tests.executors.conftest import (
+    HF_TOKEN,
+    NAMESPACE,
+    SECRET_ACCESS_KEY,
+    cli,
+    cli_background,
+    store_objects,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _config(tmp_path, store, run_id, rounds=2, extra=""):
+    return write_config(
+        tmp_path / f"{run_id}.toml",
+        f"""
+        run_id = "{run_id}"
+        store = "{store}"
+
+        [diloco]
+        replicas = 2
+        sync_every = 3
+        rounds = {rounds}
+
+        [executor]
+        type = "hf_jobs"
+        image = "ghcr.io/example/composer-serverless:test"
+        flavor = "a10g-small"
+        namespace = "{NAMESPACE}"
+        timeout_s = 7200
+        status_poll_s = 0.5
+        max_restarts = 0
+        {extra}
+        """,
+    )
+
+
+def test_two_replica_run_through_hf_jobs_then_status_logs_cancel_and_no_secret_anywhere(
+    tmp_path, s3_store, fake_hf, hf_env
+):
+    store, client = s3_store
+    run_url = f"{store}/hf-e2e"
+    result = cli("launch", str(_config(tmp_path, store, "hf-e2e")), env=hf_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(client.get_object(Bucket="bucket", Key="runs/hf-e2e/summary.json")["Body"].read())
+    assert summary["rounds_committed"] == 2 and summary["replicas_bit_identical"] is True
+    assert "held-out loss of the global model" in result.stdout
+    _check_job_specs(fake_hf, run_url)
+    _check_polling(fake_hf)
+
+    status = cli("status", run_url, env=hf_env)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.count("succeeded") == 2 and all(job_id in status.stdout for job_id in fake_hf.jobs)
+    assert "2/2" in status.stdout and "3/3" in status.stdout
+
+    logs = [cli("logs", run_url, "--rank", str(rank), env=hf_env) for rank in (0, 1)]
+    assert all(log.returncode == 0 for log in logs), [log.stderr for log in logs]
+    assert (
+        "[replica 1]" in logs[1].stdout
+        and "round 2/2" in logs[1].stdout
+        and "Job started" not in logs[1].stdout
+    )
+
+    # Cancelling jobs that already ended is not an error: the server's 4xx is tolerated.
+    cancel = cli("cancel", run_url, env=hf_env)
+    assert cancel.returncode == 0, cancel.stderr
+    assert len(fake_hf.requests_to("POST", f"/api/jobs/{NAMESPACE}/")) == 2
+
+    dry = cli("launch", str(_config(tmp_path, store, "dry")), "--dry-run", env=hf_env)
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["replicas"][0]["secrets"] == [
+        "HF_TOKEN",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+    ]
+    _check_no_secret_anywhere(
+        client,
+        fake_hf,
+        {"launcher output": result.stdout + result.stderr, "dry-run plan": dry.stdout + dry.stderr}
+        | {f"log of rank {rank}": log.stdout for rank, log in enumerate(logs)},
+    )
+
+
+def _check_job_specs(fake, run_url):
+    specs = [job.spec for job in fake.jobs.values()]
+    assert sorted(s["labels"]["rank"] for s in specs) == ["0", "1"]
+    for spec in specs:
+        assert spec["labels"]["run_id"] == "hf-e2e"
+        assert spec["flavor"] == "a10g-small" and spec["timeoutSeconds"] == 7200
+        assert spec["dockerImage"] == "ghcr.io/example/composer-serverless:test"
+        assert spec["command"][:4] == ["python", "-u", "-m", "composer_serverless.replicas.worker"]
+        assert spec["command"][-4:] == ["--run", run_url, "--rank", spec["labels"]["rank"]]
+        # Credentials travel as secrets, under the names the user's environment has them; settings as env.
+        assert set(spec["secrets"]) == {"HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+        assert (
+            spec["secrets"]["AWS_SECRET_ACCESS_KEY"] == SECRET_ACCESS_KEY
+            and spec["secrets"]["HF_TOKEN"] == HF_TOKEN
+        )
+        assert "AWS_ENDPOINT_URL_S3" in spec["environment"] and not set(spec["environment"]) & set(
+            spec["secrets"]
+        )
+
+
+def _check_polling(fake):
+    """Every call named the namespace (so no whoami); status was one labelled list per poll, no inspects."""
+    assert not fake.requests_to("GET", "/api/whoami-v2")
+    lists = fake.requests_to("GET", f"/api/jobs/{NAMESPACE}?")
+    assert lists and all(("label", "run_id=hf-e2e") in parse_qsl(urlsplit(p).query) for p in lists)
+    inspects = [p for p in fake.requests_to("GET", f"/api/jobs/{NAMESPACE}/") if "/logs" not in p]
+    assert not inspects
+
+
+def _check_no_secret_anywhere(client, fake, texts):
+    """argv, env and labels of every job, the outputs given, every object in the store (plan, run.json...)."""
+    objects = store_objects(client)
+    assert "runs/hf-e2e/launch.json" in objects and "runs/hf-e2e/run.json" in objects
+    haystacks = dict(texts)
+    for job in fake.jobs.values():
+        for part in ("command", "environment", "labels"):
+            haystacks[f"job {job.id} {part}"] = json.dumps(job.spec[part])
+    haystacks |= {f"object {key}": data.decode("latin-1") for key, data in objects.items()}
+    for secret in (SECRET_ACCESS_KEY, HF_TOKEN):
+        leaks = [where for where, text in haystacks.items() if secret in text]
+        assert not leaks, f"a secret value was found in {leaks}"
+
+
+def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path, s3_store, fake_hf, hf_env):
+    store, client = s3_store
+    run_url = f"{store}/hf-detach"
+    launcher = cli_background("launch", str(_config(tmp_path, store, "hf-detach", rounds=200)), env=hf_env)
+    while not _training(client, "hf-detach", ranks=2):
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.5)
+    launcher.send_signal(signal.SIGINT)  # Ctrl-C: the launcher asks; answer "detach"
+    out, err = launcher.communicate("d\n")
+    assert launcher.returncode == 0, out + err
+    assert "detached" in out and f"composer-serverless status {run_url}" in out
+
+    status = cli("status", run_url, env=hf_env)
+    assert status.returncode == 0 and status.stdout.count("running") >= 2, status.stdout + status.stderr
+    logs = cli("logs", run_url, "--rank", "0", env=hf_env)
+    assert logs.returncode == 0 and "[replica 0]" in logs.stdout, logs.stderr
+
+    cancel = cli("cancel", run_url, env=hf_env)
+    assert cancel.returncode == 0, cancel.stderr
+    assert all(job.stage[0] == "CANCELED" for job in fake_hf.jobs.values())
+    for job in fake_hf.jobs.values():
+        assert job.proc.wait() != 0  # the replica process itself was ended
+    status = cli("status", run_url, env=hf_env)
+    assert status.stdout.count("cancelled") >= 2 and "(cancelled)" in status.stdout, status.stdout
+
+
+def test_a_replica_stuck_in_scheduling_is_given_up(tmp_path, s3_store, fake_hf, hf_env):
+    store, _ = s3_store
+    fake_hf.hold = lambda spec: True  # no hardware, ever
+    config = _config(tmp_path, store, "hf-stuck", extra="scheduling_deadline_s = 1")
+    result = cli("launch", str(config), "--set", "diloco.replicas=1", env=hf_env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = result.stdout + result.stderr
+    assert "no replica ran: replica 0 got no hardware (still SCHEDULING after" in out
+    assert "(deadline 1 s): Waiting for hardware" in out
+    (job,) = fake_hf.jobs.values()
+    assert job.stage[0] == "CANCELED"
+
+
+def _training(client, run_id, ranks):
+    """True once every rank's heartbeat says it is training (read straight from the S3 server)."""
+    beats = []
+    for rank in range(ranks):
+        try:
+            body = client.get_object(Bucket="bucket", Key=f"runs/{run_id}/members/{rank}.json")["Body"].read()
+        except client.exceptions.NoSuchKey:
+            return False
+        beats.append(json.loads(body))
+    return all(b["state"] == "training" for b in beats)

@@ -1,0 +1,222 @@
+"""Local processes: a dead replica is relaunched and the run completes; one that keeps failing fails the run
+with its log; detach, then status/logs/cancel from other processes; cancel never signals a recycled pid; and
+after a full run no secret value is in any replica's argv, the plan, the logs, or any object in the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from composer_serverless.config import validate_config
+from composer_serverless.executors import base
+from composer_serverless.executors.base import LAUNCH_KEY, LaunchRecord, ReplicaHandle
+from composer_serverless.executors.local import LocalProcessExecutor, _identity_meta
+from composer_serverless.launcher import launch
+from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.supervisor import RunFailed
+from tests.conftest import TINY
+from tests.executors.conftest import (
+    HF_TOKEN,
+    REPO,
+    SECRET_ACCESS_KEY,
+    cli,
+    cli_background,
+    store_objects,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _config(store: str, run_id: str, rounds: int = 2, **executor):
+    return validate_config(
+        {
+            "run_id": run_id,
+            "store": store,
+            "model": {"tiny": TINY.model_dump()},
+            "data": {"seq_len": 32, "batch_size": 4},
+            "diloco": {"replicas": 2, "sync_every": 3, "rounds": rounds},
+            "eval": {"sequences": 8},
+            "executor": {"type": "local", "threads_per_replica": 1, **executor},
+        }
+    )
+
+
+@pytest.fixture
+def crash(monkeypatch, tmp_path):
+    """Run replicas through the test-only crashy wrapper; ``crash(ranks, times)`` sets its orders."""
+    monkeypatch.setattr(base, "WORKER_MODULE", "tests.executors.crashy_worker")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("CRASH_COUNT_DIR", str(tmp_path))
+
+    def orders(ranks: str, times: int) -> None:
+        monkeypatch.setenv("CRASH_RANKS", ranks)
+        monkeypatch.setenv("CRASH_TIMES", str(times))
+
+    return orders
+
+
+class ArgvSampler(threading.Thread):
+    """Records the command line of every process of run ``run_url`` alive while it runs (read from /proc)."""
+
+    def __init__(self, run_url: str) -> None:
+        super().__init__(daemon=True)
+        self.run_url = run_url
+        self.seen: set[str] = set()
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    argv = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                if f"--run {self.run_url} " in argv:
+                    self.seen.add(argv)
+            time.sleep(0.05)
+
+    def stop(self) -> set[str]:
+        self._done.set()
+        self.join()
+        return self.seen
+
+
+def test_dead_replica_is_relaunched_run_completes_and_no_secret_anywhere(
+    tmp_path, s3_store, crash, monkeypatch
+):
+    store, client = s3_store
+    crash("1", 1)
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    monkeypatch.chdir(tmp_path)  # the local logs of a run in S3 go to ./.composer-serverless/<run_id>/logs
+    sampler = ArgvSampler(f"{store}/relaunch")
+    sampler.start()
+    out = io.StringIO()
+    summary = launch(
+        _config(store, "relaunch", max_restarts=1), "relaunch.toml", Console(file=out, width=200)
+    )
+    argv_seen = sampler.stop()
+    output = out.getvalue()
+    assert summary is not None and summary["rounds_committed"] == 2 and summary["replicas_bit_identical"], (
+        output
+    )
+    assert "replica 1 died (exit code 3); started it again (attempt 2 of 2)" in output
+
+    record = LaunchRecord.from_json(
+        client.get_object(Bucket="bucket", Key=f"runs/relaunch/{LAUNCH_KEY}")["Body"].read()
+    )
+    assert [(h.rank, h.attempt) for h in record.handles] == [(0, 1), (1, 1), (1, 2)]
+    log = Path(record.current()[1].log).read_text()
+    assert log.index("crashing on purpose") < log.index("round 2/2")
+
+    assert len(argv_seen) >= 2, argv_seen  # both ranks were seen running
+    texts = {f"argv {i}": argv for i, argv in enumerate(sorted(argv_seen))}
+    texts["launcher output"] = output
+    texts |= {f"log {p.name}": p.read_text() for p in (tmp_path / ".composer-serverless").rglob("*.log")}
+    texts |= {f"object {k}": v.decode("latin-1") for k, v in store_objects(client).items()}
+    assert any(k.endswith("launch.json") for k in texts) and any(k.endswith("run.json") for k in texts)
+    for secret in (SECRET_ACCESS_KEY, HF_TOKEN):
+        assert not [where for where, text in texts.items() if secret in text], f"{secret} leaked"
+
+
+def test_replica_that_keeps_failing_fails_the_run_with_its_log(tmp_path, crash):
+    crash("1", 5)
+    store = tmp_path / "store"
+    with pytest.raises(RunFailed) as failure:
+        launch(_config(str(store), "keeps-failing", max_restarts=1), "x.toml", Console(file=io.StringIO()))
+    message = str(failure.value)
+    assert "replica 1 failed after 2 attempts (exit code 3); last lines of its log" in message
+    assert "crashing on purpose (crash 2)" in message
+    record = LaunchRecord.from_json(ObjectStore(str(store / "keeps-failing")).get(LAUNCH_KEY))
+    rank0 = record.current()[0]
+    assert (
+        not Path(f"/proc/{rank0.backend_id}").exists() or _state(rank0.backend_id) == "Z"
+    )  # its peer was ended
+
+
+def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path):
+    store = tmp_path / "store"
+    config = write_config(
+        tmp_path / "detach.toml",
+        f"""
+        run_id = "local-detach"
+        store = "{store}"
+        [diloco]
+        replicas = 2
+        sync_every = 3
+        rounds = 300
+        [executor]
+        threads_per_replica = 1
+        """,
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "COLUMNS": "200",
+    }
+    launcher = cli_background("launch", str(config), env=env)
+    members = store / "local-detach" / "members"
+    while not all(_beat(members / f"{r}.json").get("state") == "training" for r in (0, 1)):
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.3)
+    launcher.send_signal(signal.SIGINT)  # Ctrl-C reaches the launcher only: replicas have their own sessions
+    out, err = launcher.communicate("d\n")
+    assert launcher.returncode == 0 and "detached" in out, out + err
+
+    run_url = str(store / "local-detach")
+    pids = [
+        h.backend_id
+        for h in LaunchRecord.from_json((store / "local-detach" / LAUNCH_KEY).read_bytes()).current()
+    ]
+    status = cli("status", run_url, env=env)
+    assert status.returncode == 0 and status.stdout.count("running") == 2, status.stdout + status.stderr
+    assert all(pid in status.stdout for pid in pids)
+    logs = cli("logs", run_url, "--rank", "0", env=env)
+    assert logs.returncode == 0 and "[replica 0]" in logs.stdout, logs.stderr
+
+    cancel = cli("cancel", run_url, env=env)
+    assert cancel.returncode == 0, cancel.stderr
+    assert all(not Path(f"/proc/{pid}").exists() or _state(pid) == "Z" for pid in pids)
+    status = cli("status", run_url, env=env)
+    assert status.stdout.count("cancelled") >= 2 and "(cancelled)" in status.stdout, status.stdout
+
+
+def test_cancel_never_signals_a_process_it_did_not_start(tmp_path):
+    sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    real = ReplicaHandle(0, str(sleeper.pid), None, meta=_identity_meta(sleeper.pid))
+    recycled = dataclasses.replace(
+        real, meta={**real.meta, "start_ticks": str(int(real.meta["start_ticks"]) - 1)}
+    )
+    executor = LocalProcessExecutor(ObjectStore(str(tmp_path)), tmp_path)  # another process's view: no Popen
+    executor.cancel([recycled], grace_s=0.1)
+    assert sleeper.poll() is None, "a pid whose start time does not match was signalled"
+    assert executor.status([recycled])[0].state == "failed"  # not our replica: it is gone as far as we know
+    assert executor.status([real])[0].state == "running"
+    executor.cancel([real])
+    assert sleeper.wait() == -signal.SIGTERM
+
+
+def _beat(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _state(pid: str) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat[stat.rindex(")") + 2]

@@ -1,0 +1,165 @@
+"""The config tree: shipped configs parse, overrides apply, bad input fails with a message naming the key."""
+
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from composer_serverless.cli import app
+from composer_serverless.config import ConfigError, apply_override, load_config, validate_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "deploy" / "configs").glob("*.toml"))
+MINIMAL = {"model": {"tiny": {}}, "diloco": {"sync_every": 4, "rounds": 2}}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    config = load_config(path)
+    assert config.diloco.rounds >= 1
+    # The resolved JSON is what replicas read; it must round-trip to the same tree.
+    assert type(config).model_validate_json(config.resolved_json()) == config
+
+
+def test_shipped_configs_exist():
+    assert any(p.name == "local-demo.toml" for p in CONFIGS)
+
+
+def test_defaults_follow_the_diloco_paper():
+    config = validate_config(MINIMAL)
+    assert (config.diloco.outer_lr, config.diloco.outer_momentum, config.diloco.nesterov) == (0.7, 0.9, True)
+    assert config.train.optimizer == "adamw"
+
+
+def test_overrides_are_parsed_as_toml_values():
+    raw = {"diloco": {"rounds": 2}}
+    apply_override(raw, "diloco.replicas=3")
+    apply_override(raw, "train.betas=[0.9, 0.99]")
+    apply_override(raw, "model.path=some-org/some-model")
+    assert raw == {
+        "diloco": {"rounds": 2, "replicas": 3},
+        "train": {"betas": [0.9, 0.99]},
+        "model": {"path": "some-org/some-model"},
+    }
+
+
+@pytest.mark.parametrize("bad", ["diloco.replicas", "=3", "a..b=1", ".x=1"])
+def test_malformed_override_is_rejected(bad):
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        apply_override({}, bad)
+
+
+def test_override_through_a_value_is_rejected():
+    with pytest.raises(ConfigError, match="seed is a value, not a table"):
+        apply_override({"seed": 1}, "seed.x=2")
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fragment"),
+    [
+        ("diloco.replicas=0", "diloco.replicas", "greater than or equal to 1"),
+        ("diloco.sync_every=0", "diloco.sync_every", "greater than or equal to 1"),
+        ("train.lr=-0.1", "train.lr", "greater than 0"),
+        ("diloco.outer_momentum=1.0", "diloco.outer_momentum", "less than 1"),
+        ("diloco.replicaz=2", "diloco.replicaz", "unknown key; did you mean diloco.replicas?"),
+        ("run_id=Not_Valid", "run_id", "not a valid run id"),
+        ("executor.threads_per_replica=0", "executor.threads_per_replica", "greater than or equal to 1"),
+    ],
+)
+def test_invalid_values_name_the_key_and_the_fix(override, key, fragment):
+    raw = {"model": {"tiny": {}}, "diloco": {"sync_every": 4, "rounds": 2}}
+    apply_override(raw, override)
+    with pytest.raises(ConfigError) as info:
+        validate_config(raw, source="x.toml")
+    message = str(info.value)
+    assert f"{key}:" in message and fragment in message
+    if "unknown key" not in fragment:
+        assert f"fix: change {key} in x.toml or pass --set {key}=<value>" in message
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="must be a multiple of fragments"):
+        validate_config({**MINIMAL, "diloco": {"sync_every": 10, "rounds": 1, "fragments": 3}})
+    with pytest.raises(ConfigError, match="fragment_sync_delay .* must be below"):
+        validate_config({**MINIMAL, "diloco": {"sync_every": 4, "rounds": 1, "fragments": 2, "fragment_sync_delay": 2}})
+    with pytest.raises(ConfigError, match="nesterov = true needs outer_momentum > 0"):
+        validate_config({**MINIMAL, "diloco": {"sync_every": 4, "rounds": 1, "outer_momentum": 0.0}})
+    with pytest.raises(ConfigError, match="exactly one of model.path"):
+        validate_config({**MINIMAL, "model": {"path": "x", "tiny": {}}})
+    with pytest.raises(ConfigError, match="required but not set"):
+        validate_config({"model": {"tiny": {}}, "diloco": {"rounds": 1}})
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[diloco\nreplicas = 2\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(bad)
+
+
+# --- the CLI: exit status 2, one clear message, nothing launched or written -----------------------------
+
+
+def _write_config(tmp_path: Path, store: str, extra: str = "") -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        f'store = "{store}"\n[model.tiny]\n[diloco]\nreplicas = 2\nsync_every = 2\nrounds = 1\n{extra}'
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("sync_every_x = 1\n", "unknown key"),
+        ("[train]\nlr = -1\n", "train.lr"),
+    ],
+)
+def test_cli_rejects_bad_config_before_touching_the_store(tmp_path, extra, expected):
+    store = tmp_path / "store"
+    config = _write_config(tmp_path, str(store), extra)
+    result = CliRunner().invoke(app, ["launch", str(config)])
+    assert result.exit_code == 2, result.output
+    assert expected in result.output
+    assert not store.exists()
+
+
+def test_cli_rejects_bad_overrides(tmp_path):
+    store = tmp_path / "store"
+    config = _write_config(tmp_path, str(store))
+    for args in (["--replicas", "0"], ["--set", "diloco.sync_every=0"], ["--set", "oops"]):
+        result = CliRunner().invoke(app, ["launch", str(config), *args])
+        assert result.exit_code == 2, result.output
+        assert "error:" in result.output
+    assert not store.exists()
+
+
+def test_cli_missing_config_file(tmp_path):
+    result = CliRunner().invoke(app, ["launch", str(tmp_path / "missing.toml")])
+    assert result.exit_code == 2
+    assert "config file not found" in result.output
+
+
+def test_cli_store_that_cannot_be_created(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    config = _write_config(tmp_path, str(blocker / "runs"))
+    result = CliRunner().invoke(app, ["launch", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "cannot write to store" in result.output
+    assert blocker.read_text() == "not a directory"
+
+
+def test_help_lists_only_working_subcommands():
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0
+    commands = set(typer.main.get_command(app).commands)
+    assert commands == {"launch", "status", "logs", "cancel", "export", "sweep"}
+    assert all(name in result.output for name in commands)
+
+
+def test_unknown_executor_type_is_named():
+    with pytest.raises(ConfigError, match=r"executor.type: unknown executor 'nope'; choose one of 'local'"):
+        validate_config({**MINIMAL, "executor": {"type": "nope"}})
