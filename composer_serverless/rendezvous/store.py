@@ -195,16 +195,15 @@ class ObjectStore:
         Raises:
             StoreError: naming the backend and what failed.
         """
-        if self.is_local:
-            os.makedirs(self._root, exist_ok=True)
         probe = f"_probe-{uuid.uuid4().hex}"
         try:
+            if self.is_local:
+                os.makedirs(self._root, exist_ok=True)
             first = self.create(probe, b"first")
             second = self.create(probe, b"second")
+            self.delete(probe)
         except Exception as e:  # any backend error means the same thing to the user: this URL is unusable
             raise StoreError(f"cannot write to store {self.url}: {type(e).__name__}: {e}") from e
-        finally:
-            self.delete(probe)
         if not first or second:
             raise StoreError(
                 f"store {self.url} ({type(self._fs).__name__}) does not enforce create-if-absent: a second "

@@ -84,6 +84,13 @@ def test_probe_refuses_a_backend_that_ignores_create_if_absent(tmp_path) -> None
     ObjectStore(f"file://{tmp_path}/s").ensure_root()
 
 
+def test_an_unusable_root_is_a_store_error(tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StoreError, match="cannot write to store"):
+        ObjectStore(f"file://{blocker}/runs").ensure_root()
+
+
 def test_transient_faults_are_retried_and_logged(store_url: str, caplog: pytest.LogCaptureFixture) -> None:
     store = FaultyStore(store_url, fraction=1.0, lost_fraction=0.0)
     with caplog.at_level(logging.WARNING, logger="composer_serverless.rendezvous.store"):
