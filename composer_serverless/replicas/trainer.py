@@ -13,10 +13,10 @@ Around it the replica keeps the run going through failures:
 * Every replica saves its own state (``replicas/{rank}/{k}``), so a run whose replicas all died resumes
   bit-identically from the store.
 * Right after every sync, the one moment DiLoCo holds no exchange in flight, it compares itself with the
-  store: a replica that is a whole round behind (restarted, or failing) loads LATEST; one that keeps
-  arriving after the quorum is fixed (``LATE_SYNCS_TO_REALIGN`` syncs running) waits for the round in
-  progress to be published and joins the next one in step with the others, instead of training rounds
-  nobody averages.
+  store: a replica that is a whole round behind (restarted, or failing) loads LATEST; one that arrived
+  after the quorum was fixed waits for the round in progress to be published and joins the next one in
+  step with the others. A lag does not shrink by itself (every replica trains at the same pace), so
+  without this it would heal every sync without contributing again.
 """
 
 from __future__ import annotations
@@ -52,9 +52,6 @@ logger = logging.getLogger(__name__)
 
 MODEL_PREFIX = "model"
 FINAL_PREFIX = "final"
-# A replica that misses the quorum this many syncs in a row skips ahead to the next round instead of
-# training rounds nobody averages (it keeps receiving the averages in the meantime).
-LATE_SYNCS_TO_REALIGN = 2
 
 
 class SyncError(RuntimeError):
@@ -321,7 +318,7 @@ class Replica:
         dl = self.config.diloco
         last_step = dl.rounds * dl.fragments
         seen = self.manager.syncs_attempted
-        failures = late_streak = 0
+        failures = 0
         self.meter.reset()
         while self.manager.current_step() < last_step:
             self.meter.losses.append(self._inner_step())
@@ -339,11 +336,8 @@ class Replica:
                     raise SyncError(f"{failures} syncs failed in a row; the last: {outcome.error}")
             if outcome.committed and self.manager.current_step() % dl.fragments == 0:
                 self._finish_round(outcome)
-            # Late once is a hiccup (an evaluation, a slow step); late twice running is a lag that persists.
-            late_streak = late_streak + 1 if outcome.late else 0
-            if self._align(late=late_streak >= LATE_SYNCS_TO_REALIGN):
+            if self._align(late=outcome.late):
                 self.meter.reset()
-                late_streak = 0
 
     def _inner_step(self) -> torch.Tensor:
         loss, _ = self.objective.loss(self.model)
@@ -396,10 +390,11 @@ class Replica:
     def _align(self, *, late: bool) -> bool:
         """Catch up with the store if this replica is behind it; True if it loaded a published state.
 
-        A replica a whole round (or more) behind loads LATEST. At a round boundary, a replica that keeps
-        arriving after the quorum (``late``), or whose next round already has a quorum without it, would
-        otherwise stay behind forever, healing every sync without contributing: it waits for the round in
-        progress to be published and starts the next one with everyone else.
+        A replica a whole round (or more) behind loads LATEST. At a round boundary, a replica that arrived
+        after the quorum of its last sync (``late``), or whose next round already has a quorum without it,
+        is behind by more than the straggler grace and would stay so, healing every sync without
+        contributing: it waits for the round in progress to be published and starts the next one with
+        everyone else.
         """
         dl = self.config.diloco
         step = self.manager.current_step()
