@@ -12,6 +12,7 @@ Replicas coordinate only through objects, so these properties matter more than s
 * **Bounded retries.** Transient failures (5xx, throttling, timeouts, dropped connections, S3's 409 on
   concurrent conditional writes) are retried with jittered exponential backoff, each retry logged; a
   missing object, a lost create race or a denied request is an answer, not a fault, and is never retried.
+  On S3 this is the only retry layer (botocore's and s3fs's are turned off), so attempts do not multiply.
 * **Reads into a caller's buffer.** Large payloads stream into preallocated memory (local files and S3),
   so a reducer holds one copy of each shard, not the two or three ``cat_file`` makes.
 
@@ -155,11 +156,18 @@ class ObjectStore:
     def __init__(self, url: str, *, retry: RetryPolicy | None = None) -> None:
         self.url = url.rstrip("/") or url
         self.retry = retry or RetryPolicy()
-        self._fs, root = fsspec.core.url_to_fs(self.url, use_listings_cache=False, skip_instance_cache=True)
+        options: dict[str, object] = {"use_listings_cache": False, "skip_instance_cache": True}
+        if fsspec.core.split_protocol(self.url)[0] in ("s3", "s3a"):
+            # This class's retry loop is the only one: botocore's and s3fs's own would multiply its attempts
+            # (a dead endpoint took minutes to report) and retry without saying so.
+            options["config_kwargs"] = {"retries": {"mode": "standard", "total_max_attempts": 1}}
+        self._fs, root = fsspec.core.url_to_fs(self.url, **options)
         self._root = root.rstrip("/")
         self.is_local = isinstance(self._fs, LocalFileSystem)
         self._is_memory = isinstance(self._fs, MemoryFileSystem)
         self._is_s3 = hasattr(self._fs, "_call_s3")
+        if self._is_s3:
+            self._fs.retries = 1
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
