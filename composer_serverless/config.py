@@ -40,11 +40,42 @@ class TinyModelConfig(_Strict):
     num_layers: int = Field(2, ge=1, description="decoder layers")
     num_heads: int = Field(4, ge=1, description="attention heads (also key/value heads)")
     tokenizer_corpus_mb: float = Field(4.0, gt=0, description="MB of training text the tokenizer is fit on")
+    tokenizer: Literal["bpe", "chars"] = Field(
+        "bpe",
+        description="'bpe': byte-level BPE fit on the demo corpus; 'chars': one token per character of "
+        "alphabet, for tasks whose answers are a few characters",
+    )
+    alphabet: str | None = Field(
+        None,
+        description="'chars' only: the characters that get a token (others become <|unk|>); default printable "
+        "ASCII. A small alphabet gives a fresh model a real chance of sampling a right answer",
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+        return self
+
+    @model_validator(mode="after")
+    def _chars_has_no_fitted_vocabulary(self) -> TinyModelConfig:
+        # Compared with the defaults, not with model_fields_set: the resolved run.json spells every field out.
+        fitted = [
+            name
+            for name in ("vocab_size", "tokenizer_corpus_mb")
+            if getattr(self, name) != type(self).model_fields[name].default
+        ]
+        if self.tokenizer == "chars" and fitted:
+            raise ValueError(
+                "tokenizer = 'chars' takes its vocabulary from alphabet and is not fit on a corpus; "
+                f"remove {', '.join(fitted)}"
+            )
+        if self.alphabet is not None:
+            if self.tokenizer != "chars":
+                raise ValueError("alphabet is the vocabulary of tokenizer = 'chars'; set that, or remove alphabet")
+            repeated = sorted({c for c in self.alphabet if self.alphabet.count(c) > 1})
+            if not self.alphabet or repeated:
+                raise ValueError(f"alphabet must be non-empty, each character once (repeated: {repeated})")
         return self
 
 

@@ -53,7 +53,7 @@ def create_run(config: RunConfig, source: str, console: Console) -> tuple[Object
         raise ConfigError(f"run {run.url} already exists\n  fix: choose another run_id, or leave run_id unset")
     resolved = config.model_copy(update={"run_id": run_id})
     if resolved.model.tiny is not None:
-        with console.status("building the tiny model and fitting its tokenizer on the demo corpus"):
+        with console.status("building the tiny model and its tokenizer"):
             _build_tiny_into(run, resolved)
     if not run.create("run.json", resolved.resolved_json().encode()):
         raise ConfigError(f"run {run.url} was created concurrently by someone else\n  fix: choose another run_id")
@@ -67,11 +67,15 @@ def _build_tiny_into(run: ObjectStore, config: RunConfig) -> None:
     from composer_serverless.replicas.data import stdlib_corpus, training_text
 
     hf_logging.disable_progress_bar()
-    assert config.model.tiny is not None
-    corpus = stdlib_corpus(config.data.heldout_percent)
-    texts = training_text(corpus, int(config.model.tiny.tokenizer_corpus_mb * 1e6), config.seed)
+    tiny = config.model.tiny
+    assert tiny is not None
+    texts = (
+        training_text(stdlib_corpus(config.data.heldout_percent), int(tiny.tokenizer_corpus_mb * 1e6), config.seed)
+        if tiny.tokenizer == "bpe"
+        else ()
+    )
     with tempfile.TemporaryDirectory() as out:
-        build_tiny(config.model.tiny, texts, Path(out), seed=config.seed)
+        build_tiny(tiny, texts, Path(out), seed=config.seed)
         run.upload_dir(Path(out), MODEL_PREFIX)
 
 
