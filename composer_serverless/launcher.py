@@ -24,8 +24,9 @@ from composer_serverless.config import ConfigError, RunConfig
 from composer_serverless.executors.base import TERMINAL_STATES, ReplicaHandle, ServerlessExecutor
 from composer_serverless.executors.local import LocalProcessExecutor
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.replicas.composer import preflight
 from composer_serverless.replicas.trainer import FINAL_PREFIX, MODEL_PREFIX
-from composer_serverless.report import PLOT_KEY, SUMMARY_KEY, write_report
+from composer_serverless.report import PLOT_KEY, REWARD_PLOT_KEY, SUMMARY_KEY, eval_headline, write_report
 from composer_serverless.telemetry import read_heartbeats, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ def make_executor(config: RunConfig, run: ObjectStore) -> ServerlessExecutor:
 
 def launch(config: RunConfig, source: str, console: Console) -> dict[str, Any]:
     """Run ``config`` to the end and return its summary; raises RunFailed if a replica fails."""
+    if config.train.objective == "composer":
+        preflight(config)
     run, resolved = create_run(config, source, console)
     console.print(f"run [bold]{resolved.run_id}[/] at {run.url}")
     executor = make_executor(resolved, run)
@@ -145,7 +148,7 @@ def _print_new_rounds(run: ObjectStore, reported: set[int], rounds: int, console
             continue
         reported.add(row["round"])
         label = "initial model" if row["round"] == 0 else f"round {row['round']}/{rounds}"
-        console.print(f"  {label}: held-out loss of the global model {row['eval']['eval/loss']:.4f}")
+        console.print(f"  {label}: {eval_headline(row['eval'])}")
 
 
 def print_report(run: ObjectStore, summary: dict[str, Any], console: Console) -> None:
@@ -153,13 +156,16 @@ def print_report(run: ObjectStore, summary: dict[str, Any], console: Console) ->
         f"\n[bold]done[/]: {summary['rounds_committed']}/{summary['rounds']} rounds committed on "
         f"{summary['replicas']} replicas in {summary['wall_s']:.0f}s"
     )
-    console.print(
-        f"held-out loss of the global model: {summary['initial_eval_loss']:.4f} -> "
-        f"[bold]{summary['final_eval_loss']:.4f}[/]"
-    )
+    for what, key in (("loss", "eval_loss"), ("reward", "eval_reward")):
+        if summary[f"final_{key}"] is not None:
+            console.print(
+                f"held-out {what} of the global model: {summary[f'initial_{key}']:.4f} -> "
+                f"[bold]{summary[f'final_{key}']:.4f}[/]"
+            )
     console.print(
         f"replicas bit-identical after every sync: {summary['replicas_bit_identical']}; "
         f"moved {summary['bytes_uploaded'] / 1e6:.1f} MB up, {summary['bytes_downloaded'] / 1e6:.1f} MB down"
     )
-    for what, key in (("summary", SUMMARY_KEY), ("plot", PLOT_KEY), ("final model", FINAL_PREFIX)):
+    plots = [("reward plot", REWARD_PLOT_KEY)] if summary["final_eval_reward"] is not None else []
+    for what, key in (("summary", SUMMARY_KEY), ("plot", PLOT_KEY), *plots, ("final model", FINAL_PREFIX)):
         console.print(f"  {what:12s} {run.url_of(key)}")
