@@ -47,8 +47,8 @@ class TinyModelConfig(_Strict):
     )
     alphabet: str | None = Field(
         None,
-        description="'chars' only: the characters that get a token (others become <|unk|>); default printable "
-        "ASCII. A small alphabet gives a fresh model a real chance of sampling a right answer",
+        description="'chars' only: the characters that get a token (others become <|unk|>); default "
+        "printable ASCII. A small alphabet gives a fresh model a real chance of sampling a right answer",
     )
 
     @model_validator(mode="after")
@@ -72,7 +72,7 @@ class TinyModelConfig(_Strict):
             )
         if self.alphabet is not None:
             if self.tokenizer != "chars":
-                raise ValueError("alphabet is the vocabulary of tokenizer = 'chars'; set that, or remove alphabet")
+                raise ValueError("alphabet is the vocabulary of tokenizer = 'chars'; set that or remove it")
             repeated = sorted({c for c in self.alphabet if self.alphabet.count(c) > 1})
             if not self.alphabet or repeated:
                 raise ValueError(f"alphabet must be non-empty, each character once (repeated: {repeated})")
@@ -109,8 +109,8 @@ class TrainConfig(_Strict):
 
     objective: Literal["lm", "composer"] = Field(
         "lm",
-        description="'lm': causal-LM cross-entropy (the DiLoCo papers' setting); 'composer': the three-channel "
-        "loss GRPO + alpha * SDPO + beta * replay, configured in [composer]",
+        description="'lm': causal-LM cross-entropy (the DiLoCo papers' setting); 'composer': the "
+        "three-channel loss GRPO + alpha * SDPO + beta * replay, configured in [composer]",
     )
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="inner optimizer")
     lr: float = Field(3e-3, gt=0, description="peak inner learning rate")
@@ -181,12 +181,17 @@ class RewardConfig(_Strict):
     """One verifiable reward; a rollout's reward is the weighted sum of the configured rewards."""
 
     fn: str = Field(
-        description="reward function: 'exact_match' (the record's answer), 'format' (a regex the whole completion "
-        "must match), 'unit_tests' (the record's tests, run in a sandboxed subprocess) or 'package.module:function'"
+        description="reward function: 'exact_match' (the record's answer), 'format' (a regex the whole "
+        "completion must match), 'unit_tests' (the record's tests, run in a sandboxed subprocess) or "
+        "'package.module:function'"
     )
     weight: float = Field(1.0, description="weight of this reward in the sum; negative for a penalty")
-    pattern: str | None = Field(None, description="'format' only: the regular expression (Python re, fullmatch)")
-    timeout_s: float = Field(5.0, gt=0, description="'unit_tests' only: seconds before the test process is killed")
+    pattern: str | None = Field(
+        None, description="'format' only: the regular expression (Python re, fullmatch)"
+    )
+    timeout_s: float = Field(
+        5.0, gt=0, description="'unit_tests' only: seconds before the test process is killed"
+    )
 
     @field_validator("fn")
     @classmethod
@@ -223,15 +228,17 @@ class RolloutConfig(_Strict):
     )
     dynamic_sampling: bool = Field(
         False,
-        description="DAPO dynamic sampling: keep only groups whose rewards differ, drawing more prompts until "
-        "prompts_per_step such groups are found or max_draws batches were drawn",
+        description="DAPO dynamic sampling: keep only groups whose rewards differ, drawing more prompts "
+        "until prompts_per_step such groups are found or max_draws batches were drawn",
     )
-    max_draws: int = Field(3, ge=1, description="dynamic sampling: prompt batches drawn at most per inner step")
+    max_draws: int = Field(
+        3, ge=1, description="dynamic sampling: prompt batches drawn at most per inner step"
+    )
     overlong_buffer: int = Field(
         0,
         ge=0,
-        description="DAPO soft overlong punishment: a completion longer than max_new_tokens - overlong_buffer "
-        "tokens loses reward linearly, up to overlong_penalty at max_new_tokens; 0 disables it",
+        description="DAPO soft overlong punishment: a completion longer than max_new_tokens - "
+        "overlong_buffer tokens loses reward linearly, up to overlong_penalty at max_new_tokens; 0: off",
     )
     overlong_penalty: float = Field(1.0, gt=0, description="the largest overlong punishment (DAPO: 1)")
 
@@ -239,8 +246,9 @@ class RolloutConfig(_Strict):
     def _buffer_below_limit(self) -> RolloutConfig:
         if self.overlong_buffer >= self.max_new_tokens:
             raise ValueError(
-                f"overlong_buffer ({self.overlong_buffer}) must be below max_new_tokens ({self.max_new_tokens}): "
-                "completions up to max_new_tokens - overlong_buffer tokens are not punished"
+                f"overlong_buffer ({self.overlong_buffer}) must be below max_new_tokens "
+                f"({self.max_new_tokens}): completions up to max_new_tokens - overlong_buffer tokens are not "
+                "punished"
             )
         return self
 
@@ -267,7 +275,9 @@ class SDPOChannelConfig(_Strict):
     beta: float = Field(
         0.5, ge=0, le=1, description="generalized JSD: 0 is KL(teacher||student), 1 is KL(student||teacher)"
     )
-    top_k: int | None = Field(None, ge=1, description="compare on the teacher's top-k tokens plus a tail bucket")
+    top_k: int | None = Field(
+        None, ge=1, description="compare on the teacher's top-k tokens plus a tail bucket"
+    )
     token_clip: float | None = Field(None, gt=0, description="cap on each token's divergence")
 
 
@@ -275,31 +285,40 @@ class ReplayChannelConfig(_Strict):
     """Channel 3, preference pairs replayed from frozen traces."""
 
     kind: Literal["dpo", "simpo"] = Field(
-        "dpo", description="'dpo' (reference log-probs: from the file or computed once with the initial model) "
-        "or 'simpo' (no reference)"
+        "dpo",
+        description="'dpo' (reference log-probs: from the file or computed once with the initial model) "
+        "or 'simpo' (no reference)",
     )
     pairs_per_step: int = Field(8, ge=1, description="preference pairs per inner step on each replica")
     dpo_beta: float = Field(0.1, gt=0, description="DPO's beta (TRL default 0.1)")
     simpo_beta: float = Field(2.0, gt=0, description="SimPO's reward scale (the paper uses 2 to 10)")
-    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin (the paper uses 0.3 to 1.6)")
+    simpo_gamma: float = Field(
+        0.5, ge=0, description="SimPO's target reward margin (the paper uses 0.3 to 1.6)"
+    )
 
 
 class HintConfig(_Strict):
     """How reward feedback becomes the SDPO teacher's prompt (templates after the SDPO reference code)."""
 
-    template: str = Field("{hint}\n{prompt}", description="the teacher's prompt; must contain {hint} and {prompt}")
+    template: str = Field(
+        "{hint}\n{prompt}", description="the teacher's prompt; must contain {hint} and {prompt}"
+    )
     solution: str = Field(
-        "A correct answer: {solution}", description="how a successful sibling completion is shown ({solution})"
+        "A correct answer: {solution}",
+        description="how a successful sibling completion is shown ({solution})",
     )
     feedback: str = Field("{feedback}", description="how reward feedback is shown ({feedback})")
     use_solutions: bool = Field(
         True, description="show a rollout of the same group that succeeded (never the row's own completion)"
     )
-    success_threshold: float = Field(1.0, description="reward at or above which a rollout counts as a solution")
+    success_threshold: float = Field(
+        1.0, description="reward at or above which a rollout counts as a solution"
+    )
 
     @model_validator(mode="after")
     def _templates_have_their_fields(self) -> HintConfig:
-        for name, fields in (("template", ("hint", "prompt")), ("solution", ("solution",)), ("feedback", ("feedback",))):
+        templates = {"template": ("hint", "prompt"), "solution": ("solution",), "feedback": ("feedback",)}
+        for name, fields in templates.items():
             text = getattr(self, name)
             try:
                 text.format(**{f: "" for f in fields})
@@ -314,7 +333,9 @@ class HintConfig(_Strict):
 class ComposerDataConfig(_Strict):
     """JSONL files read through fsspec (local paths, s3://, hf://, globs), sharded by rank."""
 
-    prompts: str = Field(description="RL prompts for training: {prompt, answer?, tests?, hint?, task?, meta?} per line")
+    prompts: str = Field(
+        description="RL prompts for training: {prompt, answer?, tests?, hint?, task?, meta?} per line"
+    )
     heldout: str = Field(description="RL prompts the global model is evaluated on (greedy decoding)")
     pairs: str | None = Field(
         None, description="preference pairs: {prompt, chosen, rejected, chosen_ref_logp?, rejected_ref_logp?}"
@@ -324,14 +345,22 @@ class ComposerDataConfig(_Strict):
 class ComposerConfig(_Strict):
     """The objective `L_grpo + alpha * L_sdpo + beta * L_replay`, each inner step on fresh rollouts."""
 
-    alpha: float = Field(1.0, ge=0, description="SDPO weight; 0 switches the channel and its teacher pass off")
-    beta: float = Field(0.0, ge=0, description="replay weight; 0 switches the channel off (> 0 needs data.pairs)")
+    alpha: float = Field(
+        1.0, ge=0, description="SDPO weight; 0 switches the channel and its teacher pass off"
+    )
+    beta: float = Field(
+        0.0, ge=0, description="replay weight; 0 switches the channel off (> 0 needs data.pairs)"
+    )
     data: ComposerDataConfig
-    rewards: list[RewardConfig] = Field(min_length=1, description="the rewards summed into each rollout's reward")
+    rewards: list[RewardConfig] = Field(
+        min_length=1, description="the rewards summed into each rollout's reward"
+    )
     rollout: RolloutConfig = Field(RolloutConfig(), description="sampling of the completions each step")
     grpo: GRPOChannelConfig = Field(GRPOChannelConfig(), description="channel 1, GRPO/DAPO")
     sdpo: SDPOChannelConfig = Field(SDPOChannelConfig(), description="channel 2, SDPO hint self-distillation")
-    replay: ReplayChannelConfig = Field(ReplayChannelConfig(), description="channel 3, trace-replay DPO/SimPO")
+    replay: ReplayChannelConfig = Field(
+        ReplayChannelConfig(), description="channel 3, trace-replay DPO/SimPO"
+    )
     hints: HintConfig = Field(HintConfig(), description="the SDPO teacher's hint, built from reward feedback")
     chunk_tokens: int = Field(256, ge=1, description="tokens per LM-head chunk in the loss")
 
@@ -383,10 +412,11 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _composer_table_iff_composer_objective(self) -> RunConfig:
         if self.train.objective == "composer" and self.composer is None:
-            raise ValueError("train.objective = 'composer' needs a [composer] table with its data and rewards")
+            raise ValueError("train.objective = 'composer' needs a [composer] table (its data and rewards)")
         if self.train.objective != "composer" and self.composer is not None:
             raise ValueError(
-                f"[composer] is set but train.objective = {self.train.objective!r}; set train.objective = 'composer'"
+                f"[composer] is set but train.objective = {self.train.objective!r}; "
+                "set train.objective = 'composer'"
             )
         return self
 

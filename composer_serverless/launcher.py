@@ -12,6 +12,7 @@ import logging
 import secrets
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -70,11 +71,10 @@ def _build_tiny_into(run: ObjectStore, config: RunConfig) -> None:
     hf_logging.disable_progress_bar()
     tiny = config.model.tiny
     assert tiny is not None
-    texts = (
-        training_text(stdlib_corpus(config.data.heldout_percent), int(tiny.tokenizer_corpus_mb * 1e6), config.seed)
-        if tiny.tokenizer == "bpe"
-        else ()
-    )
+    texts: Iterable[str] = ()
+    if tiny.tokenizer == "bpe":
+        corpus = stdlib_corpus(config.data.heldout_percent)
+        texts = training_text(corpus, int(tiny.tokenizer_corpus_mb * 1e6), config.seed)
     with tempfile.TemporaryDirectory() as out:
         build_tiny(tiny, texts, Path(out), seed=config.seed)
         run.upload_dir(Path(out), MODEL_PREFIX)

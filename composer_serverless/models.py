@@ -71,13 +71,17 @@ def char_tokenizer(alphabet: str | None = None) -> Any:
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tokenizer.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN
+        tokenizer_object=tokenizer,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
     )
 
 
 def build_tiny(config: TinyModelConfig, texts: Iterable[str], out_dir: Path, *, seed: int) -> Path:
-    """Make the tokenizer (BPE fit on ``texts``, or characters), initialise a Llama model with ``seed``, and save
-    both to ``out_dir``. ``texts`` is not read for the character tokenizer."""
+    """Make the tokenizer (BPE fit on ``texts``, or characters), initialise a Llama model with ``seed``, and
+    save both to ``out_dir``. ``texts`` is not read for the character tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if config.tokenizer == "chars":

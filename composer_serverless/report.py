@@ -45,7 +45,8 @@ def train_curves(metrics: Metrics) -> dict[str, Curve]:
             for name, value in row.get("train", {}).items():
                 values.setdefault(name, {}).setdefault(row["round"], []).append(value)
     return {
-        name: [(k, sum(v) / len(v)) for k, v in sorted(by_round.items())] for name, by_round in sorted(values.items())
+        name: [(k, sum(v) / len(v)) for k, v in sorted(by_round.items())]
+        for name, by_round in sorted(values.items())
     }
 
 
@@ -183,7 +184,9 @@ def plot_rewards(metrics: Metrics) -> bytes:
     for task, curve in task_curves(evals).items():
         rewards.plot(*zip(*curve, strict=True), lw=1.2, marker=".", label=f"held-out, {task}")
     if "rollout/reward_mean" in train:
-        rewards.plot(*zip(*train["rollout/reward_mean"], strict=True), "k--", lw=1, label="rollouts (sampled)")
+        rewards.plot(
+            *zip(*train["rollout/reward_mean"], strict=True), "k--", lw=1, label="rollouts (sampled)"
+        )
     rewards.set_title("reward of the global model (greedy), per round")
     rewards.set_xlabel("outer round")
     rewards.set_ylabel("reward")

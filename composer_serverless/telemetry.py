@@ -63,7 +63,7 @@ def read_metrics(run: ObjectStore) -> dict[int, list[dict[str, Any]]]:
 
 
 def mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
-    """Per metric, its mean over the steps that reported it (a channel without inputs in a step reports none)."""
+    """Per metric, its mean over the steps that reported it (a channel without inputs reports nothing)."""
     values: dict[str, list[float]] = {}
     for step in steps:
         for name, value in step.items():

@@ -53,7 +53,10 @@ def loss_settings(config: ComposerConfig) -> LossSettings:
             temperature=temperature,
         ),
         sdpo=SDPOSettings(
-            beta=config.sdpo.beta, temperature=temperature, top_k=config.sdpo.top_k, token_clip=config.sdpo.token_clip
+            beta=config.sdpo.beta,
+            temperature=temperature,
+            top_k=config.sdpo.top_k,
+            token_clip=config.sdpo.token_clip,
         ),
         replay=ReplaySettings(
             kind=config.replay.kind,
@@ -88,7 +91,9 @@ def _composer(config: RunConfig) -> ComposerConfig:
     return config.composer
 
 
-def _read_prompts(composer: ComposerConfig, rewards: RewardSet) -> tuple[list[PromptRecord], list[PromptRecord]]:
+def _read_prompts(
+    composer: ComposerConfig, rewards: RewardSet
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """The training and held-out prompts, checked to carry what the rewards need."""
     train, heldout = read_prompts(composer.data.prompts), read_prompts(composer.data.heldout)
     rewards.check(train)
@@ -190,7 +195,8 @@ class ComposerObjective:
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Mean reward of greedy completions of the held-out prompts, overall (`eval/reward`) and per task
-        (`eval/task/{task}/reward`), and the same for each reward (`eval/{name}`, `eval/task/{task}/{name}`)."""
+        (`eval/task/{task}/reward`), and the same for each reward (`eval/{name}`,
+        `eval/task/{task}/{name}`)."""
         texts: list[str] = []
         for start in range(0, len(self._heldout), EVAL_BATCH):
             chunk = self._heldout[start : start + EVAL_BATCH]

@@ -179,7 +179,7 @@ class PromptRecord:
     """One RL prompt and what its rewards need.
 
     Attributes:
-        prompt: the text the model continues (no chat template is applied; render one into the file if needed).
+        prompt: the text the model continues (no chat template is applied; render one into the file).
         answer: the expected completion, for ``exact_match``.
         tests: Python test snippets (asserts) run after the completion's code, for ``unit_tests``.
         hint: a fixed hint for the SDPO teacher, shown whatever the rollout's outcome.
@@ -202,9 +202,9 @@ class PreferencePair:
     """Two completions of one prompt, the chosen one preferred; both scored as completions ending in EOS.
 
     Attributes:
-        chosen_ref_logp / rejected_ref_logp: log pi_ref of the completion (its tokens and the EOS after them)
-            given the prompt, summed, at temperature 1 under the run's tokenizer; both or neither. When absent,
-            DPO computes them once with the initial model.
+        chosen_ref_logp / rejected_ref_logp: log pi_ref of the completion (its tokens and the EOS after
+            them) given the prompt, summed, at temperature 1 under the run's tokenizer; both or neither. When
+            absent, DPO computes them once with the initial model.
     """
 
     prompt: str
@@ -233,7 +233,7 @@ def read_pairs(url: str) -> list[PreferencePair]:
 def shard_records(records: list[Any], rank: int, replicas: int) -> list[Any]:
     """Record i goes to rank ``i % replicas``: disjoint shards that each mix a file sorted by task."""
     if len(records) < replicas:
-        raise ValueError(f"{len(records)} records cannot be sharded over {replicas} replicas (each needs one)")
+        raise ValueError(f"{len(records)} records cannot be sharded over {replicas} replicas (each needs 1)")
     return records[rank::replicas]
 
 
@@ -302,7 +302,8 @@ def _ref_logp(obj: dict[str, Any], key: str, where: str) -> float | None:
     value = obj.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value > 0:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value > 0:
         raise RecordError(f"{where}: {key!r} must be a finite log-probability <= 0, got {json.dumps(value)}")
     return float(value)
 

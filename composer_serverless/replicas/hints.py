@@ -47,7 +47,7 @@ class HintBuilder:
         feedback: Sequence[str | None],
         group_size: int,
     ) -> list[str | None]:
-        """Teacher prompts for rows laid out as consecutive groups of ``group_size`` completions of one record.
+        """Teacher prompts for rows laid out as groups of ``group_size`` consecutive completions of a record.
 
         Args:
             records: one record per row (repeated across its group).

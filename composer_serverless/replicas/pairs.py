@@ -3,9 +3,10 @@ resumable shuffled order.
 
 Each completion is scored as its tokens followed by EOS, like a rollout that stopped, so the replay channel
 also teaches where an answer ends. DPO needs log pi_ref of both completions. Pairs that carry them
-(`chosen_ref_logp`, `rejected_ref_logp`, computed under the same convention) use them as given; for the others
-they are computed here, once, with the model the objective is built with, which must be the run's initial model
-(TRL's `precompute_ref_log_probs`). That costs one forward pass per pair and no second copy of the model.
+(`chosen_ref_logp`, `rejected_ref_logp`, computed under the same convention) use them as given; for the
+others they are computed here, once, with the model the objective is built with, which must be the run's
+initial model (TRL's `precompute_ref_log_probs`). That costs one forward pass per pair and no second copy of
+the model.
 SimPO needs no reference, and nothing is computed for it.
 """
 
@@ -97,7 +98,9 @@ class ReplayPairs:
             ref_rejected_logps=None if refs is None else refs[:, 1],
         )
 
-    def _reference_logps(self, pairs: Sequence[PreferencePair], model: nn.Module, chunk_tokens: int) -> torch.Tensor:
+    def _reference_logps(
+        self, pairs: Sequence[PreferencePair], model: nn.Module, chunk_tokens: int
+    ) -> torch.Tensor:
         """(N, 2) log pi_ref of (chosen, rejected): given values where the pair has them, else computed."""
         given = [(p.chosen_ref_logp, p.rejected_ref_logp) for p in pairs]
         refs = torch.tensor([g if g[0] is not None else (0.0, 0.0) for g in given], dtype=torch.float32)
@@ -121,7 +124,9 @@ class ReplayPairs:
                         refs[index, column] = logps.sum(dim=-1).float().cpu()
         finally:
             model.train(was_training)
-        logger.info("computed reference log-probs of %d of %d pairs with the initial model", len(missing), len(pairs))
+        logger.info(
+            "computed reference log-probs of %d of %d pairs with the initial model", len(missing), len(pairs)
+        )
         return refs
 
     def next(self, device: torch.device) -> ReplayBatch:

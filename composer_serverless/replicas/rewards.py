@@ -96,8 +96,8 @@ def load_user_reward(path: str) -> Callable[[str, PromptRecord], Any]:
         module = importlib.import_module(module_name)
     except Exception as e:  # whatever the import raised, the user's fix is the same: make it importable
         raise RewardError(
-            f"reward {path!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); install the package or "
-            "put its directory on PYTHONPATH on every replica"
+            f"reward {path!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); install the package "
+            "or put its directory on PYTHONPATH on every replica"
         ) from e
     fn = getattr(module, attribute, None)
     if fn is None:
@@ -110,7 +110,9 @@ def load_user_reward(path: str) -> Callable[[str, PromptRecord], Any]:
 def _needed(record: PromptRecord, field: str, reward: str) -> Any:
     value = getattr(record, field)
     if not value:
-        raise RewardError(f"{record.source}: reward {reward} needs {field!r}, which this record does not have")
+        raise RewardError(
+            f"{record.source}: reward {reward} needs {field!r}, which this record does not have"
+        )
     return value
 
 

@@ -31,7 +31,9 @@ from composer_serverless.replicas.rewards import RewardSet, Scored
 logger = logging.getLogger(__name__)
 
 
-def encode_prompts(tokenizer: Any, texts: Sequence[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(
+    tokenizer: Any, texts: Sequence[str], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, P) left-padded token ids and mask; the tokenizer adds its special tokens (a BOS, say) as usual."""
     encoded = tokenizer(list(texts))["input_ids"]
     empty = [t for t, ids in zip(texts, encoded, strict=True) if not ids]
@@ -137,7 +139,13 @@ def generate(
     if temperature is None:
         sampling: dict[str, Any] = {"do_sample": False}
     else:
-        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+        sampling = {
+            "do_sample": True,
+            "temperature": temperature,
+            "top_k": 0,
+            "top_p": 1.0,
+            "repetition_penalty": 1.0,
+        }
     was_training = model.training
     model.eval()
     try:
@@ -177,12 +185,14 @@ class RolloutSettings:
     overlong_penalty: float = 1.0
 
 
-def overlong_punishment(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> list[float]:
+def overlong_punishment(
+    lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float
+) -> list[float]:
     """DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13; verl's `DAPORewardManager`), per completion.
 
     0 up to ``max_new_tokens - buffer`` tokens (EOS included), then falling linearly to ``-penalty`` at
-    ``max_new_tokens``. Added to the verifiable reward during training only: it teaches the policy to stop, and
-    evaluation reports the verifiable reward alone.
+    ``max_new_tokens``. Added to the verifiable reward during training only: it teaches the policy to stop,
+    and evaluation reports the verifiable reward alone.
     """
     exceed = lengths.float() - (max_new_tokens - buffer)
     return (-exceed / buffer * penalty).clamp(max=0.0).tolist()
@@ -336,7 +346,9 @@ def rollout(
     )
     hint = None
     if hints is not None:
-        teacher = hints.group_hints(batch.records, samples.texts, batch.scored.totals, batch.scored.feedback, g)
+        teacher = hints.group_hints(
+            batch.records, samples.texts, batch.scored.totals, batch.scored.feedback, g
+        )
         hint = _hint_batch(tokenizer, batch.records, teacher, rl)
     metrics = _metrics(_concat_scored([d.scored for d in draws]), samples, hint, g)
     if settings.dynamic_sampling:
@@ -348,17 +360,21 @@ def rollout(
 def _hint_batch(
     tokenizer: Any, records: Sequence[PromptRecord], teacher: Sequence[str | None], rl: RLBatch
 ) -> HintBatch | None:
-    """The teacher's sequences `[hinted prompt, completion]`; rows without a hint keep their prompt, unscored."""
+    """The teacher's sequences `[hinted prompt, completion]`; rows without a hint keep their prompt and are
+    not distilled."""
     hinted = torch.tensor([p is not None for p in teacher], device=rl.completion_ids.device)
     if not hinted.any():
         return None
     prompts = [p if p is not None else r.prompt for p, r in zip(teacher, records, strict=True)]
     ids, mask = encode_prompts(tokenizer, prompts, rl.completion_ids.device)
-    return HintBatch.from_hinted_prompts(ids, mask, rl, distill_mask=rl.completion_mask * hinted[:, None].long())
+    return HintBatch.from_hinted_prompts(
+        ids, mask, rl, distill_mask=rl.completion_mask * hinted[:, None].long()
+    )
 
 
 def _metrics(sampled: Scored, batch: Samples, hint: HintBatch | None, g: int) -> dict[str, float]:
-    """Rewards over everything sampled this step (the policy's performance); lengths and hints of the batch."""
+    """Rewards over everything sampled this step (the policy's performance); lengths and hints of the
+    batch."""
     totals = torch.tensor(sampled.totals, dtype=torch.float32)
     metrics = {
         "rollout/reward_mean": float(totals.mean()),

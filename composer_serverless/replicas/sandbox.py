@@ -10,8 +10,9 @@ A policy under RL writes whatever raises its reward, so its code runs in a child
 - gets limited memory and CPU time, an empty working directory and a minimal environment (no proxies, no
   credentials), and runs isolated from the user's site-packages (``python -I``).
 
-This keeps a program from doing harm by accident or reaching out; it is not a boundary against code crafted to
-escape a Python process or to forge the harness's report. Run replicas in containers (Modal, HF Jobs) for that.
+This keeps a program from doing harm by accident or reaching out; it is not a boundary against code crafted
+to escape a Python process or to forge the harness's report. Run replicas in containers (Modal, HF Jobs) for
+that.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ namespace = {"__name__": "__main__"}
 try:
     exec(compile(job["code"], "<solution>", "exec"), namespace)
 except BaseException as e:
-    results = [{"test": test, "passed": False, "error": "the code failed: " + _failure(e)} for test in job["tests"]]
+    failed = "the code failed: " + _failure(e)
+    results = [{"test": test, "passed": False, "error": failed} for test in job["tests"]]
 else:
     for test in job["tests"]:
         try:
@@ -146,7 +148,13 @@ def run_tests(
     if use_namespace:
         command = [shutil.which("unshare") or "unshare", "-rn", *command]
     job = json.dumps(
-        {"code": code, "tests": list(tests), "nonce": nonce, "memory": MEMORY_LIMIT_BYTES, "cpu": int(timeout_s) + 1}
+        {
+            "code": code,
+            "tests": list(tests),
+            "nonce": nonce,
+            "memory": MEMORY_LIMIT_BYTES,
+            "cpu": int(timeout_s) + 1,
+        }
     )
     with tempfile.TemporaryDirectory(prefix="sandbox-") as cwd:
         proc = subprocess.Popen(
