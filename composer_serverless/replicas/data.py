@@ -239,17 +239,20 @@ def shard_records(records: list[Any], rank: int, replicas: int) -> list[Any]:
 
 def _jsonl(url: str) -> Iterator[tuple[dict[str, Any], str]]:
     import fsspec
+    from fsspec.implementations.local import LocalFileSystem
 
     files = fsspec.open_files(url, mode="rt", encoding="utf-8")
     if not files:
         raise FileNotFoundError(f"no file matches {url}")
     count = 0
     for file in files:
+        # Local files by their path, remote ones by their URL (s3://bucket/key), as the user wrote them.
+        name = file.path if isinstance(file.fs, LocalFileSystem) else file.fs.unstrip_protocol(file.path)
         with file as f:
             for number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
-                where = f"{file.path}:{number}"
+                where = f"{name}:{number}"
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:

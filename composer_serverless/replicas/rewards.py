@@ -14,7 +14,6 @@ or a `Score`.
 from __future__ import annotations
 
 import importlib
-import logging
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -25,8 +24,6 @@ from typing import Any
 from composer_serverless.config import RewardConfig
 from composer_serverless.replicas.data import PromptRecord
 from composer_serverless.replicas.sandbox import run_tests
-
-logger = logging.getLogger(__name__)
 
 # Sandboxed test runs wait on child processes, not on the GIL, so a few run side by side.
 SANDBOX_WORKERS = 4

@@ -13,7 +13,6 @@ and `old_logps` is left to the loss (ratio 1), which saves a forward pass.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +26,6 @@ from composer_serverless.losses.grpo import ScaleRewards, dynamic_sampling_keep,
 from composer_serverless.replicas.data import PromptRecord
 from composer_serverless.replicas.hints import HintBuilder
 from composer_serverless.replicas.rewards import RewardSet, Scored
-
-logger = logging.getLogger(__name__)
 
 
 def encode_prompts(

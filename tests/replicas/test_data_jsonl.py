@@ -99,7 +99,7 @@ def test_records_are_read_through_fsspec_urls_and_globs():
     fs.pipe("/composer-data/b.jsonl", b'{"prompt": "b", "answer": "2"}\n')
     records = read_prompts("memory://composer-data/*.jsonl")
     assert [r.prompt for r in records] == ["a", "b"]
-    assert records[1].source.endswith("composer-data/b.jsonl:1")
+    assert records[1].source == "memory:///composer-data/b.jsonl:1"
     with pytest.raises(FileNotFoundError, match="no file matches"):
         read_prompts("memory://composer-data/none-*.jsonl")
 
@@ -129,3 +129,36 @@ def test_a_cycle_visits_every_item_once_per_epoch_and_resumes_exactly():
     resumed.load_state_dict(state)
     assert resumed.take(7) == ahead
     assert sorted(ahead[:5]) == [0, 1, 2, 3, 4] and ahead[:5] != first_epoch
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """A bucket on a real S3 server on loopback (moto), reached through s3fs as in production."""
+    boto3 = pytest.importorskip("boto3")
+    moto_server = pytest.importorskip("moto.server")
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        monkeypatch.setenv(key, value)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="composer-data")
+    yield client
+    server.stop()
+
+
+def test_pairs_are_read_from_s3(s3_bucket):
+    s3_bucket.put_object(
+        Bucket="composer-data", Key="pairs/a.jsonl", Body=b'{"prompt": "p", "chosen": "a", "rejected": "b"}\n'
+    )
+    s3_bucket.put_object(Bucket="composer-data", Key="pairs/b.jsonl", Body=b'{"prompt": "q", "chosen": "c"}\n')
+    with pytest.raises(RecordError, match=r"^s3://composer-data/pairs/b.jsonl:1: 'rejected' must be a non-empty string"):
+        read_pairs("s3://composer-data/pairs/*.jsonl")
+    assert [p.chosen for p in read_pairs("s3://composer-data/pairs/a.jsonl")] == ["a"]
