@@ -194,8 +194,9 @@ def plot_rewards(metrics: Metrics) -> bytes:
     rewards.legend(fontsize=7, ncol=2)
     for name in CHANNEL_LOSSES:
         if name in train:
-            style = "k-" if name == "loss/total" else "-"
-            losses.plot(*zip(*train[name], strict=True), style, marker=".", label=name)
+            total = name == "loss/total"
+            label = "loss/total = grpo + alpha * sdpo + beta * replay" if total else f"{name} (unweighted)"
+            losses.plot(*zip(*train[name], strict=True), "k-" if total else "-", marker=".", label=label)
     losses.axhline(0, color="grey", lw=0.5)
     losses.set_title("loss channels (mean over inner steps and replicas)")
     losses.set_xlabel("outer round")

@@ -161,3 +161,17 @@ def test_dynamic_sampling_without_any_informative_group_keeps_the_last_draw(mode
     assert rolled.metrics["rollout/frac_zero_std"] == 1.0
     assert [r.prompt for r in rolled.records] == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2  # the third draw wraps
     assert torch.equal(rolled.rl.advantages, torch.zeros(4))
+
+
+def test_the_overlong_punishment_is_added_to_the_reward_of_long_completions(model, tokenizer):
+    settings = RolloutSettings(
+        group_size=4, prompts_per_step=2, max_new_tokens=4, temperature=1.0, overlong_buffer=2, overlong_penalty=1.0
+    )
+    rewards = RewardSet([RewardConfig(fn="format", pattern=".*")])  # 1 for every completion
+    torch.manual_seed(0)
+    rolled = rollout(model, tokenizer, _draw(_records()), rewards, None, settings)
+    lengths = rolled.samples.completion_mask.sum(dim=1)
+    expected = overlong_punishment(lengths, max_new_tokens=4, buffer=2, penalty=1.0)
+    assert rolled.scored.by_reward["overlong"] == expected
+    assert rolled.scored.totals == [1.0 + p for p in expected]
+    assert any(p < 0 for p in expected)
