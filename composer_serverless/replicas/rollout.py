@@ -133,16 +133,9 @@ def generate(
     prompt_ids = prompt_ids.repeat_interleave(repeats, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(repeats, dim=0)
     eos = eos_token_ids(model, tokenizer)
-    if temperature is None:
-        sampling: dict[str, Any] = {"do_sample": False}
-    else:
-        sampling = {
-            "do_sample": True,
-            "temperature": temperature,
-            "top_k": 0,
-            "top_p": 1.0,
-            "repetition_penalty": 1.0,
-        }
+    sampling: dict[str, Any] = {"do_sample": False, "repetition_penalty": 1.0}
+    if temperature is not None:
+        sampling.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     was_training = model.training
     model.eval()
     try:
