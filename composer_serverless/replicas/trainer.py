@@ -32,7 +32,7 @@ from composer_serverless.models import load_pretrained
 from composer_serverless.rendezvous.manager import ObjectStoreManager
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.objective import make_objective
-from composer_serverless.telemetry import Reporter
+from composer_serverless.telemetry import Reporter, mean_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def _train(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter) -
 
 def _loop(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter, model: nn.Module, tokenizer: Any) -> None:
     dl = config.diloco
-    objective = make_objective(config, tokenizer, rank)
+    objective = make_objective(config, tokenizer, rank, model=model)
     total_steps = dl.rounds * dl.sync_every
     inner = make_inner_optimizer(model, config.train)
     schedule = make_schedule(inner, config.train, total_steps)
@@ -223,8 +223,10 @@ def _loop(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter, mo
         for round_index in range(1, dl.rounds + 1):
             started, blocked_before = time.monotonic(), manager.blocked_s
             losses: list[torch.Tensor] = []
+            step_metrics: list[dict[str, float]] = []
             for step in range(dl.sync_every):
-                loss, _ = objective.loss(model)
+                loss, metrics = objective.loss(model)
+                step_metrics.append({name: float(value) for name, value in metrics.items()})
                 loss.backward()
                 if config.train.grad_clip is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)
@@ -240,6 +242,7 @@ def _loop(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter, mo
                 raise SyncError(f"round {round_index} did not commit: {manager.last_error}")
             row: dict[str, Any] = {
                 "train_loss": float(torch.stack(losses).float().mean()),
+                "train": mean_metrics(step_metrics),
                 "lr": schedule.get_last_lr()[0],
                 "bytes_up": manager.bytes_up,
                 "bytes_down": manager.bytes_down,
