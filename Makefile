@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo demo-composer test lint install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/composer-serverless launch deploy/configs/local-demo.toml
+
+demo-composer: $(STAMP)
+	$(VENV)/bin/composer-serverless launch deploy/configs/local-composer.toml
 
 test: $(STAMP)
 	$(PY) -m ruff check composer_serverless tests benchmarks deploy

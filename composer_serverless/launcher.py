@@ -18,7 +18,7 @@ import secrets
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,8 +33,9 @@ from composer_serverless.executors import make_executor
 from composer_serverless.executors.base import LaunchPlan, LaunchRecord, ServerlessExecutor
 from composer_serverless.rendezvous.checkpoint import latest_round
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.replicas.composer import preflight
 from composer_serverless.replicas.trainer import FINAL_PREFIX, MODEL_PREFIX
-from composer_serverless.report import PLOT_KEY, SUMMARY_KEY, write_report
+from composer_serverless.report import PLOT_KEY, REWARD_PLOT_KEY, SUMMARY_KEY, eval_headline, write_report
 from composer_serverless.runs import RUN_URL_HINT, STORE_HINT, absolute_store, open_store
 from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor
 from composer_serverless.telemetry import read_heartbeats, read_metrics
@@ -81,7 +82,7 @@ def create_run(config: RunConfig, source: str, console: Console) -> tuple[Object
     # Validated again (model_copy would not): whatever reaches run.json is exactly what replicas will accept.
     resolved = validate_config({**config.model_dump(), "run_id": run_id}, source="the resolved config")
     if resolved.model.tiny is not None:
-        with console.status("building the tiny model and fitting its tokenizer on the demo corpus"):
+        with console.status("building the tiny model and its tokenizer"):
             _build_tiny_into(run, resolved)
     if not run.create("run.json", resolved.resolved_json().encode()):
         raise ConfigError(f"run {run.url} was created concurrently by someone else\n  fix: choose another run_id")
@@ -95,11 +96,14 @@ def _build_tiny_into(run: ObjectStore, config: RunConfig) -> None:
     from composer_serverless.replicas.data import stdlib_corpus, training_text
 
     hf_logging.disable_progress_bar()
-    assert config.model.tiny is not None
-    corpus = stdlib_corpus(config.data.heldout_percent)
-    texts = training_text(corpus, int(config.model.tiny.tokenizer_corpus_mb * 1e6), config.seed)
+    tiny = config.model.tiny
+    assert tiny is not None
+    texts: Iterable[str] = ()
+    if tiny.tokenizer == "bpe":
+        corpus = stdlib_corpus(config.data.heldout_percent)
+        texts = training_text(corpus, int(tiny.tokenizer_corpus_mb * 1e6), config.seed)
     with tempfile.TemporaryDirectory() as out:
-        build_tiny(config.model.tiny, texts, Path(out), seed=config.seed)
+        build_tiny(tiny, texts, Path(out), seed=config.seed)
         run.upload_dir(Path(out), MODEL_PREFIX)
 
 
@@ -125,6 +129,8 @@ def prepare(config: RunConfig, source: str) -> Prepared:
     # Validated again (model_copy would not): the plan is built from exactly what run.json will hold.
     raw = {**config.model_dump(), "run_id": run_id, "store": store}
     resolved = validate_config(raw, source="the resolved config")
+    if resolved.train.objective == "composer":
+        preflight(resolved)  # reads every data file and resolves every reward: bad records fail here
     run = open_store(store, fix=STORE_HINT).child(run_id)
     executor = make_executor(resolved, run)
     plan = executor.plan(resolved, run.url)
@@ -311,7 +317,7 @@ def _print_new_rounds(run: ObjectStore, reported: set[int], rounds: int, console
             continue
         reported.add(row["round"])
         label = "initial model" if row["round"] == 0 else f"round {row['round']}/{rounds}"
-        console.print(f"  {label}: held-out loss of the global model {row['eval']['eval/loss']:.4f}")
+        console.print(f"  {label}: {eval_headline(row['eval'])}")
 
 
 def print_report(run: ObjectStore, summary: dict[str, Any], console: Console) -> None:
@@ -319,13 +325,16 @@ def print_report(run: ObjectStore, summary: dict[str, Any], console: Console) ->
         f"\n[bold]done[/]: {summary['rounds_committed']}/{summary['rounds']} rounds committed on "
         f"{summary['replicas']} replicas in {summary['wall_s']:.0f}s"
     )
-    console.print(
-        f"held-out loss of the global model: {summary['initial_eval_loss']:.4f} -> "
-        f"[bold]{summary['final_eval_loss']:.4f}[/]"
-    )
+    for what, key in (("loss", "eval_loss"), ("reward", "eval_reward")):
+        if summary[f"final_{key}"] is not None:
+            console.print(
+                f"held-out {what} of the global model: {summary[f'initial_{key}']:.4f} -> "
+                f"[bold]{summary[f'final_{key}']:.4f}[/]"
+            )
     console.print(
         f"replicas bit-identical after every sync: {summary['replicas_bit_identical']}; "
         f"moved {summary['bytes_uploaded'] / 1e6:.1f} MB up, {summary['bytes_downloaded'] / 1e6:.1f} MB down"
     )
-    for what, key in (("summary", SUMMARY_KEY), ("plot", PLOT_KEY), ("final model", FINAL_PREFIX)):
+    plots = [("reward plot", REWARD_PLOT_KEY)] if summary["final_eval_reward"] is not None else []
+    for what, key in (("summary", SUMMARY_KEY), ("plot", PLOT_KEY), *plots, ("final model", FINAL_PREFIX)):
         console.print(f"  {what:12s} {run.url_of(key)}")

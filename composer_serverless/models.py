@@ -2,13 +2,15 @@
 
 Replicas always load through ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained``, exactly as they
 would load a hub model, so the demo exercises the same path a user's 7B model takes. The tiny model is a
-Llama-family model with a byte-level BPE tokenizer fit on the demo corpus; both are written with
-``save_pretrained`` (safetensors, JSON), so nothing about them is special once built.
+Llama-family model with either a byte-level BPE tokenizer fit on the demo corpus or a character tokenizer
+over printable ASCII; both are written with ``save_pretrained`` (safetensors, JSON), so nothing about them is
+special once built.
 """
 
 from __future__ import annotations
 
 import logging
+import string
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+UNK_TOKEN = "<|unk|>"
+# Printable ASCII without the vertical whitespace nobody types (\r, \x0b, \x0c): 96 characters.
+CHARS = "".join(c for c in string.printable if c not in "\r\x0b\x0c")
 # Room for positions: evaluation and packing never exceed the configured sequence length.
 TINY_MAX_POSITIONS = 4096
 
@@ -51,11 +56,38 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
     )
 
 
+def char_tokenizer(alphabet: str | None = None) -> Any:
+    """One token per character of ``alphabet`` (default: printable ASCII), plus end-of-text, padding and
+    unknown (any other character).
+
+    The vocabulary is the exploration problem of RL from scratch: a fresh model samples a given one-character
+    answer followed by EOS with probability about 1 / V^2, 1e-4 over printable ASCII and 1e-3 over 30 symbols.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate([EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, *(alphabet or CHARS)])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+    )
+
+
 def build_tiny(config: TinyModelConfig, texts: Iterable[str], out_dir: Path, *, seed: int) -> Path:
-    """Fit the tokenizer on ``texts``, initialise a Llama model with ``seed``, and save both to ``out_dir``."""
+    """Make the tokenizer (BPE fit on ``texts``, or characters), initialise a Llama model with ``seed``, and
+    save both to ``out_dir``. ``texts`` is not read for the character tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = train_tokenizer(texts, config.vocab_size)
+    if config.tokenizer == "chars":
+        tokenizer = char_tokenizer(config.alphabet)
+    else:
+        tokenizer = train_tokenizer(texts, config.vocab_size)
     model_config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,

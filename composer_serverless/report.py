@@ -1,6 +1,9 @@
-"""The end-of-run report: ``summary.json`` and ``loss.png``, computed from the metrics in the store alone.
+"""The end-of-run report: ``summary.json``, ``loss.png`` and, for runs evaluated by reward, ``reward.png``,
+computed from the metrics in the store alone.
 
-Anyone with the run URL can rebuild the report; it needs neither the replicas nor the launcher's memory.
+Anyone with the run URL can rebuild the report; it needs neither the replicas nor the launcher's memory. Which
+headline figures appear depends on what the objective evaluates: a held-out loss (``eval/loss``, the causal-LM
+objective) or a held-out reward (``eval/reward``, the composer objective, with ``eval/task/{task}/reward``).
 """
 
 from __future__ import annotations
@@ -15,17 +18,72 @@ from composer_serverless.telemetry import read_metrics
 
 SUMMARY_KEY = "summary.json"
 PLOT_KEY = "loss.png"
+REWARD_PLOT_KEY = "reward.png"
+# The per-channel losses of the composer objective, as the replicas report them under "train".
+CHANNEL_LOSSES = ("grpo/loss", "sdpo/loss", "replay/loss", "loss/total")
+TASK_PREFIX, TASK_SUFFIX = "eval/task/", "/reward"
+
+Curve = list[tuple[int, float]]
+Metrics = dict[int, list[dict[str, Any]]]
+
+
+def eval_curves(metrics: Metrics) -> dict[str, Curve]:
+    """Every metric the global model was evaluated on, as (round, value) in round order."""
+    curves: dict[str, Curve] = {}
+    for rows in metrics.values():
+        for row in rows:
+            for name, value in row.get("eval", {}).items():
+                curves.setdefault(name, []).append((row["round"], value))
+    return {name: sorted(points) for name, points in sorted(curves.items())}
+
+
+def train_curves(metrics: Metrics) -> dict[str, Curve]:
+    """Every per-round training metric (the mean over a round's inner steps), averaged over the replicas."""
+    values: dict[str, dict[int, list[float]]] = {}
+    for rows in metrics.values():
+        for row in rows:
+            for name, value in row.get("train", {}).items():
+                values.setdefault(name, {}).setdefault(row["round"], []).append(value)
+    return {
+        name: [(k, sum(v) / len(v)) for k, v in sorted(by_round.items())]
+        for name, by_round in sorted(values.items())
+    }
+
+
+def _task(metric: str) -> str | None:
+    """The task of a per-task held-out reward metric (``eval/task/{task}/reward``), else None."""
+    if metric.startswith(TASK_PREFIX) and metric.endswith(TASK_SUFFIX):
+        return metric[len(TASK_PREFIX) : -len(TASK_SUFFIX)]
+    return None
+
+
+def task_curves(evals: dict[str, Curve]) -> dict[str, Curve]:
+    """The held-out reward per task, by task name."""
+    return {task: curve for name, curve in evals.items() if (task := _task(name)) is not None}
+
+
+def _by_round(curve: Curve) -> dict[str, float]:
+    return {str(k): v for k, v in curve}
+
+
+def _initial(curve: Curve) -> float | None:
+    return curve[0][1] if curve and curve[0][0] == 0 else None
+
+
+def _final(curve: Curve) -> float | None:
+    return curve[-1][1] if curve else None
 
 
 def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, Any]:
-    """The run's headline numbers. Eval losses are of the global model; bytes are totals over replicas.
+    """The run's headline numbers. Evaluations are of the global model; bytes are totals over replicas.
 
     ``sync_blocked_fraction`` is the time replicas spent waiting for an exchange in ``work.wait()`` over the
     time their rounds took; rows of rounds a replica skipped by loading a published state carry neither.
     """
     metrics = read_metrics(run)
     trained = {rank: [r for r in rows if r["round"] > 0] for rank, rows in metrics.items()}
-    evals = _eval_curve(metrics)
+    evals = eval_curves(metrics)
+    losses, rewards = evals.get("eval/loss", []), evals.get("eval/reward", [])
     digests: dict[int, set[str]] = {}
     for rows in trained.values():
         for row in rows:
@@ -36,14 +94,24 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
     return {
         "run_id": config.run_id,
         "run_url": run.url,
+        "objective": config.train.objective,
         "replicas": config.diloco.replicas,
         "sync_every": config.diloco.sync_every,
         "fragments": config.diloco.fragments,
         "rounds": config.diloco.rounds,
         "rounds_committed": max((r["round"] for rows in trained.values() for r in rows), default=0),
-        "initial_eval_loss": evals[0][1] if evals and evals[0][0] == 0 else None,
-        "final_eval_loss": evals[-1][1] if evals else None,
-        "eval_loss_by_round": {str(k): v for k, v in evals},
+        "initial_eval_loss": _initial(losses),
+        "final_eval_loss": _final(losses),
+        "eval_loss_by_round": _by_round(losses),
+        "initial_eval_reward": _initial(rewards),
+        "final_eval_reward": _final(rewards),
+        "eval_reward_by_round": _by_round(rewards),
+        "eval_reward_by_task": {
+            task: {"initial": _initial(c), "final": _final(c), "best": max(v for _, v in c)}
+            for task, c in task_curves(evals).items()
+        },
+        "eval_by_round": {name: _by_round(curve) for name, curve in evals.items()},
+        "train_by_round": {name: _by_round(curve) for name, curve in train_curves(metrics).items()},
         "replicas_bit_identical": bool(digests) and all(len(d) == 1 for d in digests.values()),
         "bytes_uploaded": sum(r.get("bytes_up", 0) for rows in trained.values() for r in rows),
         "bytes_downloaded": sum(r.get("bytes_down", 0) for rows in trained.values() for r in rows),
@@ -54,30 +122,37 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
 
 def write_report(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, Any]:
     summary = summarise(run, config, wall_s)
+    metrics = read_metrics(run)
     run.put(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
-    run.put(PLOT_KEY, plot_losses(read_metrics(run)))
+    run.put(PLOT_KEY, plot_losses(metrics))
+    if "eval/reward" in eval_curves(metrics):
+        run.put(REWARD_PLOT_KEY, plot_rewards(metrics))
     return summary
 
 
-def plot_losses(metrics: dict[int, list[dict[str, Any]]]) -> bytes:
-    """PNG: the global model's eval loss per round, and each replica's mean training loss per round."""
+def eval_headline(evaluation: dict[str, float]) -> str:
+    """One line for a progress log: the held-out loss or reward of the global model, per task if any."""
+    if "eval/reward" in evaluation:
+        tasks = [(task, v) for name, v in sorted(evaluation.items()) if (task := _task(name)) is not None]
+        detail = f" ({', '.join(f'{task} {v:.2f}' for task, v in tasks)})" if tasks else ""
+        return f"held-out reward of the global model {evaluation['eval/reward']:.3f}{detail}"
+    if "eval/loss" in evaluation:
+        return f"held-out loss of the global model {evaluation['eval/loss']:.4f}"
+    return ", ".join(f"{name} {value:.4f}" for name, value in sorted(evaluation.items()))
+
+
+def _figure(panels: int) -> tuple[Any, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for rank, rows in sorted(metrics.items()):
-        points = [(r["round"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
-        if points:
-            ax.plot(*zip(*points, strict=True), lw=1, alpha=0.7, label=f"replica {rank} train")
-    evals = _eval_curve(metrics)
-    if evals:
-        ax.plot(*zip(*evals, strict=True), "k-o", lw=2, ms=4, label="global model, held-out")
-    ax.set_xlabel("outer round")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    return plt.subplots(1, panels, figsize=(7 * panels, 4.2), dpi=120, squeeze=False)
+
+
+def _png(fig: Any) -> bytes:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = io.BytesIO()
     fig.savefig(out, format="png")
@@ -85,6 +160,51 @@ def plot_losses(metrics: dict[int, list[dict[str, Any]]]) -> bytes:
     return out.getvalue()
 
 
-def _eval_curve(metrics: dict[int, list[dict[str, Any]]]) -> list[tuple[int, float]]:
-    rows = [r for rank_rows in metrics.values() for r in rank_rows if "eval" in r]
-    return sorted((r["round"], r["eval"]["eval/loss"]) for r in rows)
+def plot_losses(metrics: Metrics) -> bytes:
+    """PNG: each replica's mean training loss per round, and the global model's eval loss if it has one."""
+    fig, axes = _figure(1)
+    ax = axes[0][0]
+    for rank, rows in sorted(metrics.items()):
+        points = [(r["round"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), lw=1, alpha=0.7, label=f"replica {rank} train")
+    losses = eval_curves(metrics).get("eval/loss")
+    if losses:
+        ax.plot(*zip(*losses, strict=True), "k-o", lw=2, ms=4, label="global model, held-out")
+    ax.set_xlabel("outer round")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def plot_rewards(metrics: Metrics) -> bytes:
+    """PNG: left, the global model's held-out reward per round (overall and per task) and the replicas' mean
+    rollout reward; right, each loss channel per round (mean over the round's steps and the replicas)."""
+    fig, axes = _figure(2)
+    rewards, losses = axes[0]
+    evals, train = eval_curves(metrics), train_curves(metrics)
+    rewards.plot(*zip(*evals["eval/reward"], strict=True), "k-o", lw=2, ms=4, label="held-out, all tasks")
+    for task, curve in task_curves(evals).items():
+        rewards.plot(*zip(*curve, strict=True), lw=1.2, marker=".", label=f"held-out, {task}")
+    if "rollout/reward_mean" in train:
+        rewards.plot(
+            *zip(*train["rollout/reward_mean"], strict=True), "k--", lw=1, label="rollouts (sampled)"
+        )
+    rewards.set_title("reward of the global model (greedy), per round")
+    rewards.set_xlabel("outer round")
+    rewards.set_ylabel("reward")
+    rewards.grid(alpha=0.3)
+    rewards.legend(fontsize=7, ncol=2)
+    for name in CHANNEL_LOSSES:
+        if name in train:
+            total = name == "loss/total"
+            label = "loss/total = grpo + alpha * sdpo + beta * replay" if total else f"{name} (unweighted)"
+            losses.plot(*zip(*train[name], strict=True), "k-" if total else "-", marker=".", label=label)
+    losses.axhline(0, color="grey", lw=0.5)
+    losses.set_title("loss channels (mean over inner steps and replicas)")
+    losses.set_xlabel("outer round")
+    losses.set_ylabel("loss")
+    losses.grid(alpha=0.3)
+    losses.legend(fontsize=8)
+    return _png(fig)

@@ -62,5 +62,14 @@ def read_metrics(run: ObjectStore) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
+def mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Per metric, its mean over the steps that reported it (a channel without inputs reports nothing)."""
+    values: dict[str, list[float]] = {}
+    for step in steps:
+        for name, value in step.items():
+            values.setdefault(name, []).append(value)
+    return {name: sum(v) / len(v) for name, v in sorted(values.items())}
+
+
 def _dumps(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, sort_keys=True).encode()

@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from composer_serverless.config import RunConfig
+from composer_serverless.replicas.composer import ComposerObjective
 from composer_serverless.replicas.data import Batches, shard, stdlib_corpus
 
 # Held-out sequences are drawn from this many interleaved file streams, independent of the training batch size.
@@ -21,7 +22,8 @@ EVAL_STREAMS = 8
 @runtime_checkable
 class Objective(Protocol):
     def loss(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
-        """Draw the next batch and return the scalar loss to backpropagate plus namespaced metrics."""
+        """Draw the next batch and return the scalar loss to backpropagate plus namespaced scalar metrics
+        (floats or 0-dim tensors); the trainer records their mean over each round."""
         ...
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
@@ -75,9 +77,15 @@ class LMObjective:
         self._train.load_state_dict(state["train"])
 
 
-def make_objective(config: RunConfig, tokenizer: Any, rank: int) -> Objective:
-    objectives = {"lm": LMObjective}
-    return objectives[config.train.objective](config, tokenizer, rank)
+def make_objective(config: RunConfig, tokenizer: Any, rank: int, *, model: torch.nn.Module) -> Objective:
+    """The objective ``config.train.objective`` names.
+
+    ``model`` must still hold the run's initial weights: objectives with a frozen reference (DPO, a KL term)
+    take it from the model they are built with.
+    """
+    if config.train.objective == "composer":
+        return ComposerObjective(config, model, tokenizer, rank)
+    return LMObjective(config, tokenizer, rank)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -46,7 +46,7 @@ from composer_serverless.rendezvous.deadline import GraceSettings
 from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutcome
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.objective import Objective, make_objective
-from composer_serverless.telemetry import Reporter
+from composer_serverless.telemetry import Reporter, mean_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def _train(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter) -
 
 
 class _RoundMeter:
-    """Train loss, time, blocking and traffic accumulated since the last round ended."""
+    """Train loss and metrics, time, blocking and traffic accumulated since the last round ended."""
 
     def __init__(self, manager: ObjectStoreManager) -> None:
         self._manager = manager
@@ -250,6 +250,7 @@ class _RoundMeter:
 
     def reset(self) -> None:
         self.losses: list[torch.Tensor] = []
+        self.metrics: list[dict[str, float]] = []
         self.steps = 0
         self._started = time.monotonic()
         self._blocked = self._manager.blocked_s
@@ -259,6 +260,7 @@ class _RoundMeter:
     def row(self, lr: float) -> dict[str, Any]:
         return {
             "train_loss": float(torch.stack(self.losses).float().mean()) if self.losses else None,
+            "train": mean_metrics(self.metrics),
             "lr": lr,
             "bytes_up": self._manager.bytes_up - self._up,
             "bytes_down": self._manager.bytes_down - self._down,
@@ -283,7 +285,7 @@ class Replica:
         self.tokenizer = tokenizer
         self.fragments_count = dl.fragments
         self.total_steps = dl.rounds * dl.sync_every
-        self.objective: Objective = make_objective(config, tokenizer, rank)
+        self.objective: Objective = make_objective(config, tokenizer, rank, model=model)
         self.inner = make_inner_optimizer(model, config.train)
         self.schedule = make_schedule(self.inner, config.train, self.total_steps)
         self.fragments = split_fragments(model, dl.fragments)
@@ -340,7 +342,8 @@ class Replica:
                 self.meter.reset()
 
     def _inner_step(self) -> torch.Tensor:
-        loss, _ = self.objective.loss(self.model)
+        loss, metrics = self.objective.loss(self.model)
+        self.meter.metrics.append({name: float(value) for name, value in metrics.items()})
         loss.backward()
         if self.config.train.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)

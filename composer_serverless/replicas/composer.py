@@ -1,0 +1,229 @@
+"""The composer objective: `L_grpo + alpha * L_sdpo + beta * L_replay` as the inner step of DiLoCo.
+
+Every inner step draws this replica's next prompts, samples G completions each with the current model, scores
+them with the configured rewards, turns the feedback into SDPO hints, takes the next preference pairs, and
+returns `losses.compose.three_channel_loss` on the lot. Evaluation decodes the held-out prompts greedily and
+reports the mean reward, overall and per task. The data position (two cursors) is the objective's state.
+
+`preflight` reads every data file and resolves every reward before a replica starts, so a malformed record
+or a reward that does not import is reported with its file and line, or its import path, at launch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from composer_serverless.config import ComposerConfig, ConfigError, RunConfig
+from composer_serverless.losses.compose import LossBatch, LossSettings, RLBatch, three_channel_loss
+from composer_serverless.losses.grpo import GRPOSettings
+from composer_serverless.losses.logprobs import completion_logprobs
+from composer_serverless.losses.replay import ReplaySettings
+from composer_serverless.losses.sdpo import SDPOSettings
+from composer_serverless.replicas.data import Cycle, PromptRecord, read_pairs, read_prompts, shard_records
+from composer_serverless.replicas.hints import HintBuilder
+from composer_serverless.replicas.pairs import ReplayPairs
+from composer_serverless.replicas.rewards import RewardSet
+from composer_serverless.replicas.rollout import RolloutSettings, generate, rollout
+
+logger = logging.getLogger(__name__)
+
+# Held-out prompts decoded per generate call during evaluation.
+EVAL_BATCH = 256
+
+
+def loss_settings(config: ComposerConfig) -> LossSettings:
+    """The loss settings a composer config describes; GRPO and SDPO use the sampling temperature."""
+    temperature = config.rollout.temperature
+    return LossSettings(
+        alpha=config.alpha,
+        beta=config.beta,
+        grpo=GRPOSettings(
+            loss_type=config.grpo.loss_type,
+            eps_low=config.grpo.eps_low,
+            eps_high=config.grpo.eps_high,
+            kl_beta=config.grpo.kl,
+            max_completion_length=config.rollout.max_new_tokens,
+            temperature=temperature,
+        ),
+        sdpo=SDPOSettings(
+            beta=config.sdpo.beta,
+            temperature=temperature,
+            top_k=config.sdpo.top_k,
+            token_clip=config.sdpo.token_clip,
+        ),
+        replay=ReplaySettings(
+            kind=config.replay.kind,
+            dpo_beta=config.replay.dpo_beta,
+            simpo_beta=config.replay.simpo_beta,
+            simpo_gamma=config.replay.simpo_gamma,
+        ),
+        chunk_tokens=config.chunk_tokens,
+    )
+
+
+def preflight(config: RunConfig) -> None:
+    """Read every data file and resolve every reward, before any replica starts.
+
+    Raises:
+        ConfigError: a file is missing or has a malformed record (named by file and line), a reward does not
+            import or needs a field a record lacks, or there are fewer records than replicas.
+    """
+    composer = _composer(config)
+    try:
+        train, _ = _read_prompts(composer, RewardSet(composer.rewards))
+        shard_records(train, 0, config.diloco.replicas)
+        if composer.data.pairs is not None and composer.beta > 0:
+            shard_records(read_pairs(composer.data.pairs), 0, config.diloco.replicas)
+    except (OSError, ValueError) as e:  # RecordError and RewardError are ValueErrors
+        raise ConfigError(f"[composer] inputs: {e}") from e
+
+
+def _composer(config: RunConfig) -> ComposerConfig:
+    if config.composer is None:
+        raise ValueError("the composer objective needs the [composer] table")
+    return config.composer
+
+
+def _read_prompts(
+    composer: ComposerConfig, rewards: RewardSet
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """The training and held-out prompts, checked to carry what the rewards need."""
+    train, heldout = read_prompts(composer.data.prompts), read_prompts(composer.data.heldout)
+    rewards.check(train)
+    rewards.check(heldout)
+    return train, heldout
+
+
+def stratified(records: Sequence[PromptRecord], count: int) -> list[PromptRecord]:
+    """Up to ``count`` records taking one of each task in turn (file order within a task), so any count is
+    balanced over the tasks however the file is sorted."""
+    by_task: dict[str, list[PromptRecord]] = {}
+    for record in records:
+        by_task.setdefault(record.task, []).append(record)
+    out: list[PromptRecord] = []
+    depth = 0
+    while len(out) < min(count, len(records)):
+        out += [rows[depth] for rows in by_task.values() if depth < len(rows)][: count - len(out)]
+        depth += 1
+    return out
+
+
+class ComposerObjective:
+    """Three-channel loss on fresh rollouts of this replica's prompt shard, plus replayed preference pairs.
+
+    Args:
+        config: the run; `config.composer` is this objective's table.
+        model: the replica's model at its initial weights. It is the reference of DPO (missing reference
+            log-probs are computed with it here) and of the GRPO KL term (a frozen copy is kept when
+            `grpo.kl > 0`), so build the objective before the first step and before restoring a checkpoint.
+        tokenizer: the run's tokenizer.
+        rank: this replica's rank; it selects the data shard and seeds the data order.
+    """
+
+    def __init__(self, config: RunConfig, model: nn.Module, tokenizer: Any, rank: int) -> None:
+        composer = _composer(config)
+        replicas = config.diloco.replicas
+        self._tokenizer = tokenizer
+        self._settings = loss_settings(composer)
+        self._rewards = RewardSet(composer.rewards)
+        train, heldout = _read_prompts(composer, self._rewards)
+        self._prompts = shard_records(train, rank, replicas)
+        self._cycle = Cycle(len(self._prompts), seed=config.seed * 7919 + rank)
+        self._heldout = stratified(heldout, config.eval.sequences)
+        self._rollout = RolloutSettings(
+            group_size=composer.rollout.group_size,
+            prompts_per_step=composer.rollout.prompts_per_step,
+            max_new_tokens=composer.rollout.max_new_tokens,
+            temperature=composer.rollout.temperature,
+            scale_rewards=composer.grpo.scale_rewards,
+            dynamic_sampling=composer.rollout.dynamic_sampling,
+            max_draws=composer.rollout.max_draws,
+            overlong_buffer=composer.rollout.overlong_buffer,
+            overlong_penalty=composer.rollout.overlong_penalty,
+        )
+        self._hints = HintBuilder(composer.hints) if composer.alpha > 0 else None
+        self._reference = copy.deepcopy(model).eval().requires_grad_(False) if composer.grpo.kl > 0 else None
+        self._pairs = None
+        if composer.beta > 0:
+            assert composer.data.pairs is not None  # the config validates this
+            self._pairs = ReplayPairs(
+                shard_records(read_pairs(composer.data.pairs), rank, replicas),
+                tokenizer,
+                per_step=composer.replay.pairs_per_step,
+                seed=config.seed * 7919 + rank,
+                reference=model if composer.replay.kind == "dpo" else None,
+                chunk_tokens=composer.chunk_tokens,
+            )
+        logger.info(
+            "composer objective: %d prompts, %d pairs on this replica; %d held-out prompts",
+            len(self._prompts),
+            0 if self._pairs is None else len(self._pairs),
+            len(self._heldout),
+        )
+
+    def _draw(self, count: int) -> list[PromptRecord]:
+        return [self._prompts[i] for i in self._cycle.take(count)]
+
+    def _with_reference(self, rl: RLBatch) -> RLBatch:
+        if self._reference is None:
+            return rl
+        with torch.no_grad():
+            ref = completion_logprobs(
+                self._reference,
+                rl.prompt_ids,
+                rl.prompt_mask,
+                rl.completion_ids,
+                rl.completion_mask,
+                temperature=self._settings.grpo.temperature,
+                chunk_tokens=self._settings.chunk_tokens,
+            )
+        return dataclasses.replace(rl, ref_logps=ref)
+
+    def loss(self, model: nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
+        rolled = rollout(model, self._tokenizer, self._draw, self._rewards, self._hints, self._rollout)
+        replay = None if self._pairs is None else self._pairs.next(next(model.parameters()).device)
+        batch = LossBatch(rl=self._with_reference(rolled.rl), hint=rolled.hint, replay=replay)
+        loss, metrics = three_channel_loss(model, batch, self._settings)
+        return loss, {**{k: float(v) for k, v in metrics.items()}, **rolled.metrics}
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Mean reward of greedy completions of the held-out prompts, overall (`eval/reward`) and per task
+        (`eval/task/{task}/reward`), and the same for each reward (`eval/{name}`,
+        `eval/task/{task}/{name}`)."""
+        texts: list[str] = []
+        for start in range(0, len(self._heldout), EVAL_BATCH):
+            chunk = self._heldout[start : start + EVAL_BATCH]
+            texts += generate(
+                model,
+                self._tokenizer,
+                [r.prompt for r in chunk],
+                max_new_tokens=self._rollout.max_new_tokens,
+                temperature=None,
+            ).texts
+        scored = self._rewards.score(texts, self._heldout)
+        out: dict[str, float] = {}
+        for name, values in (("reward", scored.totals), *scored.by_reward.items()):
+            out[f"eval/{name}"] = sum(values) / len(values)
+            by_task: dict[str, list[float]] = {}
+            for record, value in zip(self._heldout, values, strict=True):
+                by_task.setdefault(record.task, []).append(value)
+            out.update({f"eval/task/{task}/{name}": sum(v) / len(v) for task, v in sorted(by_task.items())})
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"prompts": self._cycle.state_dict()}
+        if self._pairs is not None:
+            state["pairs"] = self._pairs.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._cycle.load_state_dict(state["prompts"])
+        if self._pairs is not None:
+            self._pairs.load_state_dict(state["pairs"])

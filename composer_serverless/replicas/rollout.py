@@ -1,0 +1,377 @@
+"""Rollouts: sample G completions per prompt from the replica's current model, score them, and build the GRPO
+batch and the SDPO teacher batch from the result.
+
+Sampling is pure: `generate` at the configured temperature with top-k, top-p and repetition penalties switched
+off whatever the model's `generation_config` says, because the GRPO and SDPO log-probabilities are those of
+`softmax(logits / temperature)` and a truncated sampler would make every ratio a lie. Prompts are left-padded
+and completions right-padded, the layout of `losses.compose`; a completion's mask covers its tokens up to and
+including the first EOS. The model samples in eval mode without gradient and goes back to the mode it was in.
+
+Every inner step samples afresh and takes one gradient step on the result, so the batch is exactly on-policy
+and `old_logps` is left to the loss (ratio 1), which saves a forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from composer_serverless.losses.compose import HintBatch, RLBatch
+from composer_serverless.losses.grpo import ScaleRewards, dynamic_sampling_keep, group_advantages
+from composer_serverless.replicas.data import PromptRecord
+from composer_serverless.replicas.hints import HintBuilder
+from composer_serverless.replicas.rewards import RewardSet, Scored
+
+
+def encode_prompts(
+    tokenizer: Any, texts: Sequence[str], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) left-padded token ids and mask; the tokenizer adds its special tokens (a BOS, say) as usual."""
+    encoded = tokenizer(list(texts))["input_ids"]
+    empty = [t for t, ids in zip(texts, encoded, strict=True) if not ids]
+    if empty:
+        raise ValueError(f"prompt {empty[0]!r} encodes to no tokens")
+    width = max(len(ids) for ids in encoded)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(row)) + row for row in encoded], device=device)
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in encoded], device=device)
+    return ids, mask
+
+
+def eos_token_ids(model: nn.Module, tokenizer: Any) -> list[int]:
+    """Every token id that ends a completion: the model's generation config's, else the tokenizer's EOS."""
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids = configured if isinstance(configured, list) else [configured]
+    ids = [i for i in ids if i is not None] or [tokenizer.eos_token_id]
+    if ids == [None]:
+        raise ValueError("neither the model's generation config nor the tokenizer defines an EOS token")
+    return ids
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
+    """(B, C) long: 1 on the tokens up to and including the first EOS of each row, 0 after it.
+
+    Found from the EOS position rather than from padding, so it is right when the pad token is the EOS token.
+    """
+    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_ids), device=completion_ids.device))
+    ended_before = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
+    return (~ended_before).long()
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Completions of a batch of prompts, in the loss layout, with their decoded texts.
+
+    Attributes:
+        prompt_ids, prompt_mask: (B, P) left-padded prompts.
+        completion_ids, completion_mask: (B, C) right-padded completions; the mask includes the EOS.
+        texts: each completion decoded without its EOS and special tokens, what rewards score.
+        truncated: (B,) bool, True where the completion hit the length limit without an EOS.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    texts: list[str]
+    truncated: torch.Tensor
+
+    def select(self, rows: Sequence[int]) -> Samples:
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.prompt_ids.device)
+        return Samples(
+            self.prompt_ids[index],
+            self.prompt_mask[index],
+            self.completion_ids[index],
+            self.completion_mask[index],
+            [self.texts[i] for i in rows],
+            self.truncated[index],
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[Samples], pad_id: int) -> Samples:
+        """Stack batches of different widths: prompts padded on the left, completions on the right."""
+        width_p = max(p.prompt_ids.size(1) for p in parts)
+        width_c = max(p.completion_ids.size(1) for p in parts)
+
+        def left(x: torch.Tensor, value: int) -> torch.Tensor:
+            return F.pad(x, (width_p - x.size(1), 0), value=value)
+
+        def right(x: torch.Tensor, value: int) -> torch.Tensor:
+            return F.pad(x, (0, width_c - x.size(1)), value=value)
+
+        return Samples(
+            torch.cat([left(p.prompt_ids, pad_id) for p in parts]),
+            torch.cat([left(p.prompt_mask, 0) for p in parts]),
+            torch.cat([right(p.completion_ids, pad_id) for p in parts]),
+            torch.cat([right(p.completion_mask, 0) for p in parts]),
+            [t for p in parts for t in p.texts],
+            torch.cat([p.truncated for p in parts]),
+        )
+
+
+def generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    temperature: float | None,
+    repeats: int = 1,
+) -> Samples:
+    """Complete each prompt ``repeats`` times (rows of one prompt consecutive), without gradient.
+
+    Args:
+        temperature: sample from ``softmax(logits / temperature)``; None decodes greedily.
+    """
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+    prompt_ids = prompt_ids.repeat_interleave(repeats, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(repeats, dim=0)
+    eos = eos_token_ids(model, tokenizer)
+    sampling: dict[str, Any] = {"do_sample": False, "repetition_penalty": 1.0}
+    if temperature is not None:
+        sampling.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=tokenizer.pad_token_id,
+                **sampling,
+            )
+    finally:
+        model.train(was_training)
+    completion_ids = out[:, prompt_ids.size(1) :]
+    mask = completion_mask(completion_ids, eos)
+    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=device)) & mask.bool()
+    texts = tokenizer.batch_decode(
+        [row[keep].tolist() for row, keep in zip(completion_ids, mask.bool() & ~is_eos, strict=True)],
+        skip_special_tokens=True,
+    )
+    return Samples(prompt_ids, prompt_mask, completion_ids, mask, texts, ~is_eos.any(dim=1))
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How one inner step's rollouts are drawn and turned into advantages (see `config.RolloutConfig`)."""
+
+    group_size: int
+    prompts_per_step: int
+    max_new_tokens: int
+    temperature: float
+    scale_rewards: ScaleRewards = "group"
+    dynamic_sampling: bool = False
+    max_draws: int = 1
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+
+def overlong_punishment(
+    lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float
+) -> list[float]:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13; verl's `DAPORewardManager`), per completion.
+
+    0 up to ``max_new_tokens - buffer`` tokens (EOS included), then falling linearly to ``-penalty`` at
+    ``max_new_tokens``. Added to the verifiable reward during training only: it teaches the policy to stop,
+    and evaluation reports the verifiable reward alone.
+    """
+    exceed = lengths.float() - (max_new_tokens - buffer)
+    return (-exceed / buffer * penalty).clamp(max=0.0).tolist()
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One inner step's rollouts: everything the GRPO and SDPO channels need, and what to log.
+
+    Attributes:
+        records: the record of each row (G consecutive rows per prompt).
+        samples: the completions.
+        scored: their rewards and feedback.
+        rl: the GRPO batch.
+        hint: the SDPO teacher batch, None when no row has a hint or hints are off.
+        metrics: floats under `rollout/`.
+    """
+
+    records: list[PromptRecord]
+    samples: Samples
+    scored: Scored
+    rl: RLBatch
+    hint: HintBatch | None
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class _Drawn:
+    """Rows of sampled and scored completions, G consecutive rows per prompt."""
+
+    records: list[PromptRecord]
+    samples: Samples
+    scored: Scored
+
+    def select(self, rows: Sequence[int]) -> _Drawn:
+        return _Drawn([self.records[i] for i in rows], self.samples.select(rows), _select(self.scored, rows))
+
+    @staticmethod
+    def concat(parts: Sequence[_Drawn], pad_id: int) -> _Drawn:
+        return _Drawn(
+            [r for p in parts for r in p.records],
+            Samples.concat([p.samples for p in parts], pad_id),
+            _concat_scored([p.scored for p in parts]),
+        )
+
+
+def _select(scored: Scored, rows: Sequence[int]) -> Scored:
+    return Scored(
+        [scored.totals[i] for i in rows],
+        {name: [values[i] for i in rows] for name, values in scored.by_reward.items()},
+        [scored.feedback[i] for i in rows],
+    )
+
+
+def _concat_scored(parts: Sequence[Scored]) -> Scored:
+    return Scored(
+        [t for p in parts for t in p.totals],
+        {name: [v for p in parts for v in p.by_reward[name]] for name in parts[0].by_reward},
+        [f for p in parts for f in p.feedback],
+    )
+
+
+def _draw(
+    model: nn.Module,
+    tokenizer: Any,
+    draw: Callable[[int], list[PromptRecord]],
+    rewards: RewardSet,
+    settings: RolloutSettings,
+) -> _Drawn:
+    records = draw(settings.prompts_per_step)
+    samples = generate(
+        model,
+        tokenizer,
+        [r.prompt for r in records],
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        repeats=settings.group_size,
+    )
+    rows = [r for r in records for _ in range(settings.group_size)]
+    scored = rewards.score(samples.texts, rows)
+    if settings.overlong_buffer:
+        punishment = overlong_punishment(
+            samples.completion_mask.sum(dim=1),
+            settings.max_new_tokens,
+            settings.overlong_buffer,
+            settings.overlong_penalty,
+        )
+        scored = Scored(
+            [t + p for t, p in zip(scored.totals, punishment, strict=True)],
+            {**scored.by_reward, "overlong": punishment},
+            scored.feedback,
+        )
+    return _Drawn(rows, samples, scored)
+
+
+def _dynamic_sample(
+    first: _Drawn, more: Callable[[], _Drawn], settings: RolloutSettings, pad_id: int
+) -> tuple[_Drawn, list[_Drawn]]:
+    """DAPO dynamic sampling: (the batch of informative groups, every draw made)."""
+    g = settings.group_size
+    draws, kept, found = [first], [], 0
+    while True:
+        keep = dynamic_sampling_keep(torch.tensor(draws[-1].scored.totals), g).tolist()
+        rows = [k * g + j for k, informative in enumerate(keep) if informative for j in range(g)]
+        if rows:
+            kept.append(draws[-1].select(rows))
+            found += len(rows) // g
+        if found >= settings.prompts_per_step or len(draws) == settings.max_draws:
+            break
+        draws.append(more())
+    if not kept:
+        return draws[-1], draws
+    batch = _Drawn.concat(kept, pad_id)
+    return batch.select(range(min(found, settings.prompts_per_step) * g)), draws
+
+
+def rollout(
+    model: nn.Module,
+    tokenizer: Any,
+    draw: Callable[[int], list[PromptRecord]],
+    rewards: RewardSet,
+    hints: HintBuilder | None,
+    settings: RolloutSettings,
+) -> Rollout:
+    """Draw prompts, sample G completions each, score them and build the GRPO and SDPO batches.
+
+    With dynamic sampling (DAPO), groups whose rewards are all equal carry no GRPO gradient and are dropped;
+    further prompt batches are drawn until ``prompts_per_step`` informative groups are found or ``max_draws``
+    batches were drawn. If no group is informative after that, the last batch is kept as it is: its GRPO
+    gradient is zero, but the SDPO channel still learns from its hints.
+
+    Args:
+        draw: returns the next ``n`` prompt records of this replica's shard.
+        hints: builds the SDPO teacher prompts; None when the SDPO channel is off.
+    """
+    g = settings.group_size
+    first = _draw(model, tokenizer, draw, rewards, settings)
+    batch, draws = first, [first]
+    if settings.dynamic_sampling:
+        batch, draws = _dynamic_sample(
+            first, lambda: _draw(model, tokenizer, draw, rewards, settings), settings, tokenizer.pad_token_id
+        )
+    samples = batch.samples
+    totals = torch.tensor(batch.scored.totals, dtype=torch.float32, device=samples.prompt_ids.device)
+    rl = RLBatch(
+        prompt_ids=samples.prompt_ids,
+        prompt_mask=samples.prompt_mask,
+        completion_ids=samples.completion_ids,
+        completion_mask=samples.completion_mask,
+        advantages=group_advantages(totals, g, settings.scale_rewards),
+    )
+    hint = None
+    if hints is not None:
+        teacher = hints.group_hints(
+            batch.records, samples.texts, batch.scored.totals, batch.scored.feedback, g
+        )
+        hint = _hint_batch(tokenizer, batch.records, teacher, rl)
+    metrics = _metrics(_concat_scored([d.scored for d in draws]), samples, hint, g)
+    if settings.dynamic_sampling:
+        metrics["rollout/draws"] = float(len(draws))
+        metrics["rollout/groups"] = float(len(batch.records) // g)
+    return Rollout(batch.records, samples, batch.scored, rl, hint, metrics)
+
+
+def _hint_batch(
+    tokenizer: Any, records: Sequence[PromptRecord], teacher: Sequence[str | None], rl: RLBatch
+) -> HintBatch | None:
+    """The teacher's sequences `[hinted prompt, completion]`; rows without a hint keep their prompt and are
+    not distilled."""
+    hinted = torch.tensor([p is not None for p in teacher], device=rl.completion_ids.device)
+    if not hinted.any():
+        return None
+    prompts = [p if p is not None else r.prompt for p, r in zip(teacher, records, strict=True)]
+    ids, mask = encode_prompts(tokenizer, prompts, rl.completion_ids.device)
+    return HintBatch.from_hinted_prompts(
+        ids, mask, rl, distill_mask=rl.completion_mask * hinted[:, None].long()
+    )
+
+
+def _metrics(sampled: Scored, batch: Samples, hint: HintBatch | None, g: int) -> dict[str, float]:
+    """Rewards over everything sampled this step (the policy's performance); lengths and hints of the
+    batch."""
+    totals = torch.tensor(sampled.totals, dtype=torch.float32)
+    metrics = {
+        "rollout/reward_mean": float(totals.mean()),
+        "rollout/frac_zero_std": float((~dynamic_sampling_keep(totals, g)).float().mean()),
+        "rollout/completion_len": float(batch.completion_mask.sum(dim=1).float().mean()),
+        "rollout/truncated": float(batch.truncated.float().mean()),
+        "rollout/hinted": 0.0 if hint is None else float(hint.distill_mask.any(dim=1).float().mean()),
+    }
+    metrics.update({f"rollout/reward/{name}": sum(v) / len(v) for name, v in sampled.by_reward.items()})
+    return metrics

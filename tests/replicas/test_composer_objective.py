@@ -1,0 +1,118 @@
+"""The composer objective end to end inside one process, and the launcher's preflight of its inputs."""
+
+import json
+
+import pytest
+
+from composer_serverless.config import ConfigError, validate_config
+from composer_serverless.replicas.composer import preflight, stratified
+from composer_serverless.replicas.data import PromptRecord
+from composer_serverless.replicas.objective import make_objective
+
+TRAIN = [{"prompt": f"add {a} {b}=", "answer": str(a + b), "task": "add"} for a in range(3) for b in range(3)]
+HELDOUT = [
+    {"prompt": "first 123=", "answer": "1", "task": "first"},
+    {"prompt": "add 4 4=", "answer": "8", "task": "add"},
+    {"prompt": "first 987=", "answer": "9", "task": "first"},
+]
+PAIRS = [{"prompt": f"add {a} 1=", "chosen": str(a + 1), "rejected": str(a)} for a in range(4)]
+
+
+@pytest.fixture
+def raw(jsonl):
+    def make(**composer):
+        return {
+            "model": {
+                "tiny": {"tokenizer": "chars", "hidden_size": 32, "intermediate_size": 64, "num_heads": 4}
+            },
+            "train": {"objective": "composer"},
+            "diloco": {"replicas": 2, "sync_every": 2, "rounds": 1},
+            "eval": {"sequences": 3},
+            "composer": {
+                "alpha": 1.0,
+                "beta": 1.0,
+                "data": {
+                    "prompts": jsonl("train.jsonl", TRAIN),
+                    "heldout": jsonl("heldout.jsonl", HELDOUT),
+                    "pairs": jsonl("pairs.jsonl", PAIRS),
+                },
+                "rewards": [{"fn": "exact_match"}, {"fn": "format", "pattern": "[0-9].*", "weight": 0.5}],
+                "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 3},
+                **composer,
+            },
+        }
+
+    return make
+
+
+def test_a_step_has_all_three_channels_and_the_position_is_json(raw, model, tokenizer):
+    config = validate_config(raw())
+    objective = make_objective(config, tokenizer, 1, model=model)
+    loss, metrics = objective.loss(model)
+    loss.backward()
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert metrics["sdpo/loss"] > 0 and metrics["replay/loss"] > 0 and "grpo/loss" in metrics
+    assert metrics["loss/total"] == pytest.approx(loss.item())
+    assert {"rollout/reward_mean", "rollout/reward/exact_match", "rollout/reward/format"} <= metrics.keys()
+    state = json.loads(json.dumps(objective.state_dict()))
+    # Rank 1 holds 4 prompts and 2 pairs: 2 prompts and 8 pairs (the default per step) were drawn.
+    assert state == {"prompts": {"epoch": 0, "index": 2}, "pairs": {"epoch": 3, "index": 2}}
+    again = make_objective(config, tokenizer, 1, model=model)
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+
+
+def test_evaluation_reports_the_reward_overall_per_task_and_per_reward(raw, model, tokenizer):
+    objective = make_objective(validate_config(raw()), tokenizer, 0, model=model)
+    evaluation = objective.evaluate(model)
+    assert {
+        "eval/reward",
+        "eval/exact_match",
+        "eval/format",
+        "eval/task/add/reward",
+        "eval/task/first/reward",
+    } <= (evaluation.keys())
+    assert evaluation["eval/reward"] == pytest.approx(
+        evaluation["eval/exact_match"] + 0.5 * evaluation["eval/format"]
+    )
+    assert model.training
+
+
+def test_simpo_and_a_kl_term_need_other_references(raw, model, tokenizer):
+    config = validate_config(raw(replay={"kind": "simpo"}, grpo={"kl": 0.1}))
+    objective = make_objective(config, tokenizer, 0, model=model)
+    _, metrics = objective.loss(model)
+    assert "grpo/kl" in metrics and metrics["replay/loss"] > 0
+
+
+def test_held_out_prompts_are_taken_across_tasks_in_turn():
+    records = [PromptRecord(prompt=str(i), task=t) for i, t in enumerate("aaabbc")]
+    assert [r.prompt for r in stratified(records, 4)] == ["0", "3", "5", "1"]
+    assert len(stratified(records, 100)) == 6
+
+
+def test_preflight_names_the_malformed_record(raw, jsonl):
+    config = validate_config(raw())
+    bad = jsonl("bad.jsonl", [TRAIN[0], '{"prompt": "x", "answer": 5}'])
+    broken = config.model_copy(
+        update={
+            "composer": config.composer.model_copy(
+                update={"data": config.composer.data.model_copy(update={"prompts": bad})}
+            )
+        }
+    )
+    with pytest.raises(ConfigError, match=rf"{bad}:2: 'answer' must be a non-empty string \(got 5\)"):
+        preflight(broken)
+
+
+def test_preflight_names_a_reward_that_does_not_import(raw):
+    config = validate_config(raw(rewards=[{"fn": "no_such_module:score"}]))
+    with pytest.raises(ConfigError, match="reward 'no_such_module:score': cannot import 'no_such_module'"):
+        preflight(config)
+
+
+def test_preflight_refuses_fewer_records_than_replicas(raw):
+    config = validate_config(raw())
+    crowded = config.model_copy(update={"diloco": config.diloco.model_copy(update={"replicas": 20})})
+    with pytest.raises(ConfigError, match="9 records cannot be sharded over 20 replicas"):
+        preflight(crowded)

@@ -1,0 +1,177 @@
+"""Rollouts against a tiny Llama: padding, masks, pure sampling, the GRPO and SDPO batches they build."""
+
+import pytest
+import torch
+
+from composer_serverless.config import HintConfig, RewardConfig
+from composer_serverless.losses.compose import LossBatch, LossSettings, three_channel_loss
+from composer_serverless.replicas.data import PromptRecord
+from composer_serverless.replicas.hints import HintBuilder
+from composer_serverless.replicas.rewards import RewardSet
+from composer_serverless.replicas.rollout import (
+    RolloutSettings,
+    completion_mask,
+    encode_prompts,
+    generate,
+    overlong_punishment,
+    rollout,
+)
+
+PROMPTS = ["add 2 3=", "first 853=", "max 1=", "sort 592="]
+
+
+def test_prompts_are_left_padded(tokenizer):
+    ids, mask = encode_prompts(tokenizer, ["ab", "abcd"], torch.device("cpu"))
+    assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    assert ids[0, :2].tolist() == [tokenizer.pad_token_id] * 2
+    assert tokenizer.decode(ids[0, 2:]) == "ab"
+
+
+def test_completion_mask_ends_at_the_first_eos_even_when_pad_is_eos():
+    eos = 7
+    ids = torch.tensor([[3, 4, 7, 7, 7], [7, 7, 7, 7, 7], [1, 2, 3, 4, 5]])
+    assert completion_mask(ids, [eos]).tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert completion_mask(ids, [5, eos])[2].tolist() == [1, 1, 1, 1, 1]
+
+
+def test_samples_have_the_loss_layout_and_the_model_keeps_its_mode(model, tokenizer):
+    samples = generate(model, tokenizer, PROMPTS, max_new_tokens=5, temperature=1.0, repeats=3)
+    rows = len(PROMPTS) * 3
+    assert samples.prompt_ids.shape[0] == samples.completion_ids.shape[0] == rows
+    assert samples.completion_ids.shape[1] <= 5
+    assert model.training
+    # Rows of one prompt are consecutive and share the prompt.
+    assert torch.equal(samples.prompt_ids[0], samples.prompt_ids[2])
+    assert not torch.equal(samples.prompt_ids[2], samples.prompt_ids[3])
+    mask = samples.completion_mask
+    assert not (mask[:, 1:] > mask[:, :-1]).any(), "completions must be right-padded"
+    eos = samples.completion_ids == tokenizer.eos_token_id
+    ended = (eos & mask.bool()).any(dim=1)
+    assert torch.equal(samples.truncated, ~ended)
+    for row in range(rows):
+        kept = samples.completion_ids[row][mask[row].bool() & ~eos[row]]
+        assert samples.texts[row] == tokenizer.decode(kept, skip_special_tokens=True)
+
+
+def test_greedy_decoding_of_a_left_padded_batch_matches_each_prompt_alone(model, tokenizer):
+    batch = generate(model, tokenizer, PROMPTS, max_new_tokens=4, temperature=None).texts
+    alone = [generate(model, tokenizer, [p], max_new_tokens=4, temperature=None).texts[0] for p in PROMPTS]
+    assert batch == alone
+    assert len(set(batch)) > 1, "a degenerate model would make this comparison vacuous"
+
+
+def test_sampling_ignores_truncating_settings_in_the_models_generation_config(model, tokenizer):
+    model.generation_config.top_k = 1  # greedy in disguise, were it honoured
+    torch.manual_seed(0)
+    samples = generate(model, tokenizer, PROMPTS[:1], max_new_tokens=3, temperature=1.0, repeats=16)
+    assert len(set(samples.texts)) > 1
+
+
+def test_overlong_punishment_follows_dapo():
+    lengths = torch.tensor([1, 4, 5, 6])
+    assert overlong_punishment(lengths, max_new_tokens=6, buffer=2, penalty=1.0) == [0.0, 0.0, -0.5, -1.0]
+
+
+def _records():
+    return [PromptRecord(prompt=p, answer="5", task="t") for p in PROMPTS]
+
+
+def _draw(records):
+    position = 0
+
+    def draw(count):
+        nonlocal position
+        out = [records[(position + i) % len(records)] for i in range(count)]
+        position += count
+        return out
+
+    return draw
+
+
+def test_a_rollout_feeds_grpo_and_sdpo_and_its_batches_run_through_the_loss(model, tokenizer):
+    rewards = RewardSet(
+        [RewardConfig(fn="exact_match"), RewardConfig(fn="format", pattern="[0-9].*", weight=0.5)]
+    )
+    settings = RolloutSettings(group_size=4, prompts_per_step=2, max_new_tokens=4, temperature=1.0)
+    torch.manual_seed(0)
+    rolled = rollout(model, tokenizer, _draw(_records()), rewards, HintBuilder(HintConfig()), settings)
+    assert len(rolled.records) == 8 and rolled.records[3] is rolled.records[0]
+    totals = torch.tensor(rolled.scored.totals).view(2, 4)
+    advantages = rolled.rl.advantages.view(2, 4)
+    for group, adv in zip(totals, advantages, strict=True):
+        if group.std() == 0:
+            assert torch.equal(adv, torch.zeros(4))
+        else:
+            assert adv.sum().abs() < 1e-5 and (
+                adv.argmax() == group.argmax() or group.max() == group[adv.argmax()]
+            )
+    # Every row failed exact match, so each has the answer as feedback and is distilled.
+    assert rolled.hint is not None
+    assert torch.equal(rolled.hint.distill_mask, rolled.rl.completion_mask)
+    assert rolled.metrics["rollout/hinted"] == 1.0
+    assert rolled.metrics["rollout/reward_mean"] == pytest.approx(sum(rolled.scored.totals) / 8)
+    loss, metrics = three_channel_loss(
+        model, LossBatch(rl=rolled.rl, hint=rolled.hint), LossSettings(alpha=1.0)
+    )
+    loss.backward()
+    assert metrics["sdpo/loss"] > 0
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_without_hints_there_is_no_teacher_batch(model, tokenizer):
+    settings = RolloutSettings(group_size=2, prompts_per_step=2, max_new_tokens=3, temperature=1.0)
+    rolled = rollout(
+        model, tokenizer, _draw(_records()), RewardSet([RewardConfig(fn="exact_match")]), None, settings
+    )
+    assert rolled.hint is None
+
+
+def test_dynamic_sampling_keeps_only_groups_whose_rewards_differ(model, tokenizer):
+    rewards = RewardSet([RewardConfig(fn="format", pattern=".*[0-9].*")])
+    settings = RolloutSettings(
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=3,
+        temperature=1.0,
+        dynamic_sampling=True,
+        max_draws=4,
+    )
+    torch.manual_seed(0)
+    rolled = rollout(model, tokenizer, _draw(_records()), rewards, None, settings)
+    groups = torch.tensor(rolled.scored.totals).view(-1, 4)
+    assert len(groups) <= 2
+    assert rolled.metrics["rollout/groups"] == len(groups) >= 1
+    assert (groups.std(dim=1) > 0).all()
+    assert 1 <= rolled.metrics["rollout/draws"] <= 4
+    assert rolled.rl.prompt_ids.size(0) == len(rolled.records) == rolled.samples.completion_ids.size(0)
+
+
+def test_dynamic_sampling_without_any_informative_group_keeps_the_last_draw(model, tokenizer):
+    rewards = RewardSet([RewardConfig(fn="format", pattern="never")])  # longer than any completion: always 0
+    settings = RolloutSettings(
+        group_size=2,
+        prompts_per_step=2,
+        max_new_tokens=3,
+        temperature=1.0,
+        dynamic_sampling=True,
+        max_draws=3,
+    )
+    rolled = rollout(model, tokenizer, _draw(_records()), rewards, None, settings)
+    assert rolled.metrics["rollout/draws"] == 3
+    assert rolled.metrics["rollout/frac_zero_std"] == 1.0
+    assert [r.prompt for r in rolled.records] == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2  # the third draw wraps
+    assert torch.equal(rolled.rl.advantages, torch.zeros(4))
+
+
+def test_the_overlong_punishment_is_added_to_the_reward_of_long_completions(model, tokenizer):
+    settings = RolloutSettings(
+        group_size=4, prompts_per_step=2, max_new_tokens=4, temperature=1.0, overlong_buffer=2, overlong_penalty=1.0
+    )
+    rewards = RewardSet([RewardConfig(fn="format", pattern=".*")])  # 1 for every completion
+    torch.manual_seed(0)
+    rolled = rollout(model, tokenizer, _draw(_records()), rewards, None, settings)
+    lengths = rolled.samples.completion_mask.sum(dim=1)
+    expected = overlong_punishment(lengths, max_new_tokens=4, buffer=2, penalty=1.0)
+    assert rolled.scored.by_reward["overlong"] == expected
+    assert rolled.scored.totals == [1.0 + p for p in expected]
+    assert any(p < 0 for p in expected)
