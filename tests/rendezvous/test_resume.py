@@ -53,3 +53,24 @@ def test_interrupted_and_resumed_run_is_bit_identical(
 def final_eval(run: ObjectStore) -> float:
     """The held-out loss of the final global model, from whichever replica evaluated it."""
     return next(by_round[5]["eval"]["eval/loss"] for by_round in rows(run).values() if "eval" in by_round.get(5, {}))
+
+
+def test_resume_refuses_what_it_cannot_honour(tmp_path: Path) -> None:
+    """--resume takes the run as it was created, and only a run: exit 2 before anything is started."""
+    from typer.testing import CliRunner
+
+    from composer_serverless.cli import app
+
+    def run(*argv: str) -> tuple[int, str]:
+        result = CliRunner().invoke(app, list(argv))
+        return result.exit_code, " ".join(result.output.split())  # rich wraps long lines
+
+    demo = str(REPO / "deploy" / "configs" / "local-demo.toml")
+    for argv in (("launch", demo, "--resume", str(tmp_path)), ("launch", "--resume", str(tmp_path), "--set", "seed=1")):
+        code, output = run(*argv)
+        assert code == 2 and "--resume continues a run as it was created" in output
+    code, output = run("launch", "--resume", str(tmp_path / "nothing"))
+    assert code == 2 and "is not a run" in output
+    code, output = run("launch")
+    assert code == 2 and "missing CONFIG" in output
+    assert not any(tmp_path.iterdir())
