@@ -3,7 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from runs import REFERENCE_SETTINGS, ReferenceRun, create, digests, make_config, run_replicas
+from harness import REFERENCE_SETTINGS, ReferenceRun, create, digests, make_config, run_replicas
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import torch
-from runs import REPO
+from harness import REPO
 
 SCRIPT = REPO / "benchmarks" / "allreduce.py"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from runs import REPO
+from harness import REPO
 
 from composer_serverless.config import ConfigError, DiLoCoConfig, load_config
 

@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from runs import (
+from harness import (
     PROCESS_TIMEOUT_S,
     REFERENCE_SETTINGS,
     ReferenceRun,

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from analytic_replica import CASES, SYNC_EVERY, case_key
 from faults import InjectedFault
-from runs import HERE, subprocess_env, wait_all
+from harness import HERE, subprocess_env, wait_all
 
 from composer_serverless.rendezvous.allreduce import ExchangeSettings, StaleRoundError
 from composer_serverless.rendezvous.checkpoint import LATEST

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runs import (
+from harness import (
     REFERENCE_SETTINGS,
     REPO,
     ReferenceRun,
