@@ -725,8 +725,11 @@ def _explain(error: ValidationError, raw: dict[str, Any], source: str) -> str:
                 f"  {key}.type: unknown {key} {item['ctx']['tag']!r}; choose one of {item['ctx']['expected_tags']}"
             )
             continue
+        # --set cannot address an item of a list (e.g. train.channels.0.weight): point at the file only.
+        settable = not any(p.isdigit() for p in loc)
+        via_set = f" or pass --set {key}=<value>" if settable else ""
         if item["type"] == "missing":
-            lines.append(f"  {key}: required but not set\n    fix: add it to {source} or pass --set {key}=<value>")
+            lines.append(f"  {key}: required but not set\n    fix: add it to {source}{via_set}")
             continue
         message = item["msg"].removeprefix("Value error, ")
         got = "" if isinstance(item.get("input"), dict) else f" (got {item['input']!r})"
@@ -735,10 +738,20 @@ def _explain(error: ValidationError, raw: dict[str, Any], source: str) -> str:
         if description:
             lines.append(f"    {key} is the {description}")
         if isinstance(item.get("input"), dict):
-            lines.append(f"    fix: edit the [{key}] table in {source}")
+            lines.append(f"    fix: edit {_table_name(loc)} in {source}")
         else:
-            lines.append(f"    fix: change {key} in {source} or pass --set {key}=<value>")
+            lines.append(f"    fix: change {key} in {source}{via_set}")
     return "\n".join(lines)
+
+
+def _table_name(loc: list[str]) -> str:
+    """How a TOML file names the table at ``loc``: ``[train]``, or ``the 1st [[composer.rewards]]``."""
+    shown = _display_key(loc).split(".")
+    if shown[-1].isdigit():
+        position = int(shown[-1]) + 1
+        suffix = {1: "st", 2: "nd", 3: "rd"}.get(position if position < 20 else position % 10, "th")
+        return f"the {position}{suffix} [[{'.'.join(shown[:-1])}]] table"
+    return f"the [{'.'.join(shown)}] table"
 
 
 def _display_key(loc: list[str]) -> str:

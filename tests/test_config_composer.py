@@ -86,3 +86,18 @@ def test_a_format_reward_with_a_broken_regex_is_refused():
     raw = edited("composer.rewards", [{"fn": "format", "pattern": "[0-9"}])
     with pytest.raises(ConfigError, match="is not a valid regular expression"):
         validate_config(raw)
+
+
+def test_a_mistake_inside_a_list_item_points_at_the_file_not_at_set():
+    """--set cannot address list items, so the fix for composer.rewards.0.* must not suggest it; a plain
+    key's fix still does."""
+    with pytest.raises(ConfigError) as error:
+        validate_config(edited("composer.rewards.0.timeout_s", -1))
+    assert "fix: change composer.rewards.0.timeout_s in" in str(error.value)
+    assert "--set" not in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        validate_config(edited("composer.rewards.0.weight", 0))
+    assert "fix: edit the 1st [[composer.rewards]] table in" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        validate_config(edited("composer.sdpo.beta", 1.5))
+    assert "--set composer.sdpo.beta=<value>" in str(error.value)

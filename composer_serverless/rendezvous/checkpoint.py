@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 STATE = "state"
 LATEST = "state/LATEST"
+INITIAL = "state/initial.json"
 REPLICAS = "replicas"
 TENSORS_FILE = "tensors.safetensors"
 STATE_FILE = "state.json"
@@ -152,6 +153,16 @@ def latest_round(store: ObjectStore) -> int:
         return int(json.loads(store.get(LATEST))["round"])
     except FileNotFoundError:
         return 0
+
+
+def agree_on_initial_weights(store: ObjectStore, weights_sha256: str) -> bool:
+    """Record the digest of a fresh replica's initial weights, or compare with the one recorded first."""
+    return store.create(INITIAL, json.dumps({"sha256": weights_sha256}).encode())
+
+
+def initial_weights(store: ObjectStore) -> str:
+    """The digest of the initial weights recorded by ``agree_on_initial_weights``."""
+    return str(json.loads(store.get(INITIAL))["sha256"])
 
 
 def write_global(store: ObjectStore, round_index: int, tree: Any) -> None:

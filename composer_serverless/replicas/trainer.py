@@ -54,6 +54,10 @@ MODEL_PREFIX = "model"
 FINAL_PREFIX = "final"
 
 
+class InitialWeightsError(RuntimeError):
+    """This replica loaded weights that differ from another replica's, so the run cannot be DiLoCo."""
+
+
 class SyncError(RuntimeError):
     """A replica's syncs failed ``max_failed_syncs`` times in a row; its restart resumes from the store."""
 
@@ -176,6 +180,27 @@ def digest(params: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def check_initial_weights(run: ObjectStore, model: nn.Module, rank: int) -> None:
+    """Refuse to train from weights that differ from the other replicas'.
+
+    DiLoCo averages pseudo-gradients, not parameters: replicas that start apart stay apart for the whole
+    run. The first fresh replica records the digest of its weights (create-if-absent); every other one must
+    match it.
+
+    Raises:
+        InitialWeightsError: this replica's weights are not the recorded ones.
+    """
+    mine = digest(dict(model.named_parameters()))
+    if checkpoint.agree_on_initial_weights(run, mine):
+        return
+    raise InitialWeightsError(
+        f"replica {rank}: the model's initial weights differ from those another replica loaded "
+        f"(sha256 {mine[:12]} vs {checkpoint.initial_weights(run)[:12]}); DiLoCo needs every replica to start "
+        "from the same weights. Load them deterministically: a model whose code initialises weights at load "
+        "time with its own randomness, or a checkpoint that changed while replicas downloaded it, does this"
+    )
+
+
 @contextmanager
 def swapped_in(model: nn.Module, params: dict[str, torch.Tensor]) -> Iterator[nn.Module]:
     """Temporarily load ``params`` into ``model`` (to evaluate or save the global model), then restore."""
@@ -233,11 +258,14 @@ def run_replica(run: ObjectStore, rank: int) -> None:
 
 
 def _train(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter) -> None:
-    torch.manual_seed(config.seed + rank)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # The download cache lives as long as training: weights may stay memory-mapped from its files.
     with tempfile.TemporaryDirectory(prefix="composer-serverless-") as cache:
+        # One seed for loading, so weights a checkpoint lacks are initialised alike on every replica;
+        # a seed per rank for training, so replicas sample differently.
+        torch.manual_seed(config.seed)
         model, tokenizer = load_run_model(run, config, Path(cache))
+        torch.manual_seed(config.seed + rank)
         Replica(run, config, rank, reporter, model.to(device).train(), tokenizer).run()
 
 
@@ -308,8 +336,10 @@ class Replica:
     def run(self) -> None:
         dl = self.config.diloco
         with make_diloco(self.manager, self.fragments, self.inner, self.outer, dl):
-            if self._restore() == 0 and self.rank == 0:
-                self.reporter.round(0, {"eval": self.objective.evaluate(self.model), "time": time.time()})
+            if self._restore() == 0:
+                check_initial_weights(self.run_store, self.model, self.rank)
+                if self.rank == 0:
+                    self.reporter.round(0, {"eval": self.objective.evaluate(self.model), "time": time.time()})
             self._align(late=False)
             self._loop()
         self.reporter.beat(force=True, state="done", round=dl.rounds, rounds=dl.rounds, step=dl.sync_every, steps=dl.sync_every)
