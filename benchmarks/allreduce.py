@@ -16,9 +16,11 @@ barrier, run three exchanges through the same store, ``--repeats`` times each af
 
 A phase's wall time is from the barrier to the last replica finishing (CLOCK_MONOTONIC is one clock for
 all processes on Linux); the JSON reports the median over repeats. ``bound_down_bytes`` = 2(N-1)/N *
-``wire_bytes`` (the encoded size of one replica's tensor); ``time_ratio_to_bound`` = wall time / the time
-the bound bytes need at ``store_MBps``. MB here is 10^6 bytes. ``--store s3`` runs a moto S3 server on
-loopback (in this process, which only waits) and points the replicas at it through AWS_ENDPOINT_URL_S3.
+``wire_bytes`` (the encoded size of one replica's tensor) and ``bound_up_bytes`` = ``wire_bytes``: the
+bandwidth-optimal all-reduce's traffic per replica. ``time_ratio_to_bound`` = wall time / the time those
+bound bytes (up and down) need at ``store_MBps``; ``time_ratio_to_down_bound`` counts the download only.
+MB here is 10^6 bytes. ``--store s3`` runs a moto S3 server on loopback (in this process, which only
+waits) and points the replicas at it through AWS_ENDPOINT_URL_S3.
 """
 
 from __future__ import annotations
@@ -218,13 +220,17 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
     wire = sum(len(encode(torch.zeros(b - a), IDENTITY, args.codec)) for a, b in shard_bounds(values, n))
     bound = 2 * (n - 1) / n * wire
     store_mbps = (raw["bytes_up_per_replica"] + raw["bytes_down_per_replica"]) / 1e6 / raw["wall_s"]
-    bound_s = bound / 1e6 / store_mbps
+    # The bound's traffic is S_wire up and 2(N-1)/N * S_wire down per replica; the raw phase moves exactly
+    # that, so bound_s is (up to the median) the raw phase's own time.
+    bound_s = (wire + bound) / 1e6 / store_mbps
+    down_bound_s = bound / 1e6 / store_mbps
 
     def figures(p: dict[str, Any]) -> dict[str, Any]:
         return {
             **p,
             "ratio_to_bound": p["bytes_down_per_replica"] / bound,
             "time_ratio_to_bound": p["wall_s"] / bound_s,
+            "time_ratio_to_down_bound": p["wall_s"] / down_bound_s,
         }
 
     ours_f, naive_f = figures(ours), figures(naive)
@@ -237,6 +243,7 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         "wire_bytes": wire,
         "bytes_up_per_replica": ours_f["bytes_up_per_replica"],
         "bytes_down_per_replica": ours_f["bytes_down_per_replica"],
+        "bound_up_bytes": wire,
         "bound_down_bytes": bound,
         "ratio_to_bound": ours_f["ratio_to_bound"],
         "naive_bytes_down_per_replica": naive_f["bytes_down_per_replica"],
@@ -247,8 +254,8 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         "bound_s": bound_s,
         "time_ratio_to_bound": ours_f["time_ratio_to_bound"],
         "naive_time_ratio_to_bound": naive_f["time_ratio_to_bound"],
-        # How much the protocol (codec, checksums, quorum, two phases) costs over moving raw bytes.
-        "time_ratio_to_raw": ours_f["wall_s"] / raw["wall_s"],
+        # The stricter reading: against the time of the bound's download alone, as if uploads were free.
+        "time_ratio_to_down_bound": ours_f["time_ratio_to_down_bound"],
         "repeats": args.repeats,
         "phases": {"raw": raw, "allreduce": ours_f, "naive": naive_f},
     }

@@ -51,5 +51,10 @@ def test_phases_and_summary_report_bytes_against_the_bound(tmp_path: Path) -> No
     # The raw phase moves exactly the bound's download; everyone-reads-everything moves N/2 times it.
     assert abs(result["phases"]["raw"]["bytes_down_per_replica"] / result["bound_down_bytes"] - 1) < 1e-3
     assert abs(result["naive_ratio_to_bound"] - n / 2) < 0.01
-    for key in ("wall_s", "naive_wall_s", "store_MBps", "time_ratio_to_bound", "time_ratio_to_raw"):
+    for key in ("wall_s", "naive_wall_s", "store_MBps", "time_ratio_to_bound", "time_ratio_to_down_bound"):
         assert result[key] > 0
+    # The bound's time counts its upload (S_wire) and its download at the raw phase's throughput.
+    assert result["bound_up_bytes"] == wire
+    expected_s = (wire + result["bound_down_bytes"]) / 1e6 / result["store_MBps"]
+    assert abs(result["bound_s"] - expected_s) < 1e-9
+    assert abs(result["time_ratio_to_down_bound"] / result["time_ratio_to_bound"] - (wire + result["bound_down_bytes"]) / result["bound_down_bytes"]) < 1e-9
