@@ -28,7 +28,7 @@ from composer_serverless.config import RunConfig, load_config
 from composer_serverless.launcher import launch
 from composer_serverless.models import load_pretrained
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.objective import LMObjective
+from composer_serverless.replicas.objective import LMObjective, evaluate
 from composer_serverless.replicas.trainer import make_inner_optimizer, make_schedule
 
 OUTER = {
@@ -53,7 +53,7 @@ def baseline(config: RunConfig, model_dir: Path, batch_size: int) -> dict:
     steps = config.diloco.rounds * config.diloco.sync_every
     inner = make_inner_optimizer(model, config.train)
     schedule = make_schedule(inner, config.train, steps)
-    curve = {0: objective.evaluate(model)["eval/loss"]}
+    curve = {0: evaluate(objective, model)["eval/loss"]}
     started = time.monotonic()
     for step in range(1, steps + 1):
         loss, _ = objective.loss(model)
@@ -64,7 +64,7 @@ def baseline(config: RunConfig, model_dir: Path, batch_size: int) -> dict:
         schedule.step()
         inner.zero_grad(set_to_none=True)
         if step % config.diloco.sync_every == 0:
-            curve[step // config.diloco.sync_every] = objective.evaluate(model)["eval/loss"]
+            curve[step // config.diloco.sync_every] = evaluate(objective, model)["eval/loss"]
     return {"final_eval_loss": curve[max(curve)], "curve": curve, "wall_s": time.monotonic() - started}
 
 

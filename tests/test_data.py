@@ -67,7 +67,7 @@ def test_too_few_files_for_a_batch(corpus, tiny_model_dir):
 
 def test_eval_set_does_not_depend_on_the_batch_size(tiny_model_dir):
     from composer_serverless.config import validate_config
-    from composer_serverless.replicas.objective import LMObjective
+    from composer_serverless.replicas.objective import LMObjective, evaluate
 
     model, tokenizer = load_pretrained(tiny_model_dir)
     losses = []
@@ -76,6 +76,6 @@ def test_eval_set_does_not_depend_on_the_batch_size(tiny_model_dir):
             {"model": {"tiny": {}}, "data": {"seq_len": 16, "batch_size": batch_size}, "eval": {"sequences": 20},
              "diloco": {"sync_every": 1, "rounds": 1}}
         )
-        losses.append(LMObjective(config, tokenizer, rank=0).evaluate(model)["eval/loss"])
+        losses.append(evaluate(LMObjective(config, tokenizer, rank=0), model)["eval/loss"])
     # Same sequences, different batching: equal up to float summation order.
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)

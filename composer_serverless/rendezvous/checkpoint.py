@@ -180,6 +180,7 @@ def advance_latest(store: ObjectStore, round_index: int) -> None:
         store.put(LATEST, json.dumps({"round": round_index}).encode())
     _prune_numbered(store, STATE, keep_from=round_index - KEEP_STATES + 1, skip={"LATEST"})
     _prune_numbered(store, "rounds", keep_from=round_index - KEEP_ROUNDS + 1)
+    _prune_numbered(store, "evals", keep_from=round_index - KEEP_ROUNDS + 1)
 
 
 def load_global(store: ObjectStore, round_index: int) -> Any:

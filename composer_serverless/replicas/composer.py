@@ -27,6 +27,7 @@ from composer_serverless.losses.logprobs import completion_logprobs
 from composer_serverless.losses.replay import ReplaySettings
 from composer_serverless.losses.sdpo import SDPOSettings
 from composer_serverless.replicas.data import Cycle, PromptRecord, read_pairs, read_prompts, shard_records
+from composer_serverless.replicas.evaluation import EvalPart, share
 from composer_serverless.replicas.hints import HintBuilder
 from composer_serverless.replicas.pairs import ReplayPairs
 from composer_serverless.replicas.rewards import RewardSet
@@ -193,13 +194,16 @@ class ComposerObjective:
         loss, metrics = three_channel_loss(model, batch, self._settings)
         return loss, {**{k: float(v) for k, v in metrics.items()}, **rolled.metrics}
 
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """Mean reward of greedy completions of the held-out prompts, overall (`eval/reward`) and per task
-        (`eval/task/{task}/reward`), and the same for each reward (`eval/{name}`,
-        `eval/task/{task}/{name}`)."""
+    def evaluate_part(self, model: nn.Module, part: int, parts: int) -> EvalPart:
+        """Reward of greedy completions of a share of the held-out prompts, overall (`eval/reward`) and per
+        task (`eval/task/{task}/reward`), and the same for each reward (`eval/{name}`,
+        `eval/task/{task}/{name}`), as sums and counts."""
+        records = share(self._heldout, part, parts)
+        if not records:
+            return {}
         texts: list[str] = []
-        for start in range(0, len(self._heldout), EVAL_BATCH):
-            chunk = self._heldout[start : start + EVAL_BATCH]
+        for start in range(0, len(records), EVAL_BATCH):
+            chunk = records[start : start + EVAL_BATCH]
             texts += generate(
                 model,
                 self._tokenizer,
@@ -207,14 +211,14 @@ class ComposerObjective:
                 max_new_tokens=self._rollout.max_new_tokens,
                 temperature=None,
             ).texts
-        scored = self._rewards.score(texts, self._heldout)
-        out: dict[str, float] = {}
+        scored = self._rewards.score(texts, records)
+        out: EvalPart = {}
         for name, values in (("reward", scored.totals), *scored.by_reward.items()):
-            out[f"eval/{name}"] = sum(values) / len(values)
+            out[f"eval/{name}"] = (sum(values), len(values))
             by_task: dict[str, list[float]] = {}
-            for record, value in zip(self._heldout, values, strict=True):
+            for record, value in zip(records, values, strict=True):
                 by_task.setdefault(record.task, []).append(value)
-            out.update({f"eval/task/{task}/{name}": sum(v) / len(v) for task, v in sorted(by_task.items())})
+            out.update({f"eval/task/{task}/{name}": (sum(v), len(v)) for task, v in sorted(by_task.items())})
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import torch
 from composer_serverless.config import RunConfig
 from composer_serverless.replicas.composer import ComposerObjective
 from composer_serverless.replicas.data import Batches, shard, stdlib_corpus
+from composer_serverless.replicas.evaluation import EvalPart, combine, share
 
 # Held-out sequences are drawn from this many interleaved file streams, independent of the training batch size.
 EVAL_STREAMS = 8
@@ -26,8 +27,9 @@ class Objective(Protocol):
         (floats or 0-dim tensors); the trainer records their mean over each round."""
         ...
 
-    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        """Score ``model`` on held-out data; keys are namespaced (``eval/loss``)."""
+    def evaluate_part(self, model: torch.nn.Module, part: int, parts: int) -> EvalPart:
+        """Score ``model`` on share ``part`` of ``parts`` of the held-out data (``evaluation.share``): per
+        metric, namespaced (``eval/loss``), the sum and the count that ``evaluation.combine`` averages."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
@@ -58,23 +60,33 @@ class LMObjective:
         return loss, {"lm/loss": loss.detach()}
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+    def evaluate_part(self, model: torch.nn.Module, part: int, parts: int) -> EvalPart:
         if self._eval_set is None:
             rows = torch.cat([self._heldout.next() for _ in range(-(-self._eval_sequences // EVAL_STREAMS))])
-            self._eval_set = list(rows[: self._eval_sequences].split(self._batch_size))
+            self._eval_set = rows[: self._eval_sequences]
+        mine = share(list(self._eval_set), part, parts)
+        if not mine:
+            return {}
         was_training = model.training
         model.eval()
         device = _device_of(model)
         # Rows all have the same length, so weighting each batch's mean by its rows gives the token mean.
-        total = sum(model(input_ids=b.to(device), labels=b.to(device)).loss.float().item() * len(b) for b in self._eval_set)
+        total = 0.0
+        for batch in torch.stack(mine).split(self._batch_size):
+            total += model(input_ids=batch.to(device), labels=batch.to(device)).loss.float().item() * len(batch)
         model.train(was_training)
-        return {"eval/loss": total / self._eval_sequences}
+        return {"eval/loss": (total, len(mine))}
 
     def state_dict(self) -> dict[str, Any]:
         return {"train": self._train.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._train.load_state_dict(state["train"])
+
+
+def evaluate(objective: Objective, model: torch.nn.Module) -> dict[str, float]:
+    """Score ``model`` on the whole held-out set, on this process alone."""
+    return combine([objective.evaluate_part(model, 0, 1)])
 
 
 def make_objective(config: RunConfig, tokenizer: Any, rank: int, *, model: torch.nn.Module) -> Objective:

@@ -8,8 +8,9 @@ torchft's, unmodified.
 
 Around it the replica keeps the run going through failures:
 
-* After each round (every fragment synced once) it records a digest of the global parameters, and the
-  round's lowest-rank participant evaluates the global model and publishes ``state/{k}`` then LATEST.
+* After each round (every fragment synced once) it records a digest of the global parameters; every
+  participant scores its share of the held-out set, and the round's lowest-rank participant adds the shares
+  up and publishes ``state/{k}`` then LATEST.
 * Every replica saves its own state (``replicas/{rank}/{k}``), so a run whose replicas all died resumes
   bit-identically from the store.
 * Right after every sync, the one moment DiLoCo holds no exchange in flight, it compares itself with the
@@ -45,12 +46,15 @@ from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.deadline import GraceSettings
 from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutcome
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.replicas import evaluation
 from composer_serverless.replicas.objective import Objective, make_objective
 from composer_serverless.telemetry import Reporter, mean_metrics
 
 logger = logging.getLogger(__name__)
 
 MODEL_PREFIX = "model"
+# The shortest wait for the other replicas' evaluation shares, beyond twice this replica's own share's time.
+EVAL_WAIT_MIN_S = 1.0
 FINAL_PREFIX = "final"
 
 
@@ -338,8 +342,9 @@ class Replica:
         with make_diloco(self.manager, self.fragments, self.inner, self.outer, dl):
             if self._restore() == 0:
                 check_initial_weights(self.run_store, self.model, self.rank)
-                if self.rank == 0:
-                    self.reporter.round(0, {"eval": self.objective.evaluate(self.model), "time": time.time()})
+                initial = self._evaluate(0, list(range(dl.replicas)), dict(self.model.named_parameters()))
+                if initial is not None:
+                    self.reporter.round(0, {"eval": initial, "time": time.time()})
             self._align(late=False)
             self._loop()
         self.reporter.beat(force=True, state="done", round=dl.rounds, rounds=dl.rounds, step=dl.sync_every, steps=dl.sync_every)
@@ -389,18 +394,19 @@ class Replica:
         return loss.detach()
 
     def _finish_round(self, outcome: SyncOutcome) -> None:
-        """Record the round; the lowest-rank participant of its last sync evaluates and publishes it."""
+        """Record the round; its participants evaluate it together and the lowest-rank one publishes it."""
         round_index = self.completed_rounds
         row = {**self.meter.row(self.schedule.get_last_lr()[0]), "participants": outcome.participants}
         self.meter.reset()
         params = global_parameters(self.manager, self.names)
         if self.config.diloco.verify_global:
             row["global_sha256"] = digest(params)
+        last = round_index == self.config.diloco.rounds
+        if last or round_index % self.config.eval.every_rounds == 0:
+            scored = self._evaluate(round_index, outcome.participants, params)
+            if scored is not None:
+                row["eval"] = scored
         if outcome.participants[0] == self.rank:
-            last = round_index == self.config.diloco.rounds
-            if last or round_index % self.config.eval.every_rounds == 0:
-                with swapped_in(self.model, params):
-                    row["eval"] = self.objective.evaluate(self.model)
             checkpoint.write_global(self.run_store, round_index, self._global_state())
             if last:
                 self._upload_final(params)
@@ -411,6 +417,49 @@ class Replica:
             "[replica %d] round %d/%d: train loss %s, participants %s",
             self.rank, round_index, self.config.diloco.rounds, row["train_loss"], outcome.participants,
         )
+
+    def _evaluate(self, round_index: int, participants: list[int], params: dict[str, torch.Tensor]) -> dict[str, float] | None:
+        """Score the global model ``params`` on this replica's share of the held-out set (see
+        ``evaluation.py``). The lowest-rank participant returns the whole evaluation: it gathers the other
+        shares from the store and scores any that has not come within twice its own share's time (its
+        replica died, or lags) itself. The others publish their share and return None, and so does a
+        replica that took the round's result without taking part in it (it has no share)."""
+        if self.rank not in participants:
+            return None
+        parts, part = len(participants), participants.index(self.rank)
+        started = time.monotonic()
+        with swapped_in(self.model, params):
+            shares = {part: self.objective.evaluate_part(self.model, part, parts)}
+        if part != 0:
+            self.run_store.put(evaluation.part_key(round_index, part, parts), evaluation.dumps(shares[part]))
+            return None
+        deadline = time.monotonic() + EVAL_WAIT_MIN_S + 2 * (time.monotonic() - started)
+        delay = 0.01
+        while len(shares) < parts:
+            for p in range(1, parts):
+                if p not in shares and (got := self._read_share(round_index, p, parts)) is not None:
+                    shares[p] = got
+            if len(shares) == parts:
+                break
+            if time.monotonic() >= deadline:
+                missing = [participants[p] for p in range(parts) if p not in shares]
+                logger.warning("[replica %d] round %d: scoring the evaluation shares of replicas %s here", self.rank, round_index, missing)
+                with swapped_in(self.model, params):
+                    for p in range(parts):
+                        shares.setdefault(p, self.objective.evaluate_part(self.model, p, parts))
+                break
+            time.sleep(delay)
+            delay = min(0.2, delay * 1.5)
+        return evaluation.combine([shares[p] for p in range(parts)])
+
+    def _read_share(self, round_index: int, part: int, parts: int) -> evaluation.EvalPart | None:
+        try:
+            return evaluation.loads(self.run_store.get(evaluation.part_key(round_index, part, parts)))
+        except FileNotFoundError:
+            return None
+        except ValueError as e:
+            logger.warning("[replica %d] round %d: ignoring a malformed evaluation share %d: %s", self.rank, round_index, part, e)
+            return None
 
     def _upload_final(self, params: dict[str, torch.Tensor]) -> None:
         with swapped_in(self.model, params), tempfile.TemporaryDirectory() as out:

@@ -7,7 +7,8 @@ import pytest
 from composer_serverless.config import ConfigError, validate_config
 from composer_serverless.replicas.composer import preflight, stratified
 from composer_serverless.replicas.data import PromptRecord
-from composer_serverless.replicas.objective import make_objective
+from composer_serverless.replicas.evaluation import combine
+from composer_serverless.replicas.objective import evaluate, make_objective
 
 TRAIN = [{"prompt": f"add {a} {b}=", "answer": str(a + b), "task": "add"} for a in range(3) for b in range(3)]
 HELDOUT = [
@@ -64,7 +65,7 @@ def test_a_step_has_all_three_channels_and_the_position_is_json(raw, model, toke
 
 def test_evaluation_reports_the_reward_overall_per_task_and_per_reward(raw, model, tokenizer):
     objective = make_objective(validate_config(raw()), tokenizer, 0, model=model)
-    evaluation = objective.evaluate(model)
+    evaluation = evaluate(objective, model)
     assert {
         "eval/reward",
         "eval/exact_match",
@@ -116,3 +117,14 @@ def test_preflight_refuses_fewer_records_than_replicas(raw):
     crowded = config.model_copy(update={"diloco": config.diloco.model_copy(update={"replicas": 20})})
     with pytest.raises(ConfigError, match="9 records cannot be sharded over 20 replicas"):
         preflight(crowded)
+
+
+def test_shares_of_the_evaluation_add_up_to_the_whole(raw, model, tokenizer):
+    """Three replicas' shares, combined, give every metric the whole set gives, per task included (a task
+    can be missing from a share)."""
+    objective = make_objective(validate_config(raw()), tokenizer, 0, model=model)
+    whole = evaluate(objective, model)
+    combined = combine([objective.evaluate_part(model, p, 3) for p in range(3)])
+    assert combined.keys() == whole.keys()
+    for name, value in whole.items():
+        assert combined[name] == pytest.approx(value, abs=1e-12), name
