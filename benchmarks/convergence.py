@@ -1,7 +1,7 @@
 """DiLoCo against data-parallel training at equal tokens: sync interval, replicas, outer step, wire codec.
 
     python benchmarks/convergence.py --out bench-out/convergence            # 2 seeds, T = 1000 inner steps
-    python benchmarks/convergence.py --out bench-out/convergence-quick --quick   # 1 seed, T = 200
+    python benchmarks/convergence.py --out bench-out/convergence-quick --quick   # 1 seed, T = 150
 
 Every variant trains the model of ``--config`` (default: the demo's tiny Llama on the stdlib corpus) for the
 same T inner steps with the same global batch of N x batch_size sequences per step, so every variant sees the
@@ -100,8 +100,8 @@ class Budget:
     seeds: tuple[int, ...]
 
 
-FULL = Budget(steps=1000, batch_size=8, seq_len=64, eval_every=50, eval_sequences=256, seeds=(0, 1))
-QUICK = Budget(steps=200, batch_size=4, seq_len=64, eval_every=50, eval_sequences=128, seeds=(0,))
+FULL = Budget(steps=1000, batch_size=4, seq_len=64, eval_every=50, eval_sequences=256, seeds=(0, 1))
+QUICK = Budget(steps=150, batch_size=4, seq_len=64, eval_every=50, eval_sequences=128, seeds=(0,))
 
 
 # --- the arithmetic (pure; tested with hand-computed numbers) -----------------------------------------

@@ -119,6 +119,7 @@ def test_bad_arguments_fail_up_front(tmp_path: Path, capsys, argv: list[str], me
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_microscopic_run_writes_results_and_plots(tmp_path: Path, tiny_model_dir: Path) -> None:
     config = tmp_path / "tiny.toml"
     config.write_text(
