@@ -60,6 +60,9 @@ from composer_serverless.telemetry import read_metrics
 
 FEDAVG = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
 BASE = "diloco-h10"
+# Every process (replica or data-parallel) computes on one thread: runs then cost the same CPU work per
+# token whatever N, and processes do not spin against each other on a shared machine.
+THREADS = 1
 DP = "dp"
 
 
@@ -230,7 +233,7 @@ def variant_config(
         **outer,
     )
     raw["eval"].update(sequences=budget.eval_sequences, every_rounds=budget.eval_every // variant.sync_every)
-    raw["executor"] = {"type": "local"}
+    raw["executor"] = {"type": "local", "threads_per_replica": THREADS}
     return validate_config(raw, source=f"variant {variant.name}")
 
 
@@ -278,6 +281,7 @@ def run_diloco(
 def run_dp(base: RunConfig, budget: Budget, seed: int, model_dir: Path, replicas: int) -> dict[str, Any]:
     """Data-parallel as one process on the union batch; evaluated like the DiLoCo runs' global model."""
     config = variant_config_dp(base, budget, seed, replicas)
+    torch.set_num_threads(THREADS)
     torch.manual_seed(seed)
     model, tokenizer = load_pretrained(model_dir, base.model.dtype)
     model.train()
@@ -447,24 +451,34 @@ def run(
 ) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    runs = [row for seed in budget.seeds for row in run_seed(base, variants, budget, seed, out, started)]
+    runs: list[dict[str, Any]] = []
+    for seed in budget.seeds:
+        runs += run_seed(base, variants, budget, seed, out, started)
+        # Written after every seed, so a long run that is stopped still leaves its finished seeds.
+        result = summarise(base, budget, runs, command, time.monotonic() - started)
+        (out / "results.json").write_text(json.dumps(result, indent=2))
+        plot(runs, out)
+    return result
+
+
+def summarise(
+    base: RunConfig, budget: Budget, runs: list[dict[str, Any]], command: str, wall_s: float
+) -> dict[str, Any]:
     means = mean_over_seeds(runs)
-    result = {
+    return {
         "command": command,
         "budget": asdict(budget),
+        "seeds_done": sorted({r["seed"] for r in runs}),
         "model": {"parameters": runs[0]["parameters"], "dtype": base.model.dtype},
         "train": base.train.model_dump(),
         "outer_nesterov": {"outer_lr": base.diloco.outer_lr, "outer_momentum": base.diloco.outer_momentum},
         "outer_fedavg": FEDAVG,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-        "wall_s": round(time.monotonic() - started, 1),
+        "wall_s": round(wall_s, 1),
         "runs": runs,
         "variants": means,
         "checks": checks(means, runs),
     }
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    plot(runs, out)
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
