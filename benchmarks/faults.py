@@ -1,7 +1,7 @@
 """DiLoCo while replicas die: 4 replicas, one killed with SIGKILL (and restarted) in a third of the rounds.
 
     python benchmarks/faults.py --out bench-out/faults            # the demo config: 36 rounds, 12 kills
-    python benchmarks/faults.py --out bench-out/faults-quick --quick   # 18 rounds, 6 kills
+    python benchmarks/faults.py --out bench-out/faults-quick --quick   # 15 rounds, 5 kills
 
 Two launches of the same config and seed, one after the other, each through ``launcher.launch`` (local
 replica processes, a ``file://`` store under ``--out``, the supervisor starting dead replicas again as it
@@ -12,9 +12,10 @@ does for any run, up to ``executor.max_restarts``):
    each, one replica process is killed with SIGKILL the moment its first pseudo-gradient shard of that round
    lands in the store: after it ran all H inner steps of the round, with its exchange in flight, the
    costliest moment to lose it. The victim rotates over the ranks: kill i targets rank i mod N, or the next
-   rank that is training that round and has not uploaded it yet. The supervisor sees the death at its next
-   poll and starts the replica again; the new process resumes from the store's LATEST state and its own
-   last saved state. Both runs use ``min_replicas = 2``: a round averages whoever arrived within the
+   rank that is training that round and has not uploaded it yet; when none is (all restarting, waiting
+   or done) before the round is published, the kill moves to the next round. The supervisor sees the death
+   at its next poll and starts the replica again; the new process resumes from the store's LATEST state and
+   its own last saved state. Both runs use ``min_replicas = 2``: a round averages whoever arrived within the
    straggler grace.
 
 Figures, from the store alone:
@@ -75,7 +76,7 @@ class Budget:
 
 # The demo's per-step work (deploy/configs/local-demo.toml); quick runs half its rounds.
 FULL = Budget(rounds=36, seq_len=128, batch_size=8)
-QUICK = Budget(rounds=18, seq_len=128, batch_size=8)
+QUICK = Budget(rounds=15, seq_len=128, batch_size=8)
 
 
 # --- the rule and the arithmetic (pure; tested with hand-computed numbers) -----------------------------
@@ -142,7 +143,7 @@ def account(
 class Killer(threading.Thread):
     """Kills one replica process per drawn round, by the rule in the module docstring, and records each kill."""
 
-    def __init__(self, run: ObjectStore, rounds: list[int], replicas: int) -> None:
+    def __init__(self, run: ObjectStore, rounds: list[int], replicas: int, last_round: int) -> None:
         super().__init__(name="killer", daemon=True)
         rounds_dir = run.local_dir("rounds")
         if rounds_dir is None:
@@ -151,6 +152,7 @@ class Killer(threading.Thread):
         self.rounds_dir = rounds_dir
         self.rounds = rounds
         self.replicas = replicas
+        self.last_round = last_round
         self.stop = threading.Event()
         self.kills: list[dict[str, Any]] = []
         self.missed: list[dict[str, Any]] = []
@@ -158,21 +160,26 @@ class Killer(threading.Thread):
 
     def run(self) -> None:
         try:
-            for i, round_index in enumerate(self.rounds):
-                if self.stop.is_set():
-                    return
-                self._kill_in(i, round_index)
+            pending = list(self.rounds)
+            while pending and not self.stop.is_set():
+                round_index = pending.pop(0)
+                if self._kill_in(len(self.kills), round_index) or self.stop.is_set():
+                    continue
+                # No victim in time (every replica was restarting, waiting or done): the kill moves to the
+                # next round without one, so the run still loses a replica in as many rounds.
+                later = next((k for k in range(round_index + 1, self.last_round) if k not in pending), None)
+                self.missed.append({"round": round_index, "moved_to": later})
+                if later is not None:
+                    pending = sorted([*pending, later])
         except BaseException as e:  # reported by the benchmark after the launch returns
             self.error = e
 
-    def _kill_in(self, i: int, round_index: int) -> None:
+    def _kill_in(self, i: int, round_index: int) -> bool:
+        """Kill a replica in ``round_index``; False if the round was published before a victim was found."""
         inputs = self.rounds_dir / str(round_index) / "0" / "in"
         while not self.stop.is_set():
             if latest_round(self.run_store) >= round_index:
-                self.missed.append(
-                    {"round": round_index, "why": "the round was published before a victim was found"}
-                )
-                return
+                return False
             victim = self._choose(i, round_index, inputs)
             if victim is None:
                 time.sleep(0.05)
@@ -194,10 +201,11 @@ class Killer(threading.Thread):
                             "recorded_round": recorded,
                         }
                     )
-                    return
+                    return True
                 if not _alive(pid) or latest_round(self.run_store) >= round_index:
                     break  # it died or was left out on its own; choose again (or miss the round)
                 time.sleep(POLL_S)
+        return False
 
     def _choose(self, i: int, round_index: int, inputs: Path) -> tuple[int, int] | None:
         """The first rank in rotation order that is training this round and has not uploaded it yet."""
@@ -250,7 +258,7 @@ def run_config(base: RunConfig, budget: Budget, seed: int, run_id: str, out: Pat
 def run_once(config: RunConfig, out: Path, kills: list[int]) -> dict[str, Any]:
     """Launch ``config`` (killing by rule in ``kills``) and account for it from the store."""
     run = ObjectStore(config.store).child(config.run_id or "")
-    killer = Killer(run, kills, config.diloco.replicas) if kills else None
+    killer = Killer(run, kills, config.diloco.replicas, config.diloco.rounds) if kills else None
     log = out / "launcher" / f"{config.run_id}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -366,7 +374,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, the data and the kill rounds")
     parser.add_argument(
-        "--rounds", type=int, default=None, help="outer rounds (default: 36, or 18 with --quick)"
+        "--rounds", type=int, default=None, help="outer rounds (default: 36, or 15 with --quick)"
     )
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
