@@ -87,6 +87,7 @@ VARIANTS = (
     Variant("fedavg-h10", 4, 10, "fp32", "fedavg"),
     Variant("diloco-h10-int8", 4, 10, "int8", "nesterov"),
 )
+NAMES = tuple(v.name for v in VARIANTS)
 
 
 @dataclass(frozen=True)
@@ -417,9 +418,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--steps", type=int, default=None, help="T, inner steps per replica (a multiple of 50)"
     )
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="sequences per replica per inner step (default 4)"
+    )
+    parser.add_argument(
+        "--only", default=None, help=f"comma-separated variants to run (default all: {', '.join(NAMES)})"
+    )
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a directory")
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error("--batch-size must be at least 1")
+    args.variants = VARIANTS
+    if args.only is not None:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = sorted(set(names) - set(NAMES))
+        if unknown or not names:
+            parser.error(f"--only: unknown variant(s) {unknown}; choose from {', '.join(NAMES)}")
+        if DP in names and BASE not in names:
+            parser.error(
+                f"--only: {DP} needs {BASE}, whose measured bytes per sync give data-parallel's bytes"
+            )
+        args.variants = tuple(v for v in VARIANTS if v.name in names)
     if args.out.exists() and (args.out / "runs").exists() and any((args.out / "runs").iterdir()):
         parser.error(
             f"--out {args.out} already holds runs from an earlier invocation; choose a new directory"
@@ -443,7 +463,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def budget_of(args: argparse.Namespace) -> Budget:
     budget = QUICK if args.quick else FULL
     seeds = tuple(range(args.seeds)) if args.seeds is not None else budget.seeds
-    return Budget(**{**asdict(budget), "seeds": seeds, "steps": args.steps or budget.steps})
+    return Budget(
+        **{
+            **asdict(budget),
+            "seeds": seeds,
+            "steps": args.steps or budget.steps,
+            "batch_size": args.batch_size or budget.batch_size,
+        }
+    )
 
 
 def run(
@@ -488,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     budget = budget_of(args)
     command = " ".join(["python", "benchmarks/convergence.py", *(sys.argv[1:] if argv is None else argv)])
-    result = run(args.base, budget, args.out, command=command)
+    result = run(args.base, budget, args.out, args.variants, command=command)
     for name, row in result["variants"].items():
         print(
             f"{name:16s} eval loss {row['eval_loss']:.4f}  vs dp {row['gap_vs_dp']:+.2%}  bytes {row['bytes_communicated']:.3g}"

@@ -144,3 +144,13 @@ def test_a_microscopic_run_writes_results_and_plots(tmp_path: Path, tiny_model_d
     assert set(on_disk) >= {"runs", "variants", "checks", "budget", "wall_s"}
     for png in ("eval_vs_tokens.png", "eval_vs_bytes.png"):
         assert (tmp_path / "out" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_only_and_batch_size_select_what_runs(tmp_path: Path, capsys) -> None:
+    args = bench.parse_args(["--out", str(tmp_path / "o"), "--only", "dp,diloco-h10", "--batch-size", "8"])
+    assert [v.name for v in args.variants] == ["dp", "diloco-h10"]
+    assert bench.budget_of(args).batch_size == 8 and bench.budget_of(args).steps == bench.FULL.steps
+    for only, message in (("dp", "needs diloco-h10"), ("dp,h10", "unknown variant")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--out", str(tmp_path / "o"), "--only", only])
+        assert message in capsys.readouterr().err
