@@ -293,6 +293,7 @@ class _RoundMeter:
         return {
             "train_loss": float(torch.stack(self.losses).float().mean()) if self.losses else None,
             "train": mean_metrics(self.metrics),
+            "steps": self.steps,
             "lr": lr,
             "bytes_up": self._manager.bytes_up - self._up,
             "bytes_down": self._manager.bytes_down - self._down,
@@ -524,7 +525,8 @@ class Replica:
         dl = self.config.diloco
         self.schedule = make_schedule(self.inner, self.config.train, self.total_steps, self.completed_rounds * dl.sync_every)
         params = global_parameters(self.manager, self.names)
-        row: dict[str, Any] = {"caught_up_from": was, "time": time.time()}
+        # The inner steps run since the last row are discarded by the jump; counted, so goodput can be.
+        row: dict[str, Any] = {"caught_up_from": was, "steps": self.meter.steps, "time": time.time()}
         if dl.verify_global:
             row["global_sha256"] = digest(params)
         checkpoint.save_replica(self.run_store, self.rank, self.completed_rounds, self._own_state(params))
