@@ -84,7 +84,9 @@ def test_a_killed_replica_is_restarted_and_accounted_for(tmp_path: Path, tiny_mo
     run = bench.run_once(bench.run_config(load_config(config), budget, 0, "faulty", out), out, [2])
 
     (kill,) = run["kills"]
-    assert kill["round"] == 2 and kill["rank"] == 0  # the rule's first victim is rank 0
+    # The rule's first victim is rank 0, or rank 1 when rank 0 had already uploaded round 2 by the time the
+    # killer looked (which of the two depends on the machine's timing).
+    assert kill["round"] == 2 and kill["rank"] in (0, 1)
     assert (run["rounds"], run["committed"]) == (3, 3)
     assert run["unrecorded_steps"] == (0 if kill["recorded_round"] else 4)
     assert 0 < run["goodput"] <= 1 and run["executed_steps"] >= run["useful_steps"]
