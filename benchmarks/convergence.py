@@ -419,6 +419,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--steps", type=int, default=None, help="T, inner steps per replica (a multiple of 50)"
     )
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key of --config, as the CLI's --set (e.g. diloco.outer_lr=0.7); repeatable",
+    )
+    parser.add_argument(
         "--batch-size", type=int, default=None, help="sequences per replica per inner step (default 4)"
     )
     parser.add_argument(
@@ -450,7 +457,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.steps is not None and (args.steps < lcm or args.steps % lcm):
         parser.error(f"--steps must be a positive multiple of {lcm}, so every H divides it")
     try:
-        args.base = load_config(args.config)
+        args.base = load_config(args.config, args.set)
     except ConfigError as e:
         parser.error(str(e))
     if args.base.train.objective != "lm":

@@ -154,3 +154,13 @@ def test_only_and_batch_size_select_what_runs(tmp_path: Path, capsys) -> None:
         with pytest.raises(SystemExit):
             bench.parse_args(["--out", str(tmp_path / "o"), "--only", only])
         assert message in capsys.readouterr().err
+
+
+def test_set_overrides_the_config(tmp_path: Path, capsys) -> None:
+    args = bench.parse_args(
+        ["--out", str(tmp_path / "o"), "--set", "diloco.outer_lr=0.7", "--set", "diloco.outer_momentum=0.3"]
+    )
+    assert (args.base.diloco.outer_lr, args.base.diloco.outer_momentum) == (0.7, 0.3)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", str(tmp_path / "o"), "--set", "diloco.outer_lr=-1"])
+    assert "diloco.outer_lr" in capsys.readouterr().err
