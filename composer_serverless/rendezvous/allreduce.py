@@ -234,7 +234,7 @@ class _Exchange:
                     f"{self.store.url}: only {len(present)}/{self.n} replicas arrived within "
                     f"{self.settings.timeout_s:.0f}s; a quorum needs {self.settings.min_replicas}"
                 )
-            delay = _sleep(delay)
+            delay = backoff_sleep(delay)
 
     def _decide(self, present: list[int], reason: str) -> list[int]:
         if self.is_stale is not None and self.is_stale():
@@ -335,7 +335,7 @@ class _Exchange:
                 return
             if now >= self.hard_deadline:
                 raise ExchangeError(f"{self.store.url}: reduced shards {sorted(pending)} missing after {self.settings.timeout_s:.0f}s")
-            delay = _sleep(delay)
+            delay = backoff_sleep(delay)
 
     def _place(self, shard: int, payload: bytes | bytearray | memoryview, *, verify: bool = True) -> None:
         start, end = self.bounds[shard]
@@ -368,7 +368,8 @@ def _buffer(size: int) -> memoryview:
     return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
 
 
-def _sleep(delay: float) -> float:
-    """Sleep a jittered ``delay`` and return the next one: quick at first, cheap (few LISTs) when long."""
+def backoff_sleep(delay: float, cap: float = _POLL_CAP_S) -> float:
+    """Sleep a jittered ``delay`` and return the next one, at most ``cap``: a poll of the store that is quick
+    at first and cheap (few requests) when the wait is long; the jitter keeps replicas from polling in step."""
     time.sleep(delay * (0.5 + random.random()))
-    return min(_POLL_CAP_S, delay * 1.5)
+    return min(cap, delay * 1.5)

@@ -22,6 +22,7 @@ Around it the replica keeps the run going through failures:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -41,7 +42,7 @@ from torchft.local_sgd import DiLoCo
 from composer_serverless.config import DiLoCoConfig, RunConfig, TrainConfig
 from composer_serverless.models import load_pretrained
 from composer_serverless.rendezvous import checkpoint
-from composer_serverless.rendezvous.allreduce import QUORUM, ExchangeSettings, StaleRoundError
+from composer_serverless.rendezvous.allreduce import QUORUM, ExchangeSettings, StaleRoundError, backoff_sleep
 from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.deadline import GraceSettings
 from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutcome
@@ -55,6 +56,8 @@ logger = logging.getLogger(__name__)
 MODEL_PREFIX = "model"
 # The shortest wait for the other replicas' evaluation shares, beyond twice this replica's own share's time.
 EVAL_WAIT_MIN_S = 1.0
+# Longest pause between polls of the store while waiting for a round or for evaluation shares.
+WAIT_POLL_CAP_S = 0.25
 FINAL_PREFIX = "final"
 
 
@@ -343,7 +346,7 @@ class Replica:
         with make_diloco(self.manager, self.fragments, self.inner, self.outer, dl):
             if self._restore() == 0:
                 check_initial_weights(self.run_store, self.model, self.rank)
-                initial = self._evaluate(0, list(range(dl.replicas)), dict(self.model.named_parameters()))
+                initial = self._evaluate(0, list(range(dl.replicas)))
                 if initial is not None:
                     self.reporter.round(0, {"eval": initial, "time": time.time()})
             self._align(late=False)
@@ -419,9 +422,11 @@ class Replica:
             self.rank, round_index, self.config.diloco.rounds, row["train_loss"], outcome.participants,
         )
 
-    def _evaluate(self, round_index: int, participants: list[int], params: dict[str, torch.Tensor]) -> dict[str, float] | None:
-        """Score the global model ``params`` on this replica's share of the held-out set (see
-        ``evaluation.py``). The lowest-rank participant returns the whole evaluation: it gathers the other
+    def _evaluate(
+        self, round_index: int, participants: list[int], params: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, float] | None:
+        """Score the global model ``params`` (None: the model's own weights) on this replica's share of the
+        held-out set (see ``evaluation.py``). The lowest-rank participant returns the whole evaluation: it gathers the other
         shares from the store and scores any that has not come within twice its own share's time (its
         replica died, or lags) itself. The others publish their share and return None, and so does a
         replica that took the round's result without taking part in it (it has no share)."""
@@ -429,7 +434,7 @@ class Replica:
             return None
         parts, part = len(participants), participants.index(self.rank)
         started = time.monotonic()
-        with swapped_in(self.model, params):
+        with self._holding(params):
             shares = {part: self.objective.evaluate_part(self.model, part, parts)}
         if part != 0:
             self.run_store.put(evaluation.part_key(round_index, part, parts), evaluation.dumps(shares[part]))
@@ -445,13 +450,15 @@ class Replica:
             if time.monotonic() >= deadline:
                 missing = [participants[p] for p in range(parts) if p not in shares]
                 logger.warning("[replica %d] round %d: scoring the evaluation shares of replicas %s here", self.rank, round_index, missing)
-                with swapped_in(self.model, params):
+                with self._holding(params):
                     for p in range(parts):
                         shares.setdefault(p, self.objective.evaluate_part(self.model, p, parts))
                 break
-            time.sleep(delay)
-            delay = min(0.2, delay * 1.5)
+            delay = backoff_sleep(delay, WAIT_POLL_CAP_S)
         return evaluation.combine([shares[p] for p in range(parts)])
+
+    def _holding(self, params: dict[str, torch.Tensor] | None) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if params is None else swapped_in(self.model, params)
 
     def _read_share(self, round_index: int, part: int, parts: int) -> evaluation.EvalPart | None:
         try:
@@ -513,8 +520,7 @@ class Replica:
             if latest >= round_index:
                 return latest
             self.reporter.beat(state="waiting", round=round_index, rounds=dl.rounds, step=0, steps=dl.sync_every)
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(0.25, delay * 1.5)
+            delay = backoff_sleep(delay, WAIT_POLL_CAP_S)
         logger.warning("[replica %d] round %d was not published in time; training it and healing", self.rank, round_index)
         return None
 
