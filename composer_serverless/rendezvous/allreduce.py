@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from composer_serverless.rendezvous.codec import CodecName, PayloadError, decode, encode, max_payload_bytes
+from composer_serverless.rendezvous.codec import (
+    CodecName,
+    PayloadError,
+    accumulate,
+    decode,
+    encode,
+    max_payload_bytes,
+)
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -276,13 +283,12 @@ class _Exchange:
         """Sum the participants' inputs of ``shard`` in rank order, publish the average, keep its decoding."""
         start, end = self.bounds[shard]
         total = torch.zeros(end - start, dtype=torch.float32)
-        decoded = torch.empty(end - start, dtype=torch.float32)
         summed = []
         for peer in participants:
             try:
                 payload, verify = self._input(peer, shard)
                 identity = self._input_identity(peer, shard)
-                total += decode(payload, identity, self.settings.codec, end - start, decoded, verify=verify)
+                accumulate(total, payload, identity, self.settings.codec, verify=verify)
             except PayloadError as e:
                 logger.warning("[replica %d] rejected %s/%s: %s", self.rank, self.store.url, input_key(peer, shard), e)
                 continue

@@ -16,6 +16,7 @@ from composer_serverless.rendezvous.codec import (
     CODECS,
     INT8_BLOCK,
     PayloadError,
+    accumulate,
     decode,
     dequantize_int8,
     encode,
@@ -50,6 +51,26 @@ def test_round_trip_and_safetensors_compatibility(codec: str, tmp_path: Path) ->
     (tmp_path / "p.safetensors").write_bytes(payload)
     with safetensors.safe_open(str(tmp_path / "p.safetensors"), "pt") as f:
         assert set(f.metadata().items()) >= set(IDENTITY.items())
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_accumulate_adds_what_decode_returns_bit_for_bit(codec: str) -> None:
+    total = values(seed=1)
+    expected = total + decode(encode(values(), IDENTITY, codec), IDENTITY, codec, 3000)
+    accumulate(total, encode(values(), IDENTITY, codec), IDENTITY, codec)
+    assert torch.equal(total, expected)
+    assert not torch.equal(total, values(seed=1))
+
+
+def test_accumulate_leaves_the_total_alone_when_it_rejects() -> None:
+    total = values(seed=1)
+    payload = encode(values(), IDENTITY, "fp32")
+    payload[-1] ^= 0xFF
+    with pytest.raises(PayloadError, match="checksum"):
+        accumulate(total, payload, IDENTITY, "fp32")
+    with pytest.raises(PayloadError, match="mismatch"):
+        accumulate(total, encode(values(), IDENTITY, "fp32"), {**IDENTITY, "rank": "0"}, "fp32")
+    assert torch.equal(total, values(seed=1))
 
 
 @pytest.mark.parametrize("n", [0, 1, INT8_BLOCK - 1, INT8_BLOCK, INT8_BLOCK + 1])
