@@ -414,7 +414,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="deploy/configs/local-demo.toml",
         help="model, data, optimizers and outer Nesterov settings",
     )
-    parser.add_argument("--seeds", type=int, default=None, help="seeds 0..n-1 (default 2, or 1 with --quick)")
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds (default 0,1, or 0 with --quick); e.g. 1,2 to check settings tuned on seed 0",
+    )
     parser.add_argument(
         "--steps", type=int, default=None, help="T, inner steps per replica (a multiple of 50)"
     )
@@ -451,8 +455,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(
             f"--out {args.out} already holds runs from an earlier invocation; choose a new directory"
         )
-    if args.seeds is not None and args.seeds < 1:
-        parser.error("--seeds must be at least 1")
+    if args.seeds is not None:
+        try:
+            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        except ValueError:
+            parser.error(f"--seeds {args.seeds!r}: give comma-separated integers, e.g. 1,2")
+        if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+            parser.error(f"--seeds {args.seeds!r}: give distinct seeds >= 0, e.g. 1,2")
+        args.seeds = tuple(seeds)
     lcm = math.lcm(*(v.sync_every for v in VARIANTS))
     if args.steps is not None and (args.steps < lcm or args.steps % lcm):
         parser.error(f"--steps must be a positive multiple of {lcm}, so every H divides it")
@@ -469,7 +479,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def budget_of(args: argparse.Namespace) -> Budget:
     budget = QUICK if args.quick else FULL
-    seeds = tuple(range(args.seeds)) if args.seeds is not None else budget.seeds
+    seeds = args.seeds if args.seeds is not None else budget.seeds
     return Budget(
         **{
             **asdict(budget),

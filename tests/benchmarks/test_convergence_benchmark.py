@@ -108,7 +108,8 @@ def test_variant_configs_change_one_thing_and_keep_the_tokens() -> None:
     "argv, message",
     [
         (["--steps", "75"], "multiple of 50"),
-        (["--seeds", "0"], "at least 1"),
+        (["--seeds", "1,1"], "distinct seeds"),
+        (["--seeds", "one"], "comma-separated integers"),
         (["--config", "nowhere.toml"], "config file not found"),
     ],
 )
