@@ -10,6 +10,7 @@ import contextlib
 import enum
 import json
 import logging
+import signal
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -67,7 +68,7 @@ def _main(
 @contextlib.contextmanager
 def _user_errors() -> Iterator[None]:
     """Wrong input -> exit 2 with its message; a failed or cancelled run -> exit 1."""
-    from composer_serverless.supervisor import RunCancelled, RunFailed
+    from composer_serverless.supervisor import RunCancelled, RunFailed, Terminated
 
     try:
         yield
@@ -80,6 +81,31 @@ def _user_errors() -> Iterator[None]:
     except RunCancelled as e:
         err_console.print(f"[yellow]run cancelled:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(1) from None
+    except Terminated:  # before any replica was watched: whatever had started was cancelled on the way out
+        err_console.print(f"[yellow]stopped:[/] {Terminated.message}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+@contextlib.contextmanager
+def _cancel_on_sigterm() -> Iterator[None]:
+    """Make SIGTERM (``kill``, ``timeout``, a CI job being stopped) cancel the run's replicas, as Ctrl-C with
+    nobody to answer does.
+
+    Local replicas run in their own sessions, so that a Ctrl-C meant for the launcher does not kill them
+    before the user chooses; SIGTERM's default action would end the launcher without a word and leave them
+    training (and cloud replicas billing). Raised as ``Terminated``, it goes through the launcher's
+    cleanup, which cancels every replica it started (and records the cancellation, for ``status``).
+    """
+    from composer_serverless.supervisor import Terminated
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def ask_cancel_or_detach() -> str:
@@ -126,7 +152,7 @@ def launch(
     """
     from composer_serverless import launcher
 
-    with _user_errors():
+    with _user_errors(), _cancel_on_sigterm():
         if resume is not None:
             if config is not None or set_ or replicas is not None or executor is not None or dry_run:
                 raise ConfigError(
@@ -251,7 +277,7 @@ def sweep(
     """Run every combination of the --grid values as its own run, side by side; print a results table."""
     from composer_serverless import sweep as grid_sweep
 
-    with _user_errors():
+    with _user_errors(), _cancel_on_sigterm():
         cells = grid_sweep.plan_sweep(
             config, grid, _overrides(set_, replicas), executor.value if executor else None
         )

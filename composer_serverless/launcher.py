@@ -37,7 +37,7 @@ from composer_serverless.replicas.composer import preflight
 from composer_serverless.replicas.trainer import FINAL_PREFIX, MODEL_PREFIX
 from composer_serverless.report import PLOT_KEY, REWARD_PLOT_KEY, SUMMARY_KEY, eval_headline, write_report
 from composer_serverless.runs import RUN_URL_HINT, STORE_HINT, absolute_store, open_store
-from composer_serverless.supervisor import RunCancelled, Supervisor
+from composer_serverless.supervisor import RunCancelled, Supervisor, Terminated
 from composer_serverless.telemetry import read_heartbeats, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -227,6 +227,9 @@ def follow(
             return None
         supervisor.cancel()
         raise RunCancelled("cancelled at your request") from None
+    except Terminated:
+        supervisor.cancel()
+        raise RunCancelled(Terminated.message) from None
     except BaseException:
         # A failed run must not keep its other replicas billing.
         supervisor.executor.cancel(supervisor.handles)

@@ -39,6 +39,16 @@ class RunCancelled(RuntimeError):
     """The run's replicas were cancelled, here or from another process."""
 
 
+class Terminated(BaseException):
+    """The launcher was told to stop (SIGTERM) while it watched a run: cancel the replicas, then exit.
+
+    A BaseException, as KeyboardInterrupt is: it can be raised at any line of the launcher, and no
+    ``except Exception`` on the way (a store retry, a best-effort write) may swallow it.
+    """
+
+    message = "the launcher was sent SIGTERM; its replicas were cancelled"
+
+
 @dataclass
 class Poll:
     """What one poll saw: a status per replica, lines worth telling the user, and whether the run is over."""

@@ -35,7 +35,7 @@ from composer_serverless.launcher import (
     status_poll_s,
 )
 from composer_serverless.report import write_report
-from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor
+from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor, Terminated
 from composer_serverless.telemetry import read_heartbeats
 
 
@@ -124,6 +124,10 @@ def run_sweep(
         for cell in _live(cells):
             cell.supervisor.cancel()
         raise RunCancelled("sweep cancelled at your request") from None
+    except Terminated:
+        for cell in _live(cells):
+            cell.supervisor.cancel()
+        raise RunCancelled(Terminated.message) from None
     except BaseException:
         for cell in _live(cells):
             cell.supervisor.executor.cancel(cell.supervisor.handles)

@@ -192,6 +192,40 @@ def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path):
     assert status.stdout.count("cancelled") >= 2 and "(cancelled)" in status.stdout, status.stdout
 
 
+def test_sigterm_to_the_launcher_cancels_its_replicas(tmp_path):
+    store = tmp_path / "store"
+    config = write_config(
+        tmp_path / "term.toml",
+        f"""
+        run_id = "local-term"
+        store = "{store}"
+        [diloco]
+        replicas = 2
+        sync_every = 3
+        rounds = 300
+        [executor]
+        threads_per_replica = 1
+        """,
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    launcher = cli_background("launch", str(config), env=env)
+    members = store / "local-term" / "members"
+    while not all(_beat(members / f"{r}.json").get("state") == "training" for r in (0, 1)):
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.3)
+    pids = [
+        h.backend_id for h in LaunchRecord.from_json((store / "local-term" / LAUNCH_KEY).read_bytes()).current()
+    ]
+    assert all(_state(pid) not in ("Z", "gone") for pid in pids)
+
+    launcher.send_signal(signal.SIGTERM)  # what `kill`, `timeout` or a stopped CI job sends
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 1 and "SIGTERM" in err and "cancelled" in err, out + err
+    assert all(_state(pid) in ("Z", "gone") for pid in pids)  # the replicas' own sessions did not save them
+    status = cli("status", str(store / "local-term"), env=env)
+    assert "(cancelled)" in status.stdout, status.stdout + status.stderr
+
+
 def test_cancel_never_signals_a_process_it_did_not_start(tmp_path):
     sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
     real = ReplicaHandle(0, str(sleeper.pid), None, meta=_identity_meta(sleeper.pid))
