@@ -41,6 +41,7 @@ from composer_serverless.rendezvous.codec import (
     accumulate,
     decode,
     encode,
+    encode_parts,
     max_payload_bytes,
 )
 from composer_serverless.rendezvous.store import ObjectStore
@@ -169,7 +170,7 @@ class _Exchange:
         self.quorum_at = self.started
         self.hard_deadline = self.started + settings.timeout_s
         self.bounds = shard_bounds(self.values.numel(), self.n)
-        self.mine: dict[int, bytes | bytearray] = {}
+        self.mine: dict[int, list[memoryview]] = {}
         self.fetched: dict[tuple[int, int], memoryview] = {}
         self.scratch = memoryview(bytearray())
         self.result = ExchangeResult(average=torch.empty(self.values.numel()), participants=[])
@@ -196,15 +197,20 @@ class _Exchange:
     # --- phase 1: scatter --------------------------------------------------------------------------
 
     def _scatter(self) -> None:
-        """Upload all N shards; the own shard last, since only a rescuer ever reads it."""
+        """Upload all N shards; the own shard last, since only a rescuer ever reads it.
+
+        Each is written from its parts (header, tensor memory) without joining them first: on a box where
+        replicas share cores, that copy of the whole pseudo-gradient was CPU the exchange waited for.
+        """
         order = [(self.rank + i) % self.n for i in range(1, self.n + 1)]
         try:
             for shard in order:
                 start, end = self.bounds[shard]
-                payload = encode(self.values[start:end], self._input_identity(self.rank, shard), self.settings.codec)
-                if self.store.create(input_key(self.rank, shard), payload):
-                    self.result.bytes_up += len(payload)
-                    self.mine[shard] = payload
+                identity = self._input_identity(self.rank, shard)
+                parts = encode_parts(self.values[start:end], identity, self.settings.codec)
+                if self.store.create(input_key(self.rank, shard), parts):
+                    self.result.bytes_up += sum(len(p) for p in parts)
+                    self.mine[shard] = parts
                 else:
                     # An earlier attempt at this sync (before a restart or a rollback) already wrote this
                     # input; inputs are immutable, so the stored bytes are the ones that count.
@@ -307,7 +313,7 @@ class _Exchange:
         """The payload of ``peer``'s input for ``shard``, and whether it must be verified (it came from the
         store) or not (this replica encoded it, in this exchange)."""
         if peer == self.rank and shard in self.mine:
-            return self.mine[shard], False
+            return b"".join(self.mine.pop(shard)), False
         if (peer, shard) not in self.fetched:
             self.fetched[(peer, shard)] = self._fetch(input_key(peer, shard), shard)
         return self.fetched.pop((peer, shard)), True

@@ -82,6 +82,22 @@ def encode(values: torch.Tensor, identity: dict[str, str], codec: CodecName) -> 
 
     Returns a buffer that is a valid safetensors file.
     """
+    parts = encode_parts(values, identity, codec)
+    out = bytearray(sum(len(p) for p in parts))
+    position = 0
+    for part in parts:
+        out[position : position + len(part)] = part
+        position += len(part)
+    return out
+
+
+def encode_parts(values: torch.Tensor, identity: dict[str, str], codec: CodecName) -> list[memoryview]:
+    """The payload ``encode`` returns, as the buffers it joins: the header, then each tensor's bytes.
+
+    A writer that can send several buffers (a local file) skips the join; with fp32 the tensor part is
+    ``values``' own memory, so nothing is copied before the write. The parts alias ``values``: it must not
+    change until they are written.
+    """
     flat = values.detach().reshape(-1).to(torch.float32).contiguous().cpu()
     numel = flat.numel()
     if codec == "int8":
@@ -90,7 +106,6 @@ def encode(values: torch.Tensor, identity: dict[str, str], codec: CodecName) -> 
     else:
         name, dtype = _DTYPES[codec]
         tensors = [(VALUES, name, flat.to(dtype))]
-    body = data_bytes(numel, codec)
     sha = hashlib.sha256()
     for _, _, t in tensors:
         sha.update(_bytes_of(t))
@@ -103,15 +118,7 @@ def encode(values: torch.Tensor, identity: dict[str, str], codec: CodecName) -> 
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    out = bytearray(8 + len(raw) + body)
-    out[:8] = struct.pack("<Q", len(raw))
-    out[8 : 8 + len(raw)] = raw
-    position = 8 + len(raw)
-    for _, _, t in tensors:
-        chunk = _bytes_of(t)
-        out[position : position + len(chunk)] = chunk
-        position += len(chunk)
-    return out
+    return [memoryview(struct.pack("<Q", len(raw)) + raw), *(_bytes_of(t) for _, _, t in tensors)]
 
 
 def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, object], int]:

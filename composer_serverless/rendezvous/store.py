@@ -71,6 +71,11 @@ _TRANSIENT_ERRNOS = frozenset(
 # for the threads of that process, which is the only place a memory:// store is visible.
 _MEMORY_CREATE_LOCK = threading.Lock()
 
+Buffer = bytes | bytearray | memoryview
+# An object's bytes, in one buffer or in several written one after another (header, then tensor memory),
+# so a writer that produced them separately does not have to join them first.
+Body = Buffer | list[Buffer]
+
 
 class StoreError(RuntimeError):
     """The store cannot be reached or used as configured."""
@@ -221,16 +226,16 @@ class ObjectStore:
 
     # --- writes ------------------------------------------------------------------------------------
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, data: Body) -> None:
         """Write ``key`` atomically, replacing any previous object."""
         path = self.path(key)
         if self.is_local:
             self._call("put", key, lambda: self._local_write(path, data, exclusive=False))
         else:
-            body = bytes(data) if isinstance(data, memoryview) else data
+            body = _joined(data)
             self._call("put", key, lambda: self._fs.pipe_file(path, body))
 
-    def create(self, key: str, data: bytes | bytearray | memoryview) -> bool:
+    def create(self, key: str, data: Body) -> bool:
         """Create ``key`` only if it does not exist; True if this call created it.
 
         When the object exists, it is read back and compared: a conditional PUT whose response was lost
@@ -242,20 +247,20 @@ class ObjectStore:
             self._call("create", key, lambda: self._create_once(path, data))
         except FileExistsError:
             existing = self.get(key)
-            if existing == bytes(data):
+            if existing == _joined(data):
                 logger.info("create-if-absent of %s reported 'exists' but the object is ours", key)
                 return True
             return False
         return True
 
-    def _create_once(self, path: str, data: bytes | bytearray | memoryview) -> None:
+    def _create_once(self, path: str, data: Body) -> None:
         if self.is_local:
             self._local_write(path, data, exclusive=True)
         elif self._is_memory:
             with _MEMORY_CREATE_LOCK:
-                self._fs.pipe_file(path, bytes(data), mode="create")
+                self._fs.pipe_file(path, bytes(_joined(data)), mode="create")
         else:
-            self._fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data, mode="create")
+            self._fs.pipe_file(path, _joined(data), mode="create")
 
     def delete(self, key: str) -> None:
         """Remove an object or a whole prefix; a missing one is not an error."""
@@ -416,12 +421,13 @@ class ObjectStore:
         return fn()
 
     @staticmethod
-    def _local_write(path: str, data: bytes | bytearray | memoryview, *, exclusive: bool) -> None:
+    def _local_write(path: str, data: Body, *, exclusive: bool) -> None:
         # The temporary file sits beside the target so the final link/rename never crosses filesystems.
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
         with open(tmp, "wb") as f:
-            f.write(data)
+            for part in data if isinstance(data, list) else [data]:
+                f.write(part)
         try:
             if exclusive:
                 os.link(tmp, path)
@@ -430,6 +436,13 @@ class ObjectStore:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def _joined(data: Body) -> bytes | bytearray:
+    """One buffer of ``data`` for backends that send a body whole (S3's PUT, the memory filesystem)."""
+    if isinstance(data, list):
+        return b"".join(data)
+    return bytes(data) if isinstance(data, memoryview) else data
 
 
 def _check_fits(path: str, size: int, capacity: int) -> None:

@@ -20,6 +20,7 @@ from composer_serverless.rendezvous.codec import (
     decode,
     dequantize_int8,
     encode,
+    encode_parts,
     quantize_int8,
 )
 
@@ -60,6 +61,16 @@ def test_accumulate_adds_what_decode_returns_bit_for_bit(codec: str) -> None:
     accumulate(total, encode(values(), IDENTITY, codec), IDENTITY, codec)
     assert torch.equal(total, expected)
     assert not torch.equal(total, values(seed=1))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_parts_are_the_payload_and_fp32_parts_alias_the_values(codec: str) -> None:
+    x = values()
+    parts = encode_parts(x, IDENTITY, codec)
+    assert b"".join(parts) == bytes(encode(x, IDENTITY, codec))
+    if codec == "fp32":
+        x[0] += 1  # the writer must not change its values before the parts are written: they are its memory
+        assert bytes(parts[1][:4]) == struct.pack("<f", float(x[0]))
 
 
 def test_accumulate_leaves_the_total_alone_when_it_rejects() -> None:

@@ -59,6 +59,16 @@ def test_create_is_exclusive_and_recognises_its_own_object(store_url: str) -> No
     assert store.get("q.json") == b"mine"
 
 
+def test_an_object_can_be_written_from_several_buffers(store_url: str) -> None:
+    store = ObjectStore(store_url)
+    parts = [b"header:", bytearray(b"values "), memoryview(b"and scales")]
+    store.put("p", parts)
+    assert store.get("p") == b"header:values and scales"
+    assert store.create("c", parts) and store.get("c") == b"header:values and scales"
+    assert store.create("c", [b"header:values ", b"and scales"])  # the same bytes, cut elsewhere: ours
+    assert not store.create("c", [b"header:", b"other"])
+
+
 def test_get_into_streams_into_a_preallocated_buffer(store_url: str) -> None:
     store = ObjectStore(store_url)
     payload = bytes(range(256)) * 4096
