@@ -301,8 +301,9 @@ def watch(supervisor: Supervisor, config: RunConfig, console: Console) -> None:
                     fields.update(
                         completed=max(0, beat.get("round", 1) - 1) * dl.sync_every + beat.get("step", 0),
                         round=beat.get("round", 0),
-                        loss=f"{beat['loss']:.3f}" if "loss" in beat else "-",
                     )
+                if "loss" in beat:  # beats without one (starting, done) keep the last loss on screen
+                    fields["loss"] = f"{beat['loss']:.3f}"
                 progress.update(task, **fields)
             _print_new_rounds(supervisor.run, reported_rounds, dl.rounds, progress.console)
             if finished:
