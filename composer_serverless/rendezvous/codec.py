@@ -82,13 +82,7 @@ def encode(values: torch.Tensor, identity: dict[str, str], codec: CodecName) -> 
 
     Returns a buffer that is a valid safetensors file.
     """
-    parts = encode_parts(values, identity, codec)
-    out = bytearray(sum(len(p) for p in parts))
-    position = 0
-    for part in parts:
-        out[position : position + len(part)] = part
-        position += len(part)
-    return out
+    return bytearray().join(encode_parts(values, identity, codec))
 
 
 def encode_parts(values: torch.Tensor, identity: dict[str, str], codec: CodecName) -> list[memoryview]:
