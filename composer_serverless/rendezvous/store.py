@@ -243,11 +243,12 @@ class ObjectStore:
         and an identical object means exactly that.
         """
         path = self.path(key)
+        body = data if self.is_local else _joined(data)  # joined once, not on every retry
         try:
-            self._call("create", key, lambda: self._create_once(path, data))
+            self._call("create", key, lambda: self._create_once(path, body))
         except FileExistsError:
             existing = self.get(key)
-            if existing == _joined(data):
+            if existing == _joined(body):
                 logger.info("create-if-absent of %s reported 'exists' but the object is ours", key)
                 return True
             return False
@@ -260,7 +261,7 @@ class ObjectStore:
             with _MEMORY_CREATE_LOCK:
                 self._fs.pipe_file(path, bytes(_joined(data)), mode="create")
         else:
-            self._fs.pipe_file(path, _joined(data), mode="create")
+            self._fs.pipe_file(path, data, mode="create")
 
     def delete(self, key: str) -> None:
         """Remove an object or a whole prefix; a missing one is not an error."""
