@@ -116,6 +116,13 @@ class DataConfig(_Strict):
     )
     seq_len: int = Field(128, ge=8, le=32768, description="tokens per training sequence")
     batch_size: int = Field(8, ge=1, description="sequences per inner step on each replica")
+    streams_per_row: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="files each batch row takes its sequences from in turn; 1 reads one file at a time, so "
+        "for tens of steps a replica sees only batch_size files and replicas drift apart between syncs",
+    )
     heldout_percent: float = Field(5.0, gt=0, lt=50, description="share of files held out for evaluation")
 
 

@@ -59,6 +59,33 @@ def test_batches_mix_files_and_resume(corpus, tiny_model_dir):
     assert again.next().equal(expected)
 
 
+def test_one_stream_per_row_reads_each_rows_files_in_order(corpus, tiny_model_dir):
+    """The default: row r is the stream over files[r::batch_size], one sequence per step (what every
+    figure in docs/RESULTS.md was measured with)."""
+    _, tokenizer = load_pretrained(tiny_model_dir)
+    files = shard(corpus.train, 0, 10, seed=0)
+    batches = Batches(corpus, files, tokenizer, 32, 4, seed=5)
+    rows = [TokenStream(corpus, files[r::4], tokenizer, 32, seed=5 * 7919 + r) for r in range(4)]
+    for _ in range(3):
+        assert batches.next().tolist() == [row.next_sequence() for row in rows]
+
+
+def test_rows_take_turns_over_their_streams_and_resume_mid_cycle(corpus, tiny_model_dir):
+    _, tokenizer = load_pretrained(tiny_model_dir)
+    files = shard(corpus.train, 0, 10, seed=0)
+    batches = Batches(corpus, files, tokenizer, 32, 2, seed=5, streams_per_row=3)
+    streams = [TokenStream(corpus, files[i::6], tokenizer, 32, seed=5 * 7919 + i) for i in range(6)]
+    # Steps 0, 1, 2 read streams (0, 1), (2, 3), (4, 5): six files; step 3 goes back to streams 0 and 1.
+    expected = [[streams[2 * (t % 3) + r].next_sequence() for r in range(2)] for t in range(5)]
+    got = [batches.next().tolist() for _ in range(2)]
+    state = batches.state_dict()
+    resumed = Batches(corpus, files, tokenizer, 32, 2, seed=5, streams_per_row=3)
+    resumed.load_state_dict(state)
+    got += [resumed.next().tolist() for _ in range(3)]
+    assert got == expected
+    assert len({tuple(row) for step in got[:3] for row in step}) == 6
+
+
 def test_too_few_files_for_a_batch(corpus, tiny_model_dir):
     _, tokenizer = load_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match="cannot feed 8 rows"):

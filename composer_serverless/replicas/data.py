@@ -125,32 +125,53 @@ class TokenStream:
 
 
 class Batches:
-    """Batches whose rows come from ``batch_size`` independent streams over disjoint files.
+    """Batches whose rows come from independent streams over disjoint files.
 
     Packing consecutive sequences of one file into a batch would make its gradient as noisy as one file;
-    dealing the files out to one stream per row keeps every batch a mix of ``batch_size`` files.
+    dealing the files out to one stream per row keeps every batch a mix of ``batch_size`` files. With
+    ``streams_per_row`` = k, each row takes its sequences from k streams in turn (row r of step t reads
+    stream ``(t mod k) * batch_size + r``), so any k consecutive steps see ``k * batch_size`` files: with one
+    stream per row, a replica trains on the same ``batch_size`` files for tens of steps (a file holds tens of
+    sequences), and between two syncs replicas drift apart on very different data.
     """
 
     def __init__(
-        self, corpus: Corpus, files: tuple[str, ...], tokenizer: Any, seq_len: int, batch_size: int, *, seed: int
+        self,
+        corpus: Corpus,
+        files: tuple[str, ...],
+        tokenizer: Any,
+        seq_len: int,
+        batch_size: int,
+        *,
+        seed: int,
+        streams_per_row: int = 1,
     ) -> None:
-        if len(files) < batch_size:
-            raise ValueError(f"{len(files)} files cannot feed {batch_size} rows per batch; lower data.batch_size")
+        count = batch_size * streams_per_row
+        if len(files) < count:
+            raise ValueError(
+                f"{len(files)} files cannot feed {batch_size} rows x {streams_per_row} streams per row; "
+                "lower data.batch_size or data.streams_per_row"
+            )
+        self._batch_size = batch_size
         self._streams = [
-            TokenStream(corpus, files[row::batch_size], tokenizer, seq_len, seed=seed * 7919 + row)
-            for row in range(batch_size)
+            TokenStream(corpus, files[i::count], tokenizer, seq_len, seed=seed * 7919 + i) for i in range(count)
         ]
+        self._step = 0
 
     def next(self) -> torch.Tensor:
         """The next ``(batch_size, seq_len)`` batch of token ids."""
-        return torch.tensor([s.next_sequence() for s in self._streams], dtype=torch.long)
+        first = (self._step % (len(self._streams) // self._batch_size)) * self._batch_size
+        self._step += 1
+        rows = self._streams[first : first + self._batch_size]
+        return torch.tensor([s.next_sequence() for s in rows], dtype=torch.long)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"streams": [s.state_dict() for s in self._streams]}
+        return {"streams": [s.state_dict() for s in self._streams], "step": self._step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for stream, stream_state in zip(self._streams, state["streams"], strict=True):
             stream.load_state_dict(stream_state)
+        self._step = int(state.get("step", 0))
 
 
 def training_text(corpus: Corpus, max_bytes: int, seed: int) -> Iterator[str]:

@@ -46,7 +46,10 @@ class LMObjective:
         corpus = stdlib_corpus(config.data.heldout_percent)
         files = shard(corpus.train, rank, config.diloco.replicas, config.seed)
         seq_len, batch_size = config.data.seq_len, config.data.batch_size
-        self._train = Batches(corpus, files, tokenizer, seq_len, batch_size, seed=config.seed + rank)
+        self._train = Batches(
+            corpus, files, tokenizer, seq_len, batch_size, seed=config.seed + rank,
+            streams_per_row=config.data.streams_per_row,
+        )
         # Fixed seed and stream count: every replica, and any run with another batch size, scores the same
         # held-out sequences.
         self._heldout = Batches(corpus, corpus.heldout, tokenizer, seq_len, EVAL_STREAMS, seed=0)
