@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -97,6 +98,10 @@ def _cancel_on_sigterm() -> Iterator[None]:
     cleanup, which cancels every replica it started (and records the cancellation, for ``status``).
     """
     from composer_serverless.supervisor import Terminated
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
 
     def terminate(signum: int, frame: object) -> None:
         raise Terminated
