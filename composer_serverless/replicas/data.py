@@ -153,6 +153,7 @@ class Batches:
                 "lower data.batch_size or data.streams_per_row"
             )
         self._batch_size = batch_size
+        self._streams_per_row = streams_per_row
         self._streams = [
             TokenStream(corpus, files[i::count], tokenizer, seq_len, seed=seed * 7919 + i) for i in range(count)
         ]
@@ -160,7 +161,7 @@ class Batches:
 
     def next(self) -> torch.Tensor:
         """The next ``(batch_size, seq_len)`` batch of token ids."""
-        first = (self._step % (len(self._streams) // self._batch_size)) * self._batch_size
+        first = (self._step % self._streams_per_row) * self._batch_size
         self._step += 1
         rows = self._streams[first : first + self._batch_size]
         return torch.tensor([s.next_sequence() for s in rows], dtype=torch.long)
