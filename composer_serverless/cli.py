@@ -82,8 +82,12 @@ def _user_errors() -> Iterator[None]:
     except RunCancelled as e:
         err_console.print(f"[yellow]run cancelled:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(1) from None
-    except Terminated:  # before any replica was watched: whatever had started was cancelled on the way out
-        err_console.print(f"[yellow]stopped:[/] {Terminated.message}", highlight=False)
+    except Terminated:  # before the run was watched: whatever had started was cancelled on the way out
+        err_console.print(
+            "[yellow]stopped:[/] the launcher was sent SIGTERM before it watched the run; any replica it had "
+            "started was cancelled",
+            highlight=False,
+        )
         raise typer.Exit(1) from None
 
 
