@@ -145,12 +145,14 @@ def test_replica_that_keeps_failing_fails_the_run_with_its_log(tmp_path, crash):
     )  # its peer was ended
 
 
-def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path):
+def _launch_until_training(tmp_path: Path, run_id: str) -> tuple[Path, subprocess.Popen, dict[str, str]]:
+    """Start ``composer-serverless launch`` of a long 2-replica local run in the background and return once
+    both replicas are training: (the store directory, the launcher process, its environment)."""
     store = tmp_path / "store"
     config = write_config(
-        tmp_path / "detach.toml",
+        tmp_path / f"{run_id}.toml",
         f"""
-        run_id = "local-detach"
+        run_id = "{run_id}"
         store = "{store}"
         [diloco]
         replicas = 2
@@ -166,10 +168,15 @@ def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path):
         "COLUMNS": "200",
     }
     launcher = cli_background("launch", str(config), env=env)
-    members = store / "local-detach" / "members"
+    members = store / run_id / "members"
     while not all(_beat(members / f"{r}.json").get("state") == "training" for r in (0, 1)):
         assert launcher.poll() is None, launcher.communicate()
         time.sleep(0.3)
+    return store, launcher, env
+
+
+def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path):
+    store, launcher, env = _launch_until_training(tmp_path, "local-detach")
     launcher.send_signal(signal.SIGINT)  # Ctrl-C reaches the launcher only: replicas have their own sessions
     out, err = launcher.communicate("d\n")
     assert launcher.returncode == 0 and "detached" in out, out + err
@@ -193,26 +200,7 @@ def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path):
 
 
 def test_sigterm_to_the_launcher_cancels_its_replicas(tmp_path):
-    store = tmp_path / "store"
-    config = write_config(
-        tmp_path / "term.toml",
-        f"""
-        run_id = "local-term"
-        store = "{store}"
-        [diloco]
-        replicas = 2
-        sync_every = 3
-        rounds = 300
-        [executor]
-        threads_per_replica = 1
-        """,
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    launcher = cli_background("launch", str(config), env=env)
-    members = store / "local-term" / "members"
-    while not all(_beat(members / f"{r}.json").get("state") == "training" for r in (0, 1)):
-        assert launcher.poll() is None, launcher.communicate()
-        time.sleep(0.3)
+    store, launcher, env = _launch_until_training(tmp_path, "local-term")
     pids = [
         h.backend_id for h in LaunchRecord.from_json((store / "local-term" / LAUNCH_KEY).read_bytes()).current()
     ]
