@@ -109,7 +109,12 @@ class ModelConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    """The text the causal-LM objective trains on, split by file into train and held-out sets."""
+    """The text the causal-LM objective trains on, split by file into train and held-out sets.
+
+    Each step reads a global batch of ``diloco.replicas * batch_size`` rows and replica r trains on its
+    ``batch_size`` of them, so runs with the same global batch (N = 4 x 4 rows, N = 1 x 16) see the same
+    tokens in the same order, and comparing them compares the method, not the data.
+    """
 
     corpus: Literal["stdlib"] = Field(
         "stdlib", description="'stdlib': the Python standard library source of the running interpreter"

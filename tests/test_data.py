@@ -1,9 +1,10 @@
-"""The stdlib corpus split, rank shards and the resumable token streams."""
+"""The stdlib corpus split, the replicas' rows of the global batch and the resumable token streams."""
 
 import pytest
+import torch
 
 from composer_serverless.models import load_pretrained
-from composer_serverless.replicas.data import Batches, TokenStream, shard, stdlib_corpus
+from composer_serverless.replicas.data import Batches, TokenStream, shuffled, stdlib_corpus
 
 
 def test_split_is_deterministic_and_disjoint(corpus):
@@ -15,16 +16,16 @@ def test_split_is_deterministic_and_disjoint(corpus):
     assert all(name.endswith(".py") and "site-packages" not in name for name in corpus.train)
 
 
-def test_shards_partition_the_train_files(corpus):
-    shards = [shard(corpus.train, rank, 3, seed=0) for rank in range(3)]
-    assert sorted(f for s in shards for f in s) == sorted(corpus.train)
-    assert max(map(len, shards)) - min(map(len, shards)) <= 1
-    assert shard(corpus.train, 1, 3, seed=1) != shards[1]
+def test_shuffled_is_a_seeded_permutation(corpus):
+    order = shuffled(corpus.train, seed=0)
+    assert sorted(order) == sorted(corpus.train) and order != corpus.train
+    assert shuffled(corpus.train, seed=0) == order
+    assert shuffled(corpus.train, seed=1) != order
 
 
 def test_stream_resumes_exactly(corpus, tiny_model_dir):
     _, tokenizer = load_pretrained(tiny_model_dir)
-    files = shard(corpus.train, 0, 50, seed=0)
+    files = shuffled(corpus.train, seed=0)[::50]
     stream = TokenStream(corpus, files, tokenizer, 64, seed=3)
     for _ in range(40):
         stream.next_sequence()
@@ -47,7 +48,7 @@ def test_stream_wraps_into_a_reshuffled_epoch(corpus, tiny_model_dir):
 
 def test_batches_mix_files_and_resume(corpus, tiny_model_dir):
     _, tokenizer = load_pretrained(tiny_model_dir)
-    files = shard(corpus.train, 0, 10, seed=0)
+    files = shuffled(corpus.train, seed=0)[::10]
     batches = Batches(corpus, files, tokenizer, 32, 4, seed=0)
     first = batches.next()
     assert first.shape == (4, 32)
@@ -60,10 +61,9 @@ def test_batches_mix_files_and_resume(corpus, tiny_model_dir):
 
 
 def test_one_stream_per_row_reads_each_rows_files_in_order(corpus, tiny_model_dir):
-    """The default: row r is the stream over files[r::batch_size], one sequence per step (what every
-    figure in docs/RESULTS.md was measured with)."""
+    """The default: row r is the stream over files[r::batch_size], one sequence per step."""
     _, tokenizer = load_pretrained(tiny_model_dir)
-    files = shard(corpus.train, 0, 10, seed=0)
+    files = shuffled(corpus.train, seed=0)[::10]
     batches = Batches(corpus, files, tokenizer, 32, 4, seed=5)
     rows = [TokenStream(corpus, files[r::4], tokenizer, 32, seed=5 * 7919 + r) for r in range(4)]
     for _ in range(3):
@@ -72,7 +72,7 @@ def test_one_stream_per_row_reads_each_rows_files_in_order(corpus, tiny_model_di
 
 def test_rows_take_turns_over_their_streams_and_resume_mid_cycle(corpus, tiny_model_dir):
     _, tokenizer = load_pretrained(tiny_model_dir)
-    files = shard(corpus.train, 0, 10, seed=0)
+    files = shuffled(corpus.train, seed=0)[::10]
     batches = Batches(corpus, files, tokenizer, 32, 2, seed=5, streams_per_row=3)
     streams = [TokenStream(corpus, files[i::6], tokenizer, 32, seed=5 * 7919 + i) for i in range(6)]
     # Steps 0, 1, 2 read streams (0, 1), (2, 3), (4, 5): six files; step 3 goes back to streams 0 and 1.
@@ -86,10 +86,33 @@ def test_rows_take_turns_over_their_streams_and_resume_mid_cycle(corpus, tiny_mo
     assert len({tuple(row) for step in got[:3] for row in step}) == 6
 
 
+@pytest.mark.parametrize("streams_per_row", [1, 2])
+def test_replicas_rows_together_are_the_single_process_batch(corpus, tiny_model_dir, streams_per_row):
+    """N replicas of batch b read, step by step, exactly the rows one process of batch N x b reads: a
+    DiLoCo run and its data-parallel (or N = 1) baseline train on the same tokens."""
+    _, tokenizer = load_pretrained(tiny_model_dir)
+    files = shuffled(corpus.train, seed=0)[::10]
+    single = Batches(corpus, files, tokenizer, 16, 6, seed=2, streams_per_row=streams_per_row)
+    replicas = [
+        Batches(corpus, files, tokenizer, 16, 2, seed=2, streams_per_row=streams_per_row, replicas=3, rank=r)
+        for r in range(3)
+    ]
+    for _ in range(5):
+        union = torch.cat([replica.next() for replica in replicas])
+        assert union.equal(single.next())
+    # The replicas' rows differ from one another: no two replicas train on the same sequence.
+    rows = [tuple(row.tolist()) for replica in replicas for row in replica.next()]
+    assert len(set(rows)) == 6
+
+
 def test_too_few_files_for_a_batch(corpus, tiny_model_dir):
     _, tokenizer = load_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match="cannot feed 8 rows"):
         Batches(corpus, corpus.heldout[:3], tokenizer, 32, 8, seed=0)
+    with pytest.raises(ValueError, match=r"cannot feed 8 rows x 1 streams per row \(4 replicas x 2 rows\)"):
+        Batches(corpus, corpus.heldout[:3], tokenizer, 32, 2, seed=0, replicas=4, rank=3)
+    with pytest.raises(ValueError, match="rank 4 is not one of 4 replicas"):
+        Batches(corpus, corpus.heldout, tokenizer, 32, 2, seed=0, replicas=4, rank=4)
 
 
 def test_eval_set_does_not_depend_on_the_batch_size(tiny_model_dir):

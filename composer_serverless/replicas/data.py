@@ -1,5 +1,5 @@
-"""Training data, sharded by rank: the text corpus of the causal-LM objective, and the JSONL records of the
-composer objective (RL prompts, preference pairs).
+"""Training data, split among replicas: the text corpus of the causal-LM objective, and the JSONL records
+of the composer objective (RL prompts, preference pairs).
 
 The demo corpus is the Python standard library source of the running interpreter: real code nobody here
 wrote, present on every machine that can run the project, so the demo needs no download. The split is by
@@ -58,12 +58,12 @@ def _bucket(rel: str) -> int:
     return int.from_bytes(hashlib.sha256(rel.encode()).digest()[:4], "big") % 10_000
 
 
-def shard(files: tuple[str, ...], rank: int, replicas: int, seed: int) -> tuple[str, ...]:
-    """The files replica ``rank`` trains on: a seeded shuffle dealt round-robin, so shards are disjoint and
-    each mixes the corpus' directories rather than taking one package each."""
+def shuffled(files: tuple[str, ...], seed: int) -> tuple[str, ...]:
+    """The train files in a seeded order, so the streams dealt from it each mix the corpus' directories
+    rather than taking one package each."""
     order = list(files)
     random.Random(seed).shuffle(order)
-    return tuple(order[rank::replicas])
+    return tuple(order)
 
 
 class TokenStream:
@@ -125,14 +125,20 @@ class TokenStream:
 
 
 class Batches:
-    """Batches whose rows come from independent streams over disjoint files.
+    """One replica's rows of a global batch whose rows come from independent streams over disjoint files.
 
     Packing consecutive sequences of one file into a batch would make its gradient as noisy as one file;
-    dealing the files out to one stream per row keeps every batch a mix of ``batch_size`` files. With
-    ``streams_per_row`` = k, each row takes its sequences from k streams in turn (row r of step t reads
-    stream ``(t mod k) * batch_size + r``), so any k consecutive steps see ``k * batch_size`` files: with one
-    stream per row, a replica trains on the same ``batch_size`` files for tens of steps (a file holds tens of
-    sequences), and between two syncs replicas drift apart on very different data.
+    dealing the files out to one stream per row keeps every batch a mix of files. The streams belong to the
+    *global* batch of ``replicas * batch_size`` rows, and replica ``rank`` reads rows ``rank * batch_size``
+    to ``(rank + 1) * batch_size - 1`` of it: so the union of N replicas' batches at a step is exactly the
+    batch one process with ``N * batch_size`` rows reads at that step. A DiLoCo run and a data-parallel (or
+    N = 1) run of the same global batch therefore train on the same tokens in the same order, and a
+    comparison between them measures the method, not which files each happened to read.
+
+    With ``streams_per_row`` = k, each global row g takes its sequences from k streams in turn (at step t,
+    stream ``(t mod k) * rows + g``, where rows is the global batch's), so any k consecutive steps see k
+    files per row: with one stream per row, a replica trains on the same ``batch_size`` files for tens of
+    steps (a file holds tens of sequences).
     """
 
     def __init__(
@@ -145,17 +151,24 @@ class Batches:
         *,
         seed: int,
         streams_per_row: int = 1,
+        replicas: int = 1,
+        rank: int = 0,
     ) -> None:
-        count = batch_size * streams_per_row
+        if not 0 <= rank < replicas:
+            raise ValueError(f"rank {rank} is not one of {replicas} replicas")
+        rows = batch_size * replicas
+        count = rows * streams_per_row
         if len(files) < count:
             raise ValueError(
-                f"{len(files)} files cannot feed {batch_size} rows x {streams_per_row} streams per row; "
-                "lower data.batch_size or data.streams_per_row"
+                f"{len(files)} files cannot feed {rows} rows x {streams_per_row} streams per row "
+                f"({replicas} replicas x {batch_size} rows); lower data.batch_size or data.streams_per_row"
             )
         self._batch_size = batch_size
         self._streams_per_row = streams_per_row
+        # This replica's streams, turn by turn: turn j's rows are self._streams[j * batch_size:][:batch_size].
+        mine = [j * rows + rank * batch_size + r for j in range(streams_per_row) for r in range(batch_size)]
         self._streams = [
-            TokenStream(corpus, files[i::count], tokenizer, seq_len, seed=seed * 7919 + i) for i in range(count)
+            TokenStream(corpus, files[i::count], tokenizer, seq_len, seed=seed * 7919 + i) for i in mine
         ]
         self._step = 0
 
@@ -178,7 +191,7 @@ class Batches:
 def training_text(corpus: Corpus, max_bytes: int, seed: int) -> Iterator[str]:
     """Train-split files in a seeded order until ``max_bytes`` of text, for fitting a tokenizer."""
     total = 0
-    for rel in shard(corpus.train, 0, 1, seed):
+    for rel in shuffled(corpus.train, seed):
         text = corpus.read(rel)
         yield text
         total += len(text)

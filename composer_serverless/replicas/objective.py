@@ -13,7 +13,7 @@ import torch
 
 from composer_serverless.config import RunConfig
 from composer_serverless.replicas.composer import ComposerObjective
-from composer_serverless.replicas.data import Batches, shard, stdlib_corpus
+from composer_serverless.replicas.data import Batches, shuffled, stdlib_corpus
 from composer_serverless.replicas.evaluation import EvalPart, combine, share
 
 # Held-out sequences are drawn from this many interleaved file streams, independent of the training batch size.
@@ -40,15 +40,14 @@ class Objective(Protocol):
 
 
 class LMObjective:
-    """Causal-LM cross-entropy on this replica's shard of the corpus; evaluation on the held-out files."""
+    """Causal-LM cross-entropy on this replica's rows of the global batch; evaluation on the held-out files."""
 
     def __init__(self, config: RunConfig, tokenizer: Any, rank: int) -> None:
         corpus = stdlib_corpus(config.data.heldout_percent)
-        files = shard(corpus.train, rank, config.diloco.replicas, config.seed)
         seq_len, batch_size = config.data.seq_len, config.data.batch_size
         self._train = Batches(
-            corpus, files, tokenizer, seq_len, batch_size, seed=config.seed + rank,
-            streams_per_row=config.data.streams_per_row,
+            corpus, shuffled(corpus.train, config.seed), tokenizer, seq_len, batch_size, seed=config.seed,
+            streams_per_row=config.data.streams_per_row, replicas=config.diloco.replicas, rank=rank,
         )
         # Fixed seed and stream count: every replica, and any run with another batch size, scores the same
         # held-out sequences.
