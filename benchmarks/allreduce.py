@@ -10,7 +10,8 @@ barrier, run three exchanges through the same store, ``--repeats`` times each af
   replica reads. No codec, checksum or quorum. This is the store's own throughput for this traffic with
   this concurrency, measured in the same run: ``store_MBps`` = (bytes up + bytes down) / time, per replica.
 - ``allreduce``: ``composer_serverless.rendezvous.allreduce.allreduce`` (reduce-scatter + all-gather,
-  quorum, codec, checksums).
+  quorum, codec, checksums), writing the average into a tensor the replica keeps across repeats, as the
+  manager writes it into the tensor torchft hands it.
 - ``naive``: every replica PUTs its whole encoded tensor and GETs all the others' (the exchange this
   project had before), decoding and summing in fp32.
 
@@ -35,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -131,13 +133,14 @@ def _replica(url: str, rank: int, n: int, mb: float, codec: str, repeats: int, b
     torch.set_num_threads(1)
     values = torch.randn(int(mb * 2**20 / 4), generator=torch.Generator().manual_seed(rank))
     store = ObjectStore(url)
+    phases = {**PHASE_FUNCTIONS, "allreduce": partial(_allreduce, out=torch.empty_like(values))}
     samples = []
     for repeat in range(repeats + 1):  # repeat 0 warms connections and caches, and is not reported
         for phase in PHASES:
             prefix = f"{phase}-{repeat}"
             barrier.wait()
             started = time.monotonic()
-            up, down = PHASE_FUNCTIONS[phase](store, prefix, values, rank, n, codec)
+            up, down = phases[phase](store, prefix, values, rank, n, codec)
             finished = time.monotonic()
             samples.append(
                 {"phase": phase, "repeat": repeat, "rank": rank, "start": started, "end": finished, "up": up, "down": down}
@@ -163,9 +166,13 @@ def _raw(store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: in
     return up, down
 
 
-def _allreduce(store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: int, codec: str) -> tuple[int, int]:
+def _allreduce(
+    store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: int, codec: str, *, out: torch.Tensor | None = None
+) -> tuple[int, int]:
     settings = ExchangeSettings(replicas=n, min_replicas=n, codec=codec, timeout_s=1800)
-    result = allreduce(store, values, prefix=prefix, identity=IDENTITY, rank=rank, settings=settings, grace_s=600)
+    result = allreduce(
+        store, values, prefix=prefix, identity=IDENTITY, rank=rank, settings=settings, grace_s=600, out=out
+    )
     return result.bytes_up, result.bytes_down
 
 

@@ -37,10 +37,10 @@ import torch
 
 from composer_serverless.rendezvous.codec import (
     CodecName,
+    Payload,
     PayloadError,
     accumulate,
     decode,
-    encode,
     encode_parts,
     max_payload_bytes,
 )
@@ -123,12 +123,13 @@ def allreduce(
     settings: ExchangeSettings,
     grace_s: float,
     is_stale: Callable[[], bool] | None = None,
+    out: torch.Tensor | None = None,
 ) -> ExchangeResult:
     """Average ``values`` (flat fp32) over the quorum of this sync; see the module docstring.
 
     Args:
         store: the run's store.
-        values: this replica's flat fp32 tensor; not modified.
+        values: this replica's flat fp32 tensor; not modified unless it is ``out``.
         prefix: the sync's prefix, ``rounds/{k}/{fragment}``.
         identity: header fields every payload of this sync carries (run id, round, fragment).
         rank: this replica's rank.
@@ -136,12 +137,17 @@ def allreduce(
         grace_s: how long after arriving this replica waits for stragglers before fixing a quorum.
         is_stale: asked before this replica fixes a quorum; True means the store has completed this round
             already (its exchange objects may be pruned), so the quorum must not be created again.
+        out: a contiguous fp32 CPU tensor of ``values``' size to write the average into (the result's
+            ``average`` is then ``out``), instead of a new one: a caller that keeps its buffer saves an
+            allocation of the model's size per sync, and its page faults. It may be ``values`` itself: a
+            shard of ``out`` is written only after this replica's last read of its own input of that shard.
+            On an error ``out`` may hold part of the average.
 
     Raises:
         StaleRoundError: ``is_stale`` said so when this replica was about to fix the quorum.
         ExchangeError: no quorum of ``min_replicas`` or no complete result within ``settings.timeout_s``.
     """
-    return _Exchange(store, values, prefix, identity, rank, settings, grace_s, is_stale).run()
+    return _Exchange(store, values, prefix, identity, rank, settings, grace_s, is_stale, out).run()
 
 
 class _Exchange:
@@ -157,6 +163,7 @@ class _Exchange:
         settings: ExchangeSettings,
         grace_s: float,
         is_stale: Callable[[], bool] | None,
+        out: torch.Tensor | None,
     ) -> None:
         self.store = store.child(prefix)
         self.is_stale = is_stale
@@ -170,10 +177,18 @@ class _Exchange:
         self.quorum_at = self.started
         self.hard_deadline = self.started + settings.timeout_s
         self.bounds = shard_bounds(self.values.numel(), self.n)
+        # This replica's inputs as written (header, then a view of ``values`` for fp32), kept for reducing.
         self.mine: dict[int, list[memoryview]] = {}
         self.fetched: dict[tuple[int, int], memoryview] = {}
         self.scratch = memoryview(bytearray())
-        self.result = ExchangeResult(average=torch.empty(self.values.numel()), participants=[])
+        if out is None:
+            out = torch.empty(self.values.numel())
+        elif out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() != self.values.numel():
+            raise ValueError(
+                f"out must be a contiguous fp32 CPU tensor of {self.values.numel()} values, got {out.dtype} "
+                f"{out.device} {tuple(out.shape)}"
+            )
+        self.result = ExchangeResult(average=out.view(-1), participants=[])
 
     def run(self) -> ExchangeResult:
         quorum = self._read_quorum()
@@ -302,18 +317,18 @@ class _Exchange:
         if not summed:
             raise ExchangeError(f"{self.store.url}: no valid input for shard {shard}")
         identity = {**self._reduced_identity(shard), "summed": ",".join(map(str, summed))}
-        payload: bytes | bytearray | memoryview = encode(total / len(summed), identity, self.settings.codec)
-        if self.store.create(reduced_key(shard), payload):
-            self.result.bytes_up += len(payload)
-            self._place(shard, payload, verify=False)
+        parts = encode_parts(total.div_(len(summed)), identity, self.settings.codec)
+        if self.store.create(reduced_key(shard), parts):
+            self.result.bytes_up += sum(len(p) for p in parts)
+            self._place(shard, parts, verify=False)
         else:
             self._place(shard, self._fetch(reduced_key(shard), shard))
 
-    def _input(self, peer: int, shard: int) -> tuple[bytes | bytearray | memoryview, bool]:
+    def _input(self, peer: int, shard: int) -> tuple[Payload, bool]:
         """The payload of ``peer``'s input for ``shard``, and whether it must be verified (it came from the
-        store) or not (this replica encoded it, in this exchange)."""
+        store) or not (this replica encoded it, in this exchange: its parts, read where they lie)."""
         if peer == self.rank and shard in self.mine:
-            return b"".join(self.mine.pop(shard)), False
+            return self.mine.pop(shard), False
         if (peer, shard) not in self.fetched:
             self.fetched[(peer, shard)] = self._fetch(input_key(peer, shard), shard)
         return self.fetched.pop((peer, shard)), True
@@ -349,7 +364,7 @@ class _Exchange:
                 raise ExchangeError(f"{self.store.url}: reduced shards {sorted(pending)} missing after {self.settings.timeout_s:.0f}s")
             delay = backoff_sleep(delay)
 
-    def _place(self, shard: int, payload: bytes | bytearray | memoryview, *, verify: bool = True) -> None:
+    def _place(self, shard: int, payload: Payload, *, verify: bool = True) -> None:
         start, end = self.bounds[shard]
         identity = self._reduced_identity(shard)
         decode(payload, identity, self.settings.codec, end - start, self.result.average[start:end], verify=verify)

@@ -38,6 +38,9 @@ MAX_HEADER_BYTES = 1 << 14
 
 _DTYPES = {"fp32": ("F32", torch.float32), "bf16": ("BF16", torch.bfloat16), "int8": ("I8", torch.int8)}
 
+# A payload as read from a store, or as ``encode_parts`` returns it (header first, then the tensors' bytes).
+Payload = bytes | bytearray | memoryview | list[memoryview]
+
 
 class PayloadError(ValueError):
     """A payload that must not be used: corrupt, truncated, foreign, or of the wrong codec or shape."""
@@ -141,7 +144,7 @@ def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, object]
 
 
 def decode(
-    data: bytes | bytearray | memoryview,
+    data: Payload,
     expect: dict[str, str],
     codec: CodecName,
     numel: int,
@@ -152,7 +155,8 @@ def decode(
     """Return the fp32 values in ``data`` after checking identity, codec, layout, size and checksum.
 
     Args:
-        data: the payload (a buffer may be longer than the payload only if ``data`` is sliced first).
+        data: the payload (a buffer may be longer than the payload only if ``data`` is sliced first), or
+            ``encode_parts``' parts of it.
         expect: header fields that must match exactly (run id, round, fragment, rank, shard).
         codec: the codec the run uses; a payload in any other codec is rejected.
         numel: the number of values the reader expects.
@@ -171,7 +175,7 @@ def decode(
 
 def accumulate(
     total: torch.Tensor,
-    data: bytes | bytearray | memoryview,
+    data: Payload,
     expect: dict[str, str],
     codec: CodecName,
     *,
@@ -189,12 +193,9 @@ def accumulate(
     total.add_(_checked_values(data, expect, codec, total.numel(), verify))
 
 
-def _checked_values(
-    data: bytes | bytearray | memoryview, expect: dict[str, str], codec: CodecName, numel: int, verify: bool
-) -> torch.Tensor:
+def _checked_values(data: Payload, expect: dict[str, str], codec: CodecName, numel: int, verify: bool) -> torch.Tensor:
     """The payload's values after every check: a view of ``data`` (fp32, bf16) or their dequantization."""
-    view = memoryview(data).cast("B")
-    header, start = read_header(view)
+    header, body = _header_and_body(data)
     metadata = header["__metadata__"]
     assert isinstance(metadata, dict)
     wanted = {**expect, "codec": codec, "numel": str(numel)}
@@ -205,7 +206,6 @@ def _checked_values(
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     if tensors != layout:
         raise PayloadError(f"payload tensors {tensors} are not the {codec} layout of {numel} values {layout}")
-    body = view[start:]
     if len(body) != data_bytes(numel, codec):
         raise PayloadError(f"payload data is {len(body)} bytes, expected {data_bytes(numel, codec)}")
     if verify and hashlib.sha256(body).hexdigest() != metadata.get("sha256"):
@@ -214,6 +214,22 @@ def _checked_values(
         q = _view(body, torch.int8, 0, numel)
         return dequantize_int8(q, _view(body, torch.float32, numel, _blocks(numel)))
     return _view(body, _DTYPES[codec][1], 0, numel)
+
+
+def _header_and_body(data: Payload) -> tuple[dict[str, object], memoryview]:
+    """The parsed header and the data section, of a whole payload or of ``encode_parts``' parts (whose
+    single tensor part is used where it lies; int8's two are joined, a quarter of the fp32 size)."""
+    if isinstance(data, list):
+        head = memoryview(data[0]).cast("B")
+        header, start = read_header(head)
+        if start != len(head):
+            raise PayloadError(f"header part is {len(head)} bytes, its header {start}")
+        tensors = data[1:]
+        body = memoryview(tensors[0]).cast("B") if len(tensors) == 1 else memoryview(b"".join(tensors))
+        return header, body
+    view = memoryview(data).cast("B")
+    header, start = read_header(view)
+    return header, view[start:]
 
 
 def _layout(numel: int, codec: CodecName) -> dict[str, dict[str, object]]:

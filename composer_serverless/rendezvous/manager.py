@@ -157,8 +157,9 @@ class ObjectStoreManager:
             )
             return _DummyWork(tensor)
         sync.exchanged = True
-        # A CPU fp32 copy, taken here on the caller's thread (and stream), so the exchange thread never
-        # touches accelerator memory that DiLoCo may still be writing on a side stream.
+        # A CPU fp32 copy (the tensor itself when it is one), taken here on the caller's thread (and stream),
+        # so the exchange thread never touches accelerator memory that DiLoCo may still be writing on a side
+        # stream. The exchange writes the average into it.
         values = tensor.detach().reshape(-1).to("cpu", torch.float32)
         future: torch.futures.Future = torch.futures.Future()
         sync.thread = threading.Thread(
@@ -242,8 +243,10 @@ class ObjectStoreManager:
                 settings=self._settings,
                 grace_s=grace_s,
                 is_stale=lambda: latest_round(self._store) >= outcome.round,
+                out=values,  # the average replaces the pseudo-gradient, as an all-reduce does
             )
-            tensor.copy_(result.average.view_as(tensor))
+            if values.data_ptr() != tensor.data_ptr():  # else ``values`` is ``tensor`` (CPU fp32): done
+                tensor.copy_(values.view_as(tensor))
             outcome.participants = result.participants
             outcome.contributed = self._rank in result.participants
             outcome.upload_failed = result.upload_failed
@@ -259,6 +262,6 @@ class ObjectStoreManager:
             outcome.error = e
         finally:
             # Completing the future runs torchft's .then callback (which unpacks the bucket), so it comes
-            # after the average is in place; on failure it unpacks the unchanged tensor, which DiLoCo
-            # discards because should_commit() is False.
+            # after the average is in place; on failure it unpacks a tensor that may hold part of the
+            # average, which DiLoCo discards because should_commit() is False.
             future.set_result(tensor)

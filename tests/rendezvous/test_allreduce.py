@@ -46,17 +46,22 @@ def exchange(
     *,
     grace: float = 0.0,
     stores: dict[int, ObjectStore] | None = None,
+    in_place: bool = False,
 ) -> dict[int, ExchangeResult]:
-    """Run the exchange of every rank in ``values`` concurrently, one thread and store instance each."""
+    """Run the exchange of every rank in ``values`` concurrently, one thread and store instance each;
+    ``in_place``: each writes the average over a copy of its values (``out=values``, as the manager does)."""
     results: dict[int, ExchangeResult] = {}
     errors: dict[int, BaseException] = {}
 
     def run(rank: int) -> None:
         try:
             store = (stores or {}).get(rank) or ObjectStore(url)
+            mine = values[rank].clone() if in_place else values[rank]
             results[rank] = allreduce(
-                store, values[rank], prefix=PREFIX, identity=IDENTITY, rank=rank, settings=settings, grace_s=grace
+                store, mine, prefix=PREFIX, identity=IDENTITY, rank=rank, settings=settings, grace_s=grace,
+                out=mine if in_place else None,
             )
+            assert not in_place or results[rank].average.data_ptr() == mine.data_ptr()
         except BaseException as e:
             errors[rank] = e
 
@@ -159,6 +164,28 @@ def test_a_dead_shard_owner_does_not_stall_the_round(tmp_path: Path) -> None:
     for result in results.values():
         assert result.participants == [0, 1, 2]
         assert torch.equal(result.average, expected)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_the_average_can_overwrite_the_values_it_averages(tmp_path: Path, codec: str) -> None:
+    """``out=values``: a shard of the values is overwritten only once this replica has read its own input
+    of that shard, including as a substitute (replica 3 never comes) and as a rescuer (replica 2 uploads
+    and dies), so the average is the one a fresh tensor gets."""
+    url = f"file://{tmp_path}/run"
+    values = tensors(4)
+    store = ObjectStore(url).child(PREFIX)
+    for s, (start, end) in enumerate(shard_bounds(NUMEL, 4)):
+        store.create(input_key(2, s), encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, codec))
+    settings = ExchangeSettings(replicas=4, min_replicas=3, codec=codec, timeout_s=60)
+    results = exchange(url, {0: values[0], 1: values[1]}, settings, grace=0.05, in_place=True)
+    expected = expected_average(values, [0, 1, 2], codec, 4)
+    assert substitute_for(3, [0, 1, 2]) == 0 and sum(len(r.rescued) for r in results.values()) >= 1
+    for result in results.values():
+        assert result.participants == [0, 1, 2]
+        assert torch.equal(result.average, expected)
+    with pytest.raises(ValueError, match="out must be a contiguous fp32 CPU tensor of 1001 values"):
+        allreduce(store, values[0], prefix=PREFIX, identity=IDENTITY, rank=0, settings=settings, grace_s=0,
+                  out=torch.empty(1000))
 
 
 class _CreatesAFile:

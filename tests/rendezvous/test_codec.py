@@ -73,6 +73,26 @@ def test_parts_are_the_payload_and_fp32_parts_alias_the_values(codec: str) -> No
         assert bytes(parts[1][:4]) == struct.pack("<f", float(x[0]))
 
 
+@pytest.mark.parametrize("codec", CODECS)
+def test_parts_decode_and_accumulate_as_the_joined_payload(codec: str) -> None:
+    """A reducer adds its own input from the parts it wrote, without joining them: same values, same sum."""
+    x = values()
+    parts = encode_parts(x, IDENTITY, codec)
+    joined = bytes(encode(x, IDENTITY, codec))
+    assert torch.equal(decode(parts, IDENTITY, codec, 3000), decode(joined, IDENTITY, codec, 3000))
+    total, expected = values(seed=1), values(seed=1)
+    accumulate(total, parts, IDENTITY, codec, verify=False)
+    accumulate(expected, joined, IDENTITY, codec)
+    assert torch.equal(total, expected)
+    # Parts are checked as a payload is: a wrong identity, or a changed value under a checksum.
+    with pytest.raises(PayloadError, match="mismatch"):
+        decode(parts, {**IDENTITY, "shard": "0"}, codec, 3000)
+    body = bytearray(b"".join(parts[1:]))
+    body[0] ^= 0xFF
+    with pytest.raises(PayloadError, match="checksum"):
+        decode([parts[0], memoryview(body)], IDENTITY, codec, 3000)
+
+
 def test_accumulate_leaves_the_total_alone_when_it_rejects() -> None:
     total = values(seed=1)
     payload = encode(values(), IDENTITY, "fp32")
