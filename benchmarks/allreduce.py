@@ -7,11 +7,12 @@ barrier, run three exchanges through the same store, ``--repeats`` times each af
 
 - ``raw``: the reduce-scatter's traffic without the protocol: every replica PUTs N objects of a wire
   shard's size, waits until all replicas' objects are listed, then GETs the 2(N-1) objects a reduce-scatter
-  replica reads. No codec, checksum or quorum. This is the store's own throughput for this traffic with
-  this concurrency, measured in the same run: ``store_MBps`` = (bytes up + bytes down) / time, per replica.
+  replica reads. No codec, checksum or quorum: the shards are encoded, and the read buffer allocated,
+  before the clock starts. This is the store's own throughput for this traffic with this concurrency,
+  measured in the same run: ``store_MBps`` = (bytes up + bytes down) / time, per replica.
 - ``allreduce``: ``composer_serverless.rendezvous.allreduce.allreduce`` (reduce-scatter + all-gather,
-  quorum, codec, checksums), writing the average into a tensor the replica keeps across repeats, as the
-  manager writes it into the tensor torchft hands it.
+  quorum, codec, checksums), writing the average into a tensor the replica keeps across repeats and
+  reading into a ``Workspace`` it keeps too, as the manager does from one sync to the next.
 - ``naive``: every replica PUTs its whole encoded tensor and GETs all the others' (the exchange this
   project had before), decoding and summing in fp32.
 
@@ -36,13 +37,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from composer_serverless.rendezvous.allreduce import ExchangeSettings, allreduce, shard_bounds
+from composer_serverless.rendezvous.allreduce import ExchangeSettings, Workspace, allreduce, shard_bounds
 from composer_serverless.rendezvous.codec import decode, encode, max_payload_bytes
 from composer_serverless.rendezvous.store import ObjectStore
 
@@ -133,7 +135,7 @@ def _replica(url: str, rank: int, n: int, mb: float, codec: str, repeats: int, b
     torch.set_num_threads(1)
     values = torch.randn(int(mb * 2**20 / 4), generator=torch.Generator().manual_seed(rank))
     store = ObjectStore(url)
-    phases = {**PHASE_FUNCTIONS, "allreduce": partial(_allreduce, out=torch.empty_like(values))}
+    phases = phase_functions(values, n, codec)
     samples = []
     for repeat in range(repeats + 1):  # repeat 0 warms connections and caches, and is not reported
         for phase in PHASES:
@@ -151,15 +153,34 @@ def _replica(url: str, rank: int, n: int, mb: float, codec: str, repeats: int, b
     queue.put(samples)
 
 
-def _raw(store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: int, codec: str) -> tuple[int, int]:
-    bounds = shard_bounds(values.numel(), n)
-    blobs = [encode(values[a:b], IDENTITY, codec) for a, b in bounds]  # the wire bytes; not part of the timing
+def phase_functions(values: torch.Tensor, n: int, codec: str) -> dict[str, Callable[..., tuple[int, int]]]:
+    """Each phase as a function of (store, prefix, values, rank, n, codec), with what a replica keeps from
+    one repeat to the next made here, before any clock starts: the raw phase's wire shards (encoding and
+    hashing them is not the store's work) and read buffer, the all-reduce's output tensor and workspace."""
+    blobs = [bytes(encode(values[a:b], IDENTITY, codec)) for a, b in shard_bounds(values.numel(), n)]
+    return {
+        "raw": partial(_raw, blobs=blobs, buffer=bytearray(max(len(b) for b in blobs) + 4096)),
+        "allreduce": partial(_allreduce, out=torch.empty_like(values), workspace=Workspace()),
+        "naive": _naive,
+    }
+
+
+def _raw(
+    store: ObjectStore,
+    prefix: str,
+    values: torch.Tensor,
+    rank: int,
+    n: int,
+    codec: str,
+    *,
+    blobs: list[bytes],
+    buffer: bytearray,
+) -> tuple[int, int]:
     up = down = 0
     for s in range(n):
         store.put(f"{prefix}/{rank}-{s}", blobs[s])
         up += len(blobs[s])
     _wait_for(store, prefix, n * n)
-    buffer = bytearray(max(len(b) for b in blobs) + 4096)
     reads = [f"{prefix}/{p}-{rank}" for p in range(n) if p != rank] + [f"{prefix}/{p}-{p}" for p in range(n) if p != rank]
     for key in reads:
         down += store.get_into(key, buffer)
@@ -167,11 +188,20 @@ def _raw(store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: in
 
 
 def _allreduce(
-    store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: int, codec: str, *, out: torch.Tensor | None = None
+    store: ObjectStore,
+    prefix: str,
+    values: torch.Tensor,
+    rank: int,
+    n: int,
+    codec: str,
+    *,
+    out: torch.Tensor,
+    workspace: Workspace,
 ) -> tuple[int, int]:
     settings = ExchangeSettings(replicas=n, min_replicas=n, codec=codec, timeout_s=1800)
     result = allreduce(
-        store, values, prefix=prefix, identity=IDENTITY, rank=rank, settings=settings, grace_s=600, out=out
+        store, values, prefix=prefix, identity=IDENTITY, rank=rank, settings=settings, grace_s=600, out=out,
+        workspace=workspace,
     )
     return result.bytes_up, result.bytes_down
 
@@ -193,9 +223,6 @@ def _naive(store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: 
         total += decode(memoryview(buffer)[:size], {**IDENTITY, "rank": str(p)}, codec, values.numel())
     total /= n
     return len(payload), down
-
-
-PHASE_FUNCTIONS = {"raw": _raw, "allreduce": _allreduce, "naive": _naive}
 
 
 def _wait_for(store: ObjectStore, prefix: str, count: int) -> None:

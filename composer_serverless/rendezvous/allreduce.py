@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,6 +90,32 @@ class ExchangeResult:
     rescued: list[int] = field(default_factory=list)
 
 
+class Workspace:
+    """The buffers an exchange reads payloads into and sums shards in, kept by the caller between syncs.
+
+    Fresh buffers of a model's size are fresh pages every sync (the allocator hands big blocks back to the
+    OS), and on a box where replicas share cores faulting them in was about a tenth of an exchange's CPU.
+    One exchange at a time may use a workspace; a second one at the same time is refused.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[object, torch.Tensor] = {}
+        self.busy = threading.Lock()
+
+    def bytes(self, slot: object, size: int) -> memoryview:
+        """A writable buffer of ``size`` bytes for ``slot``, grown if too small, not zero-filled."""
+        buffer = self._buffers.get(slot)
+        if buffer is None or buffer.numel() < size:
+            buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8)
+        return memoryview(buffer.numpy()).cast("B")[:size]
+
+    def floats(self, slot: object, numel: int) -> torch.Tensor:
+        """An fp32 tensor of ``numel`` values for ``slot``, not zero-filled."""
+        if numel == 0:
+            return torch.empty(0)
+        return torch.frombuffer(self.bytes(slot, 4 * numel), dtype=torch.float32)
+
+
 def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) ranges of ``shards`` near-equal shards of ``numel`` values (some may be empty)."""
     return [(s * numel // shards, (s + 1) * numel // shards) for s in range(shards)]
@@ -124,6 +151,7 @@ def allreduce(
     grace_s: float,
     is_stale: Callable[[], bool] | None = None,
     out: torch.Tensor | None = None,
+    workspace: Workspace | None = None,
 ) -> ExchangeResult:
     """Average ``values`` (flat fp32) over the quorum of this sync; see the module docstring.
 
@@ -142,12 +170,19 @@ def allreduce(
             allocation of the model's size per sync, and its page faults. It may be ``values`` itself: a
             shard of ``out`` is written only after this replica's last read of its own input of that shard.
             On an error ``out`` may hold part of the average.
+        workspace: buffers to reuse from the caller's previous syncs; fresh ones if None.
 
     Raises:
         StaleRoundError: ``is_stale`` said so when this replica was about to fix the quorum.
         ExchangeError: no quorum of ``min_replicas`` or no complete result within ``settings.timeout_s``.
     """
-    return _Exchange(store, values, prefix, identity, rank, settings, grace_s, is_stale, out).run()
+    workspace = workspace or Workspace()
+    if not workspace.busy.acquire(blocking=False):
+        raise RuntimeError("this workspace is in use by another exchange; give each concurrent exchange its own")
+    try:
+        return _Exchange(store, values, prefix, identity, rank, settings, grace_s, is_stale, out, workspace).run()
+    finally:
+        workspace.busy.release()
 
 
 class _Exchange:
@@ -164,6 +199,7 @@ class _Exchange:
         grace_s: float,
         is_stale: Callable[[], bool] | None,
         out: torch.Tensor | None,
+        workspace: Workspace,
     ) -> None:
         self.store = store.child(prefix)
         self.is_stale = is_stale
@@ -180,7 +216,7 @@ class _Exchange:
         # This replica's inputs as written (header, then a view of ``values`` for fp32), kept for reducing.
         self.mine: dict[int, list[memoryview]] = {}
         self.fetched: dict[tuple[int, int], memoryview] = {}
-        self.scratch = memoryview(bytearray())
+        self.workspace = workspace
         if out is None:
             out = torch.empty(self.values.numel())
         elif out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() != self.values.numel():
@@ -296,14 +332,14 @@ class _Exchange:
         """While waiting for the quorum, fetch the peer inputs of the shard this replica will reduce."""
         for peer in present:
             if peer != self.rank and (peer, self.rank) not in self.fetched and input_key(peer, self.rank) in keys:
-                self.fetched[(peer, self.rank)] = self._fetch(input_key(peer, self.rank), self.rank)
+                self.fetched[(peer, self.rank)] = self._fetch(input_key(peer, self.rank), self.rank, slot=peer)
 
     # --- phase 3: reduce ---------------------------------------------------------------------------
 
     def _reduce(self, shard: int, participants: list[int]) -> None:
         """Sum the participants' inputs of ``shard`` in rank order, publish the average, keep its decoding."""
         start, end = self.bounds[shard]
-        total = torch.zeros(end - start, dtype=torch.float32)
+        total = self.workspace.floats("total", end - start).zero_()
         summed = []
         for peer in participants:
             try:
@@ -346,7 +382,7 @@ class _Exchange:
         while pending:
             available = {int(name) for name in self.store.list("out") if name.isdigit()}
             for shard in sorted(pending & available):
-                self._place(shard, self._fetch(reduced_key(shard), shard, reuse=True))
+                self._place(shard, self._fetch(reduced_key(shard), shard))
                 pending.discard(shard)
             if not pending:
                 return
@@ -371,14 +407,12 @@ class _Exchange:
 
     # --- helpers -----------------------------------------------------------------------------------
 
-    def _fetch(self, key: str, shard: int, *, reuse: bool = False) -> memoryview:
-        """Read ``key`` into a buffer sized for ``shard``'s payload; ``reuse`` reads into the one scratch
-        buffer (for payloads decoded at once), else into a buffer of its own (for payloads kept a while)."""
+    def _fetch(self, key: str, shard: int, *, slot: object = "scratch") -> memoryview:
+        """Read ``key`` into the workspace buffer ``slot``, sized for ``shard``'s payload. The default slot
+        is for payloads used at once; a payload kept while others are read (a prefetched input) gets its
+        own slot."""
         start, end = self.bounds[shard]
-        capacity = max_payload_bytes(end - start, self.settings.codec)
-        if reuse and len(self.scratch) < capacity:
-            self.scratch = _buffer(max_payload_bytes(max(b - a for a, b in self.bounds), self.settings.codec))
-        buffer = self.scratch if reuse else _buffer(capacity)
+        buffer = self.workspace.bytes(slot, max_payload_bytes(end - start, self.settings.codec))
         size = self.store.get_into(key, buffer)
         self.result.bytes_down += size
         return buffer[:size]
@@ -388,11 +422,6 @@ class _Exchange:
 
     def _reduced_identity(self, shard: int) -> dict[str, str]:
         return {**self.identity, "rank": REDUCED, "shard": str(shard)}
-
-
-def _buffer(size: int) -> memoryview:
-    """A writable buffer of ``size`` bytes, not zero-filled (it is read into at once)."""
-    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
 
 
 def backoff_sleep(delay: float, cap: float = _POLL_CAP_S) -> float:

@@ -37,6 +37,7 @@ from composer_serverless.rendezvous.allreduce import (
     ExchangeResult,
     ExchangeSettings,
     StaleRoundError,
+    Workspace,
     allreduce,
 )
 from composer_serverless.rendezvous.checkpoint import latest_round
@@ -123,6 +124,7 @@ class ObjectStoreManager:
         self._fragments = fragments
         self._settings = settings
         self._arrivals = ArrivalHistory(grace)
+        self._workspace = Workspace()  # syncs run one at a time: should_commit() joins each exchange
         self._step = 0
         self._sync: _Sync | None = None
         self._state_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
@@ -244,6 +246,7 @@ class ObjectStoreManager:
                 grace_s=grace_s,
                 is_stale=lambda: latest_round(self._store) >= outcome.round,
                 out=values,  # the average replaces the pseudo-gradient, as an all-reduce does
+                workspace=self._workspace,
             )
             if values.data_ptr() != tensor.data_ptr():  # else ``values`` is ``tensor`` (CPU fp32): done
                 tensor.copy_(values.view_as(tensor))

@@ -19,6 +19,7 @@ from composer_serverless.rendezvous.allreduce import (
     ExchangeError,
     ExchangeResult,
     ExchangeSettings,
+    Workspace,
     allreduce,
     complete_ranks,
     input_key,
@@ -47,6 +48,8 @@ def exchange(
     grace: float = 0.0,
     stores: dict[int, ObjectStore] | None = None,
     in_place: bool = False,
+    workspaces: dict[int, Workspace] | None = None,
+    prefix: str = PREFIX,
 ) -> dict[int, ExchangeResult]:
     """Run the exchange of every rank in ``values`` concurrently, one thread and store instance each;
     ``in_place``: each writes the average over a copy of its values (``out=values``, as the manager does)."""
@@ -58,8 +61,8 @@ def exchange(
             store = (stores or {}).get(rank) or ObjectStore(url)
             mine = values[rank].clone() if in_place else values[rank]
             results[rank] = allreduce(
-                store, mine, prefix=PREFIX, identity=IDENTITY, rank=rank, settings=settings, grace_s=grace,
-                out=mine if in_place else None,
+                store, mine, prefix=prefix, identity=IDENTITY, rank=rank, settings=settings, grace_s=grace,
+                out=mine if in_place else None, workspace=(workspaces or {}).get(rank),
             )
             assert not in_place or results[rank].average.data_ptr() == mine.data_ptr()
         except BaseException as e:
@@ -186,6 +189,29 @@ def test_the_average_can_overwrite_the_values_it_averages(tmp_path: Path, codec:
     with pytest.raises(ValueError, match="out must be a contiguous fp32 CPU tensor of 1001 values"):
         allreduce(store, values[0], prefix=PREFIX, identity=IDENTITY, rank=0, settings=settings, grace_s=0,
                   out=torch.empty(1000))
+
+
+def test_a_workspace_serves_one_sync_after_another_and_one_at_a_time(tmp_path: Path) -> None:
+    """Each replica keeps its workspace, as the manager does: the second sync reads into the same memory
+    and gets its own exact average; a workspace already in use is refused, not shared."""
+    url = f"file://{tmp_path}/run"
+    settings = ExchangeSettings(replicas=3, min_replicas=3, codec="fp32", timeout_s=60)
+    workspaces = {r: Workspace() for r in range(3)}
+    first, second = tensors(3), {r: torch.randn(NUMEL, generator=torch.Generator().manual_seed(10 + r)) for r in range(3)}
+    exchange(url, first, settings, grace=10, workspaces=workspaces, prefix="rounds/1/0")
+    def address(workspace: Workspace) -> int:  # of the buffer every gather reads reduced shards into
+        return torch.frombuffer(workspace.bytes("scratch", 1), dtype=torch.uint8).data_ptr()
+
+    held = {r: address(w) for r, w in workspaces.items()}
+    results = exchange(url, second, settings, grace=10, workspaces=workspaces, prefix="rounds/2/0")
+    expected = expected_average(second, [0, 1, 2], "fp32", 3)
+    for r, result in results.items():
+        assert torch.equal(result.average, expected)
+        assert address(workspaces[r]) == held[r]
+    busy = Workspace()
+    with busy.busy, pytest.raises(RuntimeError, match="in use by another exchange"):
+        allreduce(ObjectStore(url), first[0], prefix="rounds/3/0", identity=IDENTITY, rank=0, settings=settings,
+                  grace_s=0, workspace=busy)
 
 
 class _CreatesAFile:
