@@ -10,6 +10,11 @@ barrier, run three exchanges through the same store, ``--repeats`` times each af
   replica reads. No codec, checksum or quorum: the shards are encoded, and the read buffer allocated,
   before the clock starts. This is the store's own throughput for this traffic with this concurrency,
   measured in the same run: ``store_MBps`` = (bytes up + bytes down) / time, per replica.
+- ``checksum``: no store at all: every replica sha256-hashes, from memory, as many bytes as a checksummed
+  exchange must hash (each payload it writes, when encoding it, and each it reads, when verifying it: its
+  bytes up plus its bytes down), so ``checksum_s`` is what the checksums alone cost on this machine with
+  this concurrency. ``time_ratio_to_bound_with_checksums`` = wall time / (``bound_s`` + ``checksum_s``):
+  how far the exchange is from the bound once the hashing it cannot skip is counted.
 - ``allreduce``: ``composer_serverless.rendezvous.allreduce.allreduce`` (reduce-scatter + all-gather,
   quorum, codec, checksums), writing the average into a tensor the replica keeps across repeats and
   reading into a ``Workspace`` it keeps too, as the manager does from one sync to the next.
@@ -28,6 +33,7 @@ waits) and points the replicas at it through AWS_ENDPOINT_URL_S3.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import multiprocessing as mp
@@ -49,7 +55,7 @@ from composer_serverless.rendezvous.codec import decode, encode, max_payload_byt
 from composer_serverless.rendezvous.store import ObjectStore
 
 IDENTITY = {"run_id": "bench", "round": "1", "fragment": "0"}
-PHASES = ("raw", "allreduce", "naive")
+PHASES = ("raw", "checksum", "allreduce", "naive")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +166,7 @@ def phase_functions(values: torch.Tensor, n: int, codec: str) -> dict[str, Calla
     blobs = [bytes(encode(values[a:b], IDENTITY, codec)) for a, b in shard_bounds(values.numel(), n)]
     return {
         "raw": partial(_raw, blobs=blobs, buffer=bytearray(max(len(b) for b in blobs) + 4096)),
+        "checksum": partial(_checksum, blobs=blobs),
         "allreduce": partial(_allreduce, out=torch.empty_like(values), workspace=Workspace()),
         "naive": _naive,
     }
@@ -185,6 +192,18 @@ def _raw(
     for key in reads:
         down += store.get_into(key, buffer)
     return up, down
+
+
+def _checksum(
+    store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: int, codec: str, *, blobs: list[bytes]
+) -> tuple[int, int]:
+    """Hash what the exchange hashes: up, the N inputs and the reduced shard this replica writes; down, the
+    N - 1 peer inputs of its shard and the N - 1 other reduced shards (the same sizes as those blobs)."""
+    written = [*blobs, blobs[rank]]
+    read = [blobs[rank]] * (n - 1) + [blobs[p] for p in range(n) if p != rank]
+    for blob in written + read:
+        hashlib.sha256(blob).digest()
+    return sum(map(len, written)), sum(map(len, read))
 
 
 def _allreduce(
@@ -249,7 +268,7 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
             "walls_s": [round(w, 4) for w in walls],
         }
 
-    raw, ours, naive = phase("raw"), phase("allreduce"), phase("naive")
+    raw, checksum, ours, naive = phase("raw"), phase("checksum"), phase("allreduce"), phase("naive")
     values = int(args.mb * 2**20 / 4)
     wire = sum(len(encode(torch.zeros(b - a), IDENTITY, args.codec)) for a, b in shard_bounds(values, n))
     bound = 2 * (n - 1) / n * wire
@@ -258,6 +277,7 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
     # that, so bound_s is (up to the median) the raw phase's own time.
     bound_s = (wire + bound) / 1e6 / store_mbps
     down_bound_s = bound / 1e6 / store_mbps
+    with_checksums_s = bound_s + checksum["wall_s"]
 
     def figures(p: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -265,6 +285,7 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
             "ratio_to_bound": p["bytes_down_per_replica"] / bound,
             "time_ratio_to_bound": p["wall_s"] / bound_s,
             "time_ratio_to_down_bound": p["wall_s"] / down_bound_s,
+            "time_ratio_to_bound_with_checksums": p["wall_s"] / with_checksums_s,
         }
 
     ours_f, naive_f = figures(ours), figures(naive)
@@ -290,8 +311,11 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         "naive_time_ratio_to_bound": naive_f["time_ratio_to_bound"],
         # The stricter reading: against the time of the bound's download alone, as if uploads were free.
         "time_ratio_to_down_bound": ours_f["time_ratio_to_down_bound"],
+        "checksum_s": checksum["wall_s"],
+        "sha256_MBps": (checksum["bytes_up_per_replica"] + checksum["bytes_down_per_replica"]) / 1e6 / checksum["wall_s"],
+        "time_ratio_to_bound_with_checksums": ours_f["time_ratio_to_bound_with_checksums"],
         "repeats": args.repeats,
-        "phases": {"raw": raw, "allreduce": ours_f, "naive": naive_f},
+        "phases": {"raw": raw, "checksum": checksum, "allreduce": ours_f, "naive": naive_f},
     }
 
 

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from harness import REPO
 
@@ -57,4 +58,12 @@ def test_phases_and_summary_report_bytes_against_the_bound(tmp_path: Path) -> No
     assert result["bound_up_bytes"] == wire
     expected_s = (wire + result["bound_down_bytes"]) / 1e6 / result["store_MBps"]
     assert abs(result["bound_s"] - expected_s) < 1e-9
+    # The checksum phase hashes what the exchange hashes: every byte it writes and every byte it reads.
+    hashed = result["phases"]["checksum"]
+    ours = result["phases"]["allreduce"]
+    assert hashed["bytes_up_per_replica"] + hashed["bytes_down_per_replica"] == pytest.approx(
+        ours["bytes_up_per_replica"] + ours["bytes_down_per_replica"], rel=1e-3
+    )
+    expected = result["wall_s"] / (result["bound_s"] + result["checksum_s"])
+    assert result["time_ratio_to_bound_with_checksums"] == pytest.approx(expected)
     assert abs(result["time_ratio_to_down_bound"] / result["time_ratio_to_bound"] - (wire + result["bound_down_bytes"]) / result["bound_down_bytes"]) < 1e-9
