@@ -34,6 +34,7 @@ from composer_serverless.executors.base import LaunchPlan, LaunchRecord, Serverl
 from composer_serverless.rendezvous.checkpoint import latest_round
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.composer import preflight
+from composer_serverless.replicas.objective import preflight_text
 from composer_serverless.replicas.trainer import FINAL_PREFIX, MODEL_PREFIX
 from composer_serverless.report import PLOT_KEY, REWARD_PLOT_KEY, SUMMARY_KEY, eval_headline, write_report
 from composer_serverless.runs import RUN_URL_HINT, STORE_HINT, absolute_store, open_store
@@ -129,6 +130,8 @@ def prepare(config: RunConfig, source: str) -> Prepared:
     resolved = validate_config(raw, source="the resolved config")
     if resolved.train.objective == "composer":
         preflight(resolved)  # reads every data file and resolves every reward: bad records fail here
+    else:
+        preflight_text(resolved)
     run = open_store(store, fix=STORE_HINT).child(run_id)
     executor = make_executor(resolved, run)
     plan = executor.plan(resolved, run.url)
