@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -141,7 +142,12 @@ def cli(*args: str, env: dict[str, str], stdin: str | None = None) -> subprocess
 
 
 def cli_background(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    """The CLI in its own session (so Ctrl-C reaches it alone), stdin open for the cancel/detach prompt."""
+    """The CLI in its own session (so Ctrl-C reaches it alone), stdin open for the cancel/detach prompt.
+
+    Its SIGINT is reset to the default first: a shell starts background jobs with SIGINT ignored, which a
+    child inherits (and Python then never raises KeyboardInterrupt), so ``make test &`` would fail the
+    Ctrl-C tests for a reason that has nothing to do with the launcher.
+    """
     return subprocess.Popen(
         [sys.executable, "-m", "composer_serverless.cli", *args],
         env=env,
@@ -150,6 +156,7 @@ def cli_background(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
