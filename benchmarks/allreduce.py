@@ -3,7 +3,8 @@
     python benchmarks/allreduce.py --replicas 4 --mb 64 --store file --codec fp32 --out bench-out/ar.json
 
 N replica processes (spawned: no shared GIL) each hold a random fp32 tensor of ``--mb`` MiB and, after a
-barrier, run three exchanges through the same store, ``--repeats`` times each after one warm-up:
+barrier, run four phases (three exchanges through the same store, and the hashing alone), ``--repeats``
+times each after one warm-up:
 
 - ``raw``: the reduce-scatter's traffic without the protocol: every replica PUTs N objects of a wire
   shard's size, waits until all replicas' objects are listed, then GETs the 2(N-1) objects a reduce-scatter
