@@ -427,8 +427,8 @@ class Replica:
     ) -> dict[str, float] | None:
         """Score the global model ``params`` (None: the model's own weights) on this replica's share of the
         held-out set (see ``evaluation.py``). The lowest-rank participant returns the whole evaluation: it gathers the other
-        shares from the store and scores any that has not come within twice its own share's time (its
-        replica died, or lags) itself. The others publish their share and return None, and so does a
+        shares from the store and scores itself any that is malformed or has not come within twice its own
+        share's time (its replica died, or lags). The others publish their share and return None, and so does a
         replica that took the round's result without taking part in it (it has no share)."""
         if self.rank not in participants:
             return None
@@ -443,7 +443,7 @@ class Replica:
         delay = 0.01
         while len(shares) < parts:
             for p in range(1, parts):
-                if p not in shares and (got := self._read_share(round_index, p, parts)) is not None:
+                if p not in shares and (got := self._read_share(round_index, p, parts, params)) is not None:
                     shares[p] = got
             if len(shares) == parts:
                 break
@@ -460,14 +460,19 @@ class Replica:
     def _holding(self, params: dict[str, torch.Tensor] | None) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext() if params is None else swapped_in(self.model, params)
 
-    def _read_share(self, round_index: int, part: int, parts: int) -> evaluation.EvalPart | None:
+    def _read_share(
+        self, round_index: int, part: int, parts: int, params: dict[str, torch.Tensor] | None
+    ) -> evaluation.EvalPart | None:
+        """Share ``part`` as published, None while it has not come. A share is written once, so a malformed
+        one will never become valid: it is scored here at once, not polled for until the deadline."""
         try:
             return evaluation.loads(self.run_store.get(evaluation.part_key(round_index, part, parts)))
         except FileNotFoundError:
             return None
         except ValueError as e:
-            logger.warning("[replica %d] round %d: ignoring a malformed evaluation share %d: %s", self.rank, round_index, part, e)
-            return None
+            logger.warning("[replica %d] round %d: evaluation share %d is malformed (%s); scoring it here", self.rank, round_index, part, e)
+            with self._holding(params):
+                return self.objective.evaluate_part(self.model, part, parts)
 
     def _upload_final(self, params: dict[str, torch.Tensor]) -> None:
         with swapped_in(self.model, params), tempfile.TemporaryDirectory() as out:

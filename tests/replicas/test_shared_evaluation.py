@@ -52,6 +52,22 @@ def test_a_share_that_never_comes_is_scored_by_the_lowest_rank_participant(tiny_
     assert result == {"eval/loss": pytest.approx(evaluate(lowest.objective, lowest.model)["eval/loss"], rel=1e-6)}
 
 
+def test_a_malformed_share_is_scored_at_once_and_reported_once(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = ObjectStore("memory://shared-eval/malformed")
+    lowest = make_replica(run, 0, tiny_model_dir)
+    run.put(evaluation.part_key(6, 1, 2), b'{"eval/loss": [1.0]}')
+    with caplog.at_level("WARNING", logger="composer_serverless.replicas.trainer"):
+        result = lowest._evaluate(6, [0, 1], dict(lowest.model.named_parameters()))
+    assert result == {"eval/loss": pytest.approx(evaluate(lowest.objective, lowest.model)["eval/loss"], rel=1e-6)}
+    # One line naming the bad share, and no wait for the deadline (which would log the missing replicas).
+    assert [r.getMessage() for r in caplog.records] == [
+        "[replica 0] round 6: evaluation share 1 is malformed "
+        "(evaluation share entry 'eval/loss' is not [sum, count]: [1.0]); scoring it here"
+    ]
+
+
 def test_a_replica_that_did_not_take_part_has_no_share(tiny_model_dir: Path) -> None:
     run = ObjectStore("memory://shared-eval/late")
     late = make_replica(run, 1, tiny_model_dir)
