@@ -443,7 +443,7 @@ class Replica:
         delay = 0.01
         while len(shares) < parts:
             for p in range(1, parts):
-                if p not in shares and (got := self._read_share(round_index, p, parts, params)) is not None:
+                if p not in shares and (got := self._collect_share(round_index, p, parts, params)) is not None:
                     shares[p] = got
             if len(shares) == parts:
                 break
@@ -460,7 +460,7 @@ class Replica:
     def _holding(self, params: dict[str, torch.Tensor] | None) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext() if params is None else swapped_in(self.model, params)
 
-    def _read_share(
+    def _collect_share(
         self, round_index: int, part: int, parts: int, params: dict[str, torch.Tensor] | None
     ) -> evaluation.EvalPart | None:
         """Share ``part`` as published, None while it has not come. A share is written once, so a malformed
