@@ -426,10 +426,10 @@ class Replica:
         self, round_index: int, participants: list[int], params: dict[str, torch.Tensor] | None = None
     ) -> dict[str, float] | None:
         """Score the global model ``params`` (None: the model's own weights) on this replica's share of the
-        held-out set (see ``evaluation.py``). The lowest-rank participant returns the whole evaluation: it gathers the other
-        shares from the store and scores itself any that is malformed or has not come within twice its own
-        share's time (its replica died, or lags). The others publish their share and return None, and so does a
-        replica that took the round's result without taking part in it (it has no share)."""
+        held-out set (see ``evaluation.py``). The lowest-rank participant returns the whole evaluation: it
+        gathers the other shares from the store and scores itself any that is malformed or has not come within
+        twice its own share's time (its replica died, or lags). The others publish their share and return
+        None, and so does a replica that took the round's result without taking part in it (it has no share)."""
         if self.rank not in participants:
             return None
         parts, part = len(participants), participants.index(self.rank)
