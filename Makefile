@@ -9,7 +9,8 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch first and pinned: the CPU build is the one this project is developed and tested on.
+	# torch first and pinned to the version the project is tested with. Which build pip takes (CPU or CUDA)
+	# depends on the index it is pointed at; the code runs on either.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[s3,hf,modal,dev]'
 	touch $(STAMP)
@@ -24,6 +25,7 @@ demo-composer: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check composer_serverless tests benchmarks deploy
+	$(PY) -m ruff format --check composer_serverless tests benchmarks deploy
 	$(PY) -m pytest -q
 
 clean:

@@ -104,7 +104,9 @@ class _store_url:
         from moto.server import ThreadedMotoServer
 
         os.environ.update(
-            AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+            AWS_ACCESS_KEY_ID="bench",
+            AWS_SECRET_ACCESS_KEY="bench",
+            AWS_DEFAULT_REGION="us-east-1",
             AWS_EC2_METADATA_DISABLED="true",
         )
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -125,7 +127,10 @@ def _run_replicas(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     barrier = ctx.Barrier(args.replicas)
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_replica, args=(url, rank, args.replicas, args.mb, args.codec, args.repeats, barrier, queue))
+        ctx.Process(
+            target=_replica,
+            args=(url, rank, args.replicas, args.mb, args.codec, args.repeats, barrier, queue),
+        )
         for rank in range(args.replicas)
     ]
     for p in procs:
@@ -138,7 +143,9 @@ def _run_replicas(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return [s for replica_samples in samples for s in replica_samples]
 
 
-def _replica(url: str, rank: int, n: int, mb: float, codec: str, repeats: int, barrier: Any, queue: Any) -> None:
+def _replica(
+    url: str, rank: int, n: int, mb: float, codec: str, repeats: int, barrier: Any, queue: Any
+) -> None:
     torch.set_num_threads(1)
     values = torch.randn(int(mb * 2**20 / 4), generator=torch.Generator().manual_seed(rank))
     store = ObjectStore(url)
@@ -152,7 +159,15 @@ def _replica(url: str, rank: int, n: int, mb: float, codec: str, repeats: int, b
             up, down = phases[phase](store, prefix, values, rank, n, codec)
             finished = time.monotonic()
             samples.append(
-                {"phase": phase, "repeat": repeat, "rank": rank, "start": started, "end": finished, "up": up, "down": down}
+                {
+                    "phase": phase,
+                    "repeat": repeat,
+                    "rank": rank,
+                    "start": started,
+                    "end": finished,
+                    "up": up,
+                    "down": down,
+                }
             )
             barrier.wait()
             if rank == 0:
@@ -189,14 +204,23 @@ def _raw(
         store.put(f"{prefix}/{rank}-{s}", blobs[s])
         up += len(blobs[s])
     _wait_for(store, prefix, n * n)
-    reads = [f"{prefix}/{p}-{rank}" for p in range(n) if p != rank] + [f"{prefix}/{p}-{p}" for p in range(n) if p != rank]
+    reads = [f"{prefix}/{p}-{rank}" for p in range(n) if p != rank] + [
+        f"{prefix}/{p}-{p}" for p in range(n) if p != rank
+    ]
     for key in reads:
         down += store.get_into(key, buffer)
     return up, down
 
 
 def _checksum(
-    store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: int, codec: str, *, blobs: list[bytes]
+    store: ObjectStore,
+    prefix: str,
+    values: torch.Tensor,
+    rank: int,
+    n: int,
+    codec: str,
+    *,
+    blobs: list[bytes],
 ) -> tuple[int, int]:
     """Hash what the exchange hashes: up, the N inputs and the reduced shard this replica writes; down, the
     N - 1 peer inputs of its shard and the N - 1 other reduced shards (the same sizes as those blobs)."""
@@ -220,13 +244,22 @@ def _allreduce(
 ) -> tuple[int, int]:
     settings = ExchangeSettings(replicas=n, min_replicas=n, codec=codec, timeout_s=1800)
     result = allreduce(
-        store, values, prefix=prefix, identity=IDENTITY, rank=rank, settings=settings, grace_s=600, out=out,
+        store,
+        values,
+        prefix=prefix,
+        identity=IDENTITY,
+        rank=rank,
+        settings=settings,
+        grace_s=600,
+        out=out,
         workspace=workspace,
     )
     return result.bytes_up, result.bytes_down
 
 
-def _naive(store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: int, codec: str) -> tuple[int, int]:
+def _naive(
+    store: ObjectStore, prefix: str, values: torch.Tensor, rank: int, n: int, codec: str
+) -> tuple[int, int]:
     """Everyone uploads everything and reads everyone else's: upload S, download (N-1) * S."""
     payload = encode(values, {**IDENTITY, "rank": str(rank)}, codec)
     store.put(f"{prefix}/{rank}", payload)
@@ -313,7 +346,9 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         # The stricter reading: against the time of the bound's download alone, as if uploads were free.
         "time_ratio_to_down_bound": ours_f["time_ratio_to_down_bound"],
         "checksum_s": checksum["wall_s"],
-        "sha256_MBps": (checksum["bytes_up_per_replica"] + checksum["bytes_down_per_replica"]) / 1e6 / checksum["wall_s"],
+        "sha256_MBps": (checksum["bytes_up_per_replica"] + checksum["bytes_down_per_replica"])
+        / 1e6
+        / checksum["wall_s"],
         "time_ratio_to_bound_with_checksums": ours_f["time_ratio_to_bound_with_checksums"],
         "repeats": args.repeats,
         "phases": {"raw": raw, "checksum": checksum, "allreduce": ours_f, "naive": naive_f},

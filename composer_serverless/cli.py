@@ -150,7 +150,9 @@ def launch(
     resume: Annotated[
         str | None,
         typer.Option(
-            "--resume", metavar="RUN", help="restart every replica of the run at this URL from its latest state"
+            "--resume",
+            metavar="RUN",
+            help="restart every replica of the run at this URL from its latest state",
         ),
     ] = None,
 ) -> None:

@@ -49,7 +49,9 @@ class _Strict(BaseModel):
 class TinyModelConfig(_Strict):
     """A small Llama-family model and a byte-level BPE tokenizer built offline from the demo corpus."""
 
-    vocab_size: int = Field(2048, ge=300, le=65536, description="BPE vocabulary size (256 bytes + merges + specials)")
+    vocab_size: int = Field(
+        2048, ge=300, le=65536, description="BPE vocabulary size (256 bytes + merges + specials)"
+    )
     hidden_size: int = Field(128, ge=16, description="width of the residual stream")
     intermediate_size: int = Field(384, ge=16, description="width of the MLP")
     num_layers: int = Field(2, ge=1, description="decoder layers")
@@ -69,7 +71,9 @@ class TinyModelConfig(_Strict):
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
+            )
         return self
 
     @model_validator(mode="after")
@@ -143,8 +147,12 @@ class TrainConfig(_Strict):
     lr: float = Field(3e-3, gt=0, description="peak inner learning rate")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (AdamW)")
-    warmup_steps: int = Field(0, ge=0, description="linear warm-up of the inner learning rate, in inner steps")
-    schedule: Literal["constant", "cosine"] = Field("cosine", description="inner learning-rate decay after warm-up")
+    warmup_steps: int = Field(
+        0, ge=0, description="linear warm-up of the inner learning rate, in inner steps"
+    )
+    schedule: Literal["constant", "cosine"] = Field(
+        "cosine", description="inner learning-rate decay after warm-up"
+    )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
     grad_clip: float | None = Field(1.0, gt=0, description="clip the inner gradient norm; unset to disable")
 
@@ -161,19 +169,26 @@ class DiLoCoConfig(_Strict):
 
     replicas: int = Field(4, ge=1, le=1024, description="number of replicas (M in the DiLoCo papers)")
     sync_every: int = Field(ge=1, description="inner steps between synchronisations (H)")
-    rounds: int = Field(ge=1, description="outer rounds to run; each replica runs rounds * sync_every inner steps")
+    rounds: int = Field(
+        ge=1, description="outer rounds to run; each replica runs rounds * sync_every inner steps"
+    )
     outer_lr: float = Field(0.7, gt=0, description="outer SGD learning rate (0.7 in DiLoCo)")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer SGD momentum (0.9 in DiLoCo)")
     nesterov: bool = Field(True, description="Nesterov momentum for the outer step")
     fragments: int = Field(1, ge=1, description="Streaming DiLoCo fragments, synced one at a time")
-    fragment_sync_delay: int = Field(0, ge=0, description="inner steps the sync overlaps (Streaming DiLoCo tau)")
+    fragment_sync_delay: int = Field(
+        0, ge=0, description="inner steps the sync overlaps (Streaming DiLoCo tau)"
+    )
     fragment_update_alpha: float = Field(0.0, ge=0, le=1, description="mix of local into global after a sync")
     sync_timeout_s: float = Field(
         600.0, gt=0, description="seconds one sync may take before this replica gives it up and rolls back"
     )
-    verify_global: bool = Field(True, description="record a digest of the global parameters after every round")
+    verify_global: bool = Field(
+        True, description="record a digest of the global parameters after every round"
+    )
     codec: Literal["fp32", "bf16", "int8"] = Field(
-        "fp32", description="wire format of pseudo-gradients: fp32, bf16, or int8 with blockwise absmax scales"
+        "fp32",
+        description="wire format of pseudo-gradients: fp32, bf16, or int8 with blockwise absmax scales",
     )
     min_replicas: int = Field(
         1, ge=1, description="fewest replicas a sync may average once the straggler grace has passed"
@@ -182,13 +197,17 @@ class DiLoCoConfig(_Strict):
         1.0, ge=0, description="shortest wait for stragglers after a replica arrives at a sync, in seconds"
     )
     quorum_grace_max_s: float = Field(
-        60.0, gt=0, description="longest wait for stragglers (also the wait before any arrival has been observed)"
+        60.0,
+        gt=0,
+        description="longest wait for stragglers (also the wait before any arrival has been observed)",
     )
     quorum_grace_mads: float = Field(
         4.0, ge=0, description="straggler wait = median + this many scaled MADs of recent full-arrival waits"
     )
     max_failed_syncs: int = Field(
-        3, ge=1, description="failed syncs in a row after which a replica stops (its restart resumes from the store)"
+        3,
+        ge=1,
+        description="failed syncs in a row after which a replica stops (its restart resumes from the store)",
     )
 
     @model_validator(mode="after")
@@ -610,7 +629,9 @@ class RunConfig(_Strict):
     """Everything one training run needs; resolved to ``run.json`` and read by every replica."""
 
     run_id: str | None = Field(None, description="name of the run inside the store; generated when unset")
-    store: str = Field("runs", description="where runs live: a local directory, file://, s3://bucket/prefix, ...")
+    store: str = Field(
+        "runs", description="where runs live: a local directory, file://, s3://bucket/prefix, ..."
+    )
     seed: int = Field(0, ge=0, description="seed for the model initialisation and the data order")
     model: ModelConfig
     data: DataConfig = DataConfig()
@@ -646,7 +667,9 @@ class RunConfig(_Strict):
         if self.diloco.fragments > 1 and self.model.tiny is not None:
             layers = self.model.tiny.num_layers
             if self.diloco.fragments > layers:
-                raise ValueError(f"diloco.fragments ({self.diloco.fragments}) exceeds model.tiny.num_layers ({layers})")
+                raise ValueError(
+                    f"diloco.fragments ({self.diloco.fragments}) exceeds model.tiny.num_layers ({layers})"
+                )
         return self
 
     def resolved_json(self) -> str:
@@ -669,7 +692,9 @@ def load_config(
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}\n  fix: pass the path of a TOML file, e.g. deploy/configs/local-demo.toml")
+        raise ConfigError(
+            f"config file not found: {path}\n  fix: pass the path of a TOML file, e.g. deploy/configs/local-demo.toml"
+        )
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -780,7 +805,9 @@ def _fields_at(loc: list[str]) -> dict[str, str | None]:
     for part in loc:
         if part.startswith("function-") or part.isdigit():  # validator names, list indices
             continue
-        tagged = [m for m in candidates if m.model_fields.get("type") and m.model_fields["type"].default == part]
+        tagged = [
+            m for m in candidates if m.model_fields.get("type") and m.model_fields["type"].default == part
+        ]
         if tagged:
             candidates = tagged
             continue

@@ -77,14 +77,18 @@ def create_run(config: RunConfig, source: str, console: Console) -> tuple[Object
     run_id = config.run_id or new_run_id(source)
     run = root.child(run_id)
     if run.exists("run.json"):
-        raise ConfigError(f"run {run.url} already exists\n  fix: choose another run_id, or leave run_id unset")
+        raise ConfigError(
+            f"run {run.url} already exists\n  fix: choose another run_id, or leave run_id unset"
+        )
     # Validated again (model_copy would not): whatever reaches run.json is exactly what replicas will accept.
     resolved = validate_config({**config.model_dump(), "run_id": run_id}, source="the resolved config")
     if resolved.model.tiny is not None:
         with console.status("building the tiny model and its tokenizer"):
             _build_tiny_into(run, resolved)
     if not run.create("run.json", resolved.resolved_json().encode()):
-        raise ConfigError(f"run {run.url} was created concurrently by someone else\n  fix: choose another run_id")
+        raise ConfigError(
+            f"run {run.url} was created concurrently by someone else\n  fix: choose another run_id"
+        )
     return run, resolved
 
 
@@ -189,7 +193,9 @@ def resume(
     try:
         raw = run.get("run.json")
     except FileNotFoundError:
-        raise ConfigError(f"{run_url} is not a run: there is no run.json there\n  fix: {RUN_URL_HINT}") from None
+        raise ConfigError(
+            f"{run_url} is not a run: there is no run.json there\n  fix: {RUN_URL_HINT}"
+        ) from None
     config = RunConfig.model_validate_json(raw)
     executor = make_executor(config, run)
     plan = executor.plan(config, run.url)
@@ -316,7 +322,9 @@ def watch(supervisor: Supervisor, config: RunConfig, console: Console) -> None:
 
 def _print_new_rounds(run: ObjectStore, reported: set[int], rounds: int, console: Console) -> None:
     # The evaluator of a round is its lowest-rank participant, so any replica's metrics may carry it.
-    rows = sorted((r for rank_rows in read_metrics(run).values() for r in rank_rows), key=lambda r: r["round"])
+    rows = sorted(
+        (r for rank_rows in read_metrics(run).values() for r in rank_rows), key=lambda r: r["round"]
+    )
     for row in rows:
         if row["round"] in reported or "eval" not in row:
             continue

@@ -41,7 +41,10 @@ class Reporter:
         self._run.put(heartbeat_key(self._rank), _dumps({"rank": self._rank, "time": now, **fields}))
 
     def round(self, round_index: int, metrics: dict[str, Any]) -> None:
-        self._run.put(metrics_key(self._rank, round_index), _dumps({"rank": self._rank, "round": round_index, **metrics}))
+        self._run.put(
+            metrics_key(self._rank, round_index),
+            _dumps({"rank": self._rank, "round": round_index, **metrics}),
+        )
 
 
 def read_heartbeats(run: ObjectStore) -> dict[int, dict[str, Any]]:

@@ -20,7 +20,9 @@ import pytest
 from composer_serverless.config import TinyModelConfig
 
 # Small enough to build in a few seconds, large enough to be a real Llama with a real BPE vocabulary.
-TINY = TinyModelConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, tokenizer_corpus_mb=0.3)
+TINY = TinyModelConfig(
+    vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, tokenizer_corpus_mb=0.3
+)
 
 S3_BUCKET = "composer-serverless-tests"
 S3_ENV = {

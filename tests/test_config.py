@@ -81,7 +81,9 @@ def test_cross_field_rules():
     with pytest.raises(ConfigError, match="must be a multiple of fragments"):
         validate_config({**MINIMAL, "diloco": {"sync_every": 10, "rounds": 1, "fragments": 3}})
     with pytest.raises(ConfigError, match="fragment_sync_delay .* must be below"):
-        validate_config({**MINIMAL, "diloco": {"sync_every": 4, "rounds": 1, "fragments": 2, "fragment_sync_delay": 2}})
+        validate_config(
+            {**MINIMAL, "diloco": {"sync_every": 4, "rounds": 1, "fragments": 2, "fragment_sync_delay": 2}}
+        )
     with pytest.raises(ConfigError, match="nesterov = true needs outer_momentum > 0"):
         validate_config({**MINIMAL, "diloco": {"sync_every": 4, "rounds": 1, "outer_momentum": 0.0}})
     with pytest.raises(ConfigError, match="exactly one of model.path"):

@@ -123,8 +123,12 @@ def test_eval_set_does_not_depend_on_the_batch_size(tiny_model_dir):
     losses = []
     for batch_size in (4, 32):
         config = validate_config(
-            {"model": {"tiny": {}}, "data": {"seq_len": 16, "batch_size": batch_size}, "eval": {"sequences": 20},
-             "diloco": {"sync_every": 1, "rounds": 1}}
+            {
+                "model": {"tiny": {}},
+                "data": {"seq_len": 16, "batch_size": batch_size},
+                "eval": {"sequences": 20},
+                "diloco": {"sync_every": 1, "rounds": 1},
+            }
         )
         losses.append(evaluate(LMObjective(config, tokenizer, rank=0), model)["eval/loss"])
     # Same sequences, different batching: equal up to float summation order.
@@ -137,13 +141,19 @@ def test_a_global_batch_the_corpus_cannot_feed_is_refused_before_launch(corpus):
 
     def config(replicas: int, batch_size: int, streams_per_row: int = 1):
         return validate_config(
-            {"model": {"tiny": {}}, "data": {"batch_size": batch_size, "streams_per_row": streams_per_row},
-             "diloco": {"replicas": replicas, "sync_every": 1, "rounds": 1}}
+            {
+                "model": {"tiny": {}},
+                "data": {"batch_size": batch_size, "streams_per_row": streams_per_row},
+                "diloco": {"replicas": replicas, "sync_every": 1, "rounds": 1},
+            }
         )
 
     files = len(corpus.train)
     preflight_text(config(1, files))  # one stream per file: just enough
-    with pytest.raises(ConfigError, match=rf"2 replicas x batch_size {files} x streams_per_row 1 = {2 * files} streams.*\n  fix:"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"2 replicas x batch_size {files} x streams_per_row 1 = {2 * files} streams.*\n  fix:",
+    ):
         preflight_text(config(2, files))
     with pytest.raises(ConfigError, match="streams_per_row 2"):
         preflight_text(config(1, files, streams_per_row=2))

@@ -60,7 +60,10 @@ def test_training_loss_is_finite_and_replicas_agree_bit_for_bit(finished_run):
         trained = [r for r in rows if r["round"] > 0]
         assert [r["round"] for r in trained] == [1, 2]
         assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in trained)
-    by_rank = {rank: {r["round"]: r["global_sha256"] for r in rows if r["round"] > 0} for rank, rows in metrics.items()}
+    by_rank = {
+        rank: {r["round"]: r["global_sha256"] for r in rows if r["round"] > 0}
+        for rank, rows in metrics.items()
+    }
     assert by_rank[0] == by_rank[1], "replicas disagree on the global parameters after a sync"
     assert by_rank[0][1] != by_rank[0][2]
     assert summary["replicas_bit_identical"] is True
@@ -72,7 +75,11 @@ def test_every_parameter_changed_and_final_model_loads(finished_run):
     final_dir = run.local_dir("final")
     final = AutoModelForCausalLM.from_pretrained(final_dir)
     AutoTokenizer.from_pretrained(final_dir)
-    unchanged = [name for name, tensor in final.state_dict().items() if name in initial and torch.equal(tensor, initial[name])]
+    unchanged = [
+        name
+        for name, tensor in final.state_dict().items()
+        if name in initial and torch.equal(tensor, initial[name])
+    ]
     assert not unchanged
 
 

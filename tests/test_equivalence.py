@@ -35,8 +35,13 @@ VOCAB, SEQ, BATCH = 50, 12, 3
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     return LlamaForCausalLM(config)
 
@@ -52,8 +57,13 @@ def config(*, replicas, sync_every, rounds, optimizer, outer_lr=1.0, momentum=0.
             "model": {"tiny": {}},
             "train": {"optimizer": optimizer, "lr": 0.05, "schedule": "constant", "grad_clip": None},
             "diloco": {
-                "replicas": replicas, "sync_every": sync_every, "rounds": rounds, "outer_lr": outer_lr,
-                "outer_momentum": momentum, "nesterov": momentum > 0, "fragments": fragments,
+                "replicas": replicas,
+                "sync_every": sync_every,
+                "rounds": rounds,
+                "outer_lr": outer_lr,
+                "outer_momentum": momentum,
+                "nesterov": momentum > 0,
+                "fragments": fragments,
             },
         }
     )
@@ -90,11 +100,16 @@ def run_diloco(cfg, steps_per_replica):
             # Every replica in every quorum: the equivalences are about the average of all of them.
             n = cfg.diloco.replicas
             manager = managers[rank] = RecordingManager(
-                ObjectStore(store_url), run_id="eq", rank=rank, fragments=cfg.diloco.fragments,
+                ObjectStore(store_url),
+                run_id="eq",
+                rank=rank,
+                fragments=cfg.diloco.fragments,
                 settings=ExchangeSettings(replicas=n, min_replicas=n, codec="fp32", timeout_s=60),
                 grace=grace_settings(cfg.diloco),
             )
-            with make_diloco(manager, fragments, inner, make_outer_optimizers(fragments, cfg.diloco), cfg.diloco):
+            with make_diloco(
+                manager, fragments, inner, make_outer_optimizers(fragments, cfg.diloco), cfg.diloco
+            ):
                 for batch in steps_per_replica[rank]:
                     model(input_ids=batch, labels=batch).loss.backward()
                     inner.step()

@@ -39,7 +39,9 @@ def test_same_seed_same_weights(tmp_path, corpus):
     from composer_serverless.models import build_tiny
     from composer_serverless.replicas.data import training_text
 
-    dirs = [build_tiny(TINY, training_text(corpus, 200_000, seed=0), tmp_path / str(i), seed=7) for i in range(2)]
+    dirs = [
+        build_tiny(TINY, training_text(corpus, 200_000, seed=0), tmp_path / str(i), seed=7) for i in range(2)
+    ]
     a, b = (load_file(d / "model.safetensors") for d in dirs)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert (dirs[0] / "tokenizer.json").read_bytes() == (dirs[1] / "tokenizer.json").read_bytes()

@@ -178,9 +178,13 @@ def allreduce(
     """
     workspace = workspace or Workspace()
     if not workspace.busy.acquire(blocking=False):
-        raise RuntimeError("this workspace is in use by another exchange; give each concurrent exchange its own")
+        raise RuntimeError(
+            "this workspace is in use by another exchange; give each concurrent exchange its own"
+        )
     try:
-        return _Exchange(store, values, prefix, identity, rank, settings, grace_s, is_stale, out, workspace).run()
+        return _Exchange(
+            store, values, prefix, identity, rank, settings, grace_s, is_stale, out, workspace
+        ).run()
     finally:
         workspace.busy.release()
 
@@ -219,7 +223,12 @@ class _Exchange:
         self.workspace = workspace
         if out is None:
             out = torch.empty(self.values.numel())
-        elif out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() != self.values.numel():
+        elif (
+            out.dtype != torch.float32
+            or out.device.type != "cpu"
+            or not out.is_contiguous()
+            or out.numel() != self.values.numel()
+        ):
             raise ValueError(
                 f"out must be a contiguous fp32 CPU tensor of {self.values.numel()} values, got {out.dtype} "
                 f"{out.device} {tuple(out.shape)}"
@@ -237,7 +246,9 @@ class _Exchange:
         done: set[int] = set()
         if self.rank in participants:
             assigned = [self.rank] + [
-                s for s in range(self.n) if s not in participants and substitute_for(s, participants) == self.rank
+                s
+                for s in range(self.n)
+                if s not in participants and substitute_for(s, participants) == self.rank
             ]
             for shard in assigned:
                 self._reduce(shard, participants)
@@ -265,10 +276,20 @@ class _Exchange:
                 else:
                     # An earlier attempt at this sync (before a restart or a rollback) already wrote this
                     # input; inputs are immutable, so the stored bytes are the ones that count.
-                    logger.info("input %s exists from an earlier attempt; using the stored one", input_key(self.rank, shard))
-        except Exception as e:  # a replica that cannot upload still receives the average, as a non-participant
+                    logger.info(
+                        "input %s exists from an earlier attempt; using the stored one",
+                        input_key(self.rank, shard),
+                    )
+        except (
+            Exception
+        ) as e:  # a replica that cannot upload still receives the average, as a non-participant
             self.result.upload_failed = True
-            logger.warning("[replica %d] upload failed (%s: %s); continuing without contributing", self.rank, type(e).__name__, e)
+            logger.warning(
+                "[replica %d] upload failed (%s: %s); continuing without contributing",
+                self.rank,
+                type(e).__name__,
+                e,
+            )
 
     # --- phase 2: quorum ---------------------------------------------------------------------------
 
@@ -292,7 +313,9 @@ class _Exchange:
                 now = time.monotonic()
             full = len(present) == self.n
             if full or (now >= deadline and len(present) >= self.settings.min_replicas):
-                return self._decide(present, "all arrived" if full else f"grace of {self.grace_s:.2f}s passed")
+                return self._decide(
+                    present, "all arrived" if full else f"grace of {self.grace_s:.2f}s passed"
+                )
             if now >= self.hard_deadline:
                 raise ExchangeError(
                     f"{self.store.url}: only {len(present)}/{self.n} replicas arrived within "
@@ -331,8 +354,14 @@ class _Exchange:
     def _prefetch(self, keys: set[str], present: list[int]) -> None:
         """While waiting for the quorum, fetch the peer inputs of the shard this replica will reduce."""
         for peer in present:
-            if peer != self.rank and (peer, self.rank) not in self.fetched and input_key(peer, self.rank) in keys:
-                self.fetched[(peer, self.rank)] = self._fetch(input_key(peer, self.rank), self.rank, slot=peer)
+            if (
+                peer != self.rank
+                and (peer, self.rank) not in self.fetched
+                and input_key(peer, self.rank) in keys
+            ):
+                self.fetched[(peer, self.rank)] = self._fetch(
+                    input_key(peer, self.rank), self.rank, slot=peer
+                )
 
     # --- phase 3: reduce ---------------------------------------------------------------------------
 
@@ -347,7 +376,9 @@ class _Exchange:
                 identity = self._input_identity(peer, shard)
                 accumulate(total, payload, identity, self.settings.codec, verify=verify)
             except PayloadError as e:
-                logger.warning("[replica %d] rejected %s/%s: %s", self.rank, self.store.url, input_key(peer, shard), e)
+                logger.warning(
+                    "[replica %d] rejected %s/%s: %s", self.rank, self.store.url, input_key(peer, shard), e
+                )
                 continue
             summed.append(peer)
         if not summed:
@@ -391,19 +422,26 @@ class _Exchange:
                 for shard in sorted(pending):
                     logger.warning(
                         "[replica %d] %s/%s missing %.1fs after the quorum; reducing it here",
-                        self.rank, self.store.url, reduced_key(shard), now - self.started,
+                        self.rank,
+                        self.store.url,
+                        reduced_key(shard),
+                        now - self.started,
                     )
                     self._reduce(shard, participants)
                     self.result.rescued.append(shard)
                 return
             if now >= self.hard_deadline:
-                raise ExchangeError(f"{self.store.url}: reduced shards {sorted(pending)} missing after {self.settings.timeout_s:.0f}s")
+                raise ExchangeError(
+                    f"{self.store.url}: reduced shards {sorted(pending)} missing after {self.settings.timeout_s:.0f}s"
+                )
             delay = backoff_sleep(delay)
 
     def _place(self, shard: int, payload: Payload, *, verify: bool = True) -> None:
         start, end = self.bounds[shard]
         identity = self._reduced_identity(shard)
-        decode(payload, identity, self.settings.codec, end - start, self.result.average[start:end], verify=verify)
+        decode(
+            payload, identity, self.settings.codec, end - start, self.result.average[start:end], verify=verify
+        )
 
     # --- helpers -----------------------------------------------------------------------------------
 

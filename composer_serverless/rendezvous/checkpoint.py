@@ -110,7 +110,9 @@ def write_snapshot(store: ObjectStore, prefix: str, tree: Any) -> None:
     }
     for name, data in files.items():
         store.put(f"{prefix}/{name}", data)
-    manifest = {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()}
+    manifest = {
+        name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()
+    }
     store.put(f"{prefix}/{MANIFEST_FILE}", json.dumps({"files": manifest}, indent=1).encode())
 
 
@@ -133,7 +135,9 @@ def read_snapshot(store: ObjectStore, prefix: str) -> Any:
         try:
             data = store.get(f"{prefix}/{name}")
         except FileNotFoundError as e:
-            raise CheckpointError(f"{store.url_of(prefix)}/{name} is listed in the manifest but missing") from e
+            raise CheckpointError(
+                f"{store.url_of(prefix)}/{name} is listed in the manifest but missing"
+            ) from e
         if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
             raise CheckpointError(f"{store.url_of(prefix)}/{name} does not match its manifest checksum")
         files[name] = data
@@ -210,7 +214,9 @@ def load_replica(store: ObjectStore, rank: int, round_index: int) -> tuple[int, 
     return None
 
 
-def _prune_numbered(store: ObjectStore, prefix: str, *, keep_from: int, skip: frozenset[str] | set[str] = frozenset()) -> None:
+def _prune_numbered(
+    store: ObjectStore, prefix: str, *, keep_from: int, skip: frozenset[str] | set[str] = frozenset()
+) -> None:
     for name in store.list(prefix):
         if name not in skip and name.isdigit() and int(name) < keep_from:
             store.delete(f"{prefix}/{name}")

@@ -193,7 +193,9 @@ def accumulate(
     total.add_(_checked_values(data, expect, codec, total.numel(), verify))
 
 
-def _checked_values(data: Payload, expect: dict[str, str], codec: CodecName, numel: int, verify: bool) -> torch.Tensor:
+def _checked_values(
+    data: Payload, expect: dict[str, str], codec: CodecName, numel: int, verify: bool
+) -> torch.Tensor:
     """The payload's values after every check: a view of ``data`` (fp32, bf16) or their dequantization."""
     header, body = _header_and_body(data)
     metadata = header["__metadata__"]

@@ -75,7 +75,9 @@ class _Sync:
 class _ExchangeWork(dist._Work):
     """A Work whose exchange runs on a thread; ``wait`` joins it and books the time the caller was blocked."""
 
-    def __init__(self, thread: threading.Thread, future: torch.futures.Future, manager: ObjectStoreManager) -> None:
+    def __init__(
+        self, thread: threading.Thread, future: torch.futures.Future, manager: ObjectStoreManager
+    ) -> None:
         super().__init__()
         self._thread = thread
         self._future = future
@@ -189,15 +191,24 @@ class ObjectStoreManager:
         if outcome.committed:
             logger.info(
                 "[replica %d] round %d fragment %d committed, participants %s",
-                self._rank, outcome.round, outcome.fragment, outcome.participants,
+                self._rank,
+                outcome.round,
+                outcome.fragment,
+                outcome.participants,
             )
         else:
             logger.warning(
-                "[replica %d] round %d fragment %d FAILED: %s", self._rank, outcome.round, outcome.fragment, outcome.error
+                "[replica %d] round %d fragment %d FAILED: %s",
+                self._rank,
+                outcome.round,
+                outcome.fragment,
+                outcome.error,
             )
         return outcome.committed
 
-    def register_state_dict_fn(self, key: str, load_fn: Callable[[Any], None], save_fn: Callable[[], Any]) -> None:
+    def register_state_dict_fn(
+        self, key: str, load_fn: Callable[[Any], None], save_fn: Callable[[], Any]
+    ) -> None:
         self._state_fns[key] = (load_fn, save_fn)
 
     def allow_state_dict_read(self) -> None:
@@ -240,7 +251,11 @@ class ObjectStoreManager:
                 self._store,
                 values,
                 prefix=f"rounds/{outcome.round}/{outcome.fragment}",
-                identity={"run_id": self._run_id, "round": str(outcome.round), "fragment": str(outcome.fragment)},
+                identity={
+                    "run_id": self._run_id,
+                    "round": str(outcome.round),
+                    "fragment": str(outcome.fragment),
+                },
                 rank=self._rank,
                 settings=self._settings,
                 grace_s=grace_s,
@@ -261,7 +276,12 @@ class ObjectStoreManager:
             if isinstance(e, StaleRoundError):
                 logger.info("[replica %d] %s", self._rank, e)
             else:
-                logger.exception("[replica %d] round %d fragment %d exchange failed", self._rank, outcome.round, outcome.fragment)
+                logger.exception(
+                    "[replica %d] round %d fragment %d exchange failed",
+                    self._rank,
+                    outcome.round,
+                    outcome.fragment,
+                )
             outcome.error = e
         finally:
             # Completing the future runs torchft's .then callback (which unpacks the bucket), so it comes

@@ -64,7 +64,15 @@ _TRANSIENT_CODES = frozenset(
     }
 )
 _TRANSIENT_ERRNOS = frozenset(
-    {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE, errno.EINTR}
+    {
+        errno.EBUSY,
+        errno.EAGAIN,
+        errno.ETIMEDOUT,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.EPIPE,
+        errno.EINTR,
+    }
     | ({errno.EREMOTEIO} if hasattr(errno, "EREMOTEIO") else set())
 )
 # The memory filesystem is one dict per process and its create is check-then-write; a lock makes it atomic
@@ -95,7 +103,9 @@ def is_transient(error: BaseException) -> bool:
     there is the reliable signal, so it is checked first. A missing object, an existing one (a lost
     create race, 412) or a denied request (403) is an answer, not a fault.
     """
-    if isinstance(error, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)):
+    if isinstance(
+        error, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+    ):
         return False
     seen: set[int] = set()
     cause: BaseException | None = error
@@ -411,7 +421,13 @@ class ObjectStore:
                 delay = self.retry.delay_s(attempt)
                 logger.warning(
                     "store %s %s failed (attempt %d/%d): %s: %s; retrying in %.2fs",
-                    op, key, attempt + 1, self.retry.attempts, type(e).__name__, e, delay,
+                    op,
+                    key,
+                    attempt + 1,
+                    self.retry.attempts,
+                    type(e).__name__,
+                    e,
+                    delay,
                 )
                 time.sleep(delay)
         raise AssertionError("unreachable: the last attempt returns or raises")

@@ -47,7 +47,9 @@ def stdlib_corpus(heldout_percent: float) -> Corpus:
         if "site-packages" not in p.parts and "__pycache__" not in p.parts
     )
     if not files:
-        raise FileNotFoundError(f"no Python sources under {root}; the stdlib corpus needs the interpreter's sources")
+        raise FileNotFoundError(
+            f"no Python sources under {root}; the stdlib corpus needs the interpreter's sources"
+        )
     cut = int(heldout_percent * 100)
     heldout = tuple(f for f in files if _bucket(f) < cut)
     train = tuple(f for f in files if _bucket(f) >= cut)
@@ -74,7 +76,14 @@ class TokenStream:
     """
 
     def __init__(
-        self, corpus: Corpus, files: tuple[str, ...], tokenizer: Any, seq_len: int, *, seed: int, shuffle: bool = True
+        self,
+        corpus: Corpus,
+        files: tuple[str, ...],
+        tokenizer: Any,
+        seq_len: int,
+        *,
+        seed: int,
+        shuffle: bool = True,
     ) -> None:
         if not files:
             raise ValueError("a token stream needs at least one file")
@@ -119,7 +128,11 @@ class TokenStream:
         return {"epoch": self._epoch, "index": self._index, "offset": self._offset}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._epoch, self._index, self._offset = int(state["epoch"]), int(state["index"]), int(state["offset"])
+        self._epoch, self._index, self._offset = (
+            int(state["epoch"]),
+            int(state["index"]),
+            int(state["offset"]),
+        )
         self._order = self._epoch_order()
         self._load_file()
 

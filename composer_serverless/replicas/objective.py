@@ -46,8 +46,15 @@ class LMObjective:
         corpus = stdlib_corpus(config.data.heldout_percent)
         seq_len, batch_size = config.data.seq_len, config.data.batch_size
         self._train = Batches(
-            corpus, shuffled(corpus.train, config.seed), tokenizer, seq_len, batch_size, seed=config.seed,
-            streams_per_row=config.data.streams_per_row, replicas=config.diloco.replicas, rank=rank,
+            corpus,
+            shuffled(corpus.train, config.seed),
+            tokenizer,
+            seq_len,
+            batch_size,
+            seed=config.seed,
+            streams_per_row=config.data.streams_per_row,
+            replicas=config.diloco.replicas,
+            rank=rank,
         )
         # Fixed seed and stream count: every replica, and any run with another batch size, scores the same
         # held-out sequences.
@@ -75,7 +82,9 @@ class LMObjective:
         # Rows all have the same length, so weighting each batch's mean by its rows gives the token mean.
         total = 0.0
         for batch in torch.stack(mine).split(self._batch_size):
-            total += model(input_ids=batch.to(device), labels=batch.to(device)).loss.float().item() * len(batch)
+            total += model(input_ids=batch.to(device), labels=batch.to(device)).loss.float().item() * len(
+                batch
+            )
         model.train(was_training)
         return {"eval/loss": (total, len(mine))}
 

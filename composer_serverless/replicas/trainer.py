@@ -83,7 +83,9 @@ def split_fragments(model: nn.Module, count: int) -> list[nn.Module]:
         return [model]
     layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
     if layers is None or len(layers) < count:
-        raise ValueError(f"cannot split the model into {count} fragments: it has {len(layers or [])} decoder layers")
+        raise ValueError(
+            f"cannot split the model into {count} fragments: it has {len(layers or [])} decoder layers"
+        )
     fragments = [nn.Module() for _ in range(count)]
     in_layers: set[int] = set()
     for i, layer in enumerate(layers):
@@ -138,7 +140,9 @@ def make_schedule(
 def make_outer_optimizers(fragments: list[nn.Module], config: DiLoCoConfig) -> list[torch.optim.Optimizer]:
     """One outer SGD per fragment, so each fragment's momentum is saved and restored with that fragment."""
     return [
-        torch.optim.SGD(f.parameters(), lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.nesterov)
+        torch.optim.SGD(
+            f.parameters(), lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.nesterov
+        )
         for f in fragments
     ]
 
@@ -153,7 +157,9 @@ def make_diloco(
     """torchft's DiLoCo with one bucket per fragment, so the store exchanges one object per replica and sync."""
     dtypes = {p.dtype for f in fragments for p in f.parameters()}
     if len(dtypes) != 1:
-        raise ValueError(f"all parameters must share one dtype for the flat exchange, got {sorted(map(str, dtypes))}")
+        raise ValueError(
+            f"all parameters must share one dtype for the flat exchange, got {sorted(map(str, dtypes))}"
+        )
     largest = max(sum(p.numel() * p.element_size() for p in f.parameters()) for f in fragments)
     return DiLoCo(
         manager,
@@ -229,12 +235,17 @@ def swapped_in(model: nn.Module, params: dict[str, torch.Tensor]) -> Iterator[nn
 
 def exchange_settings(config: DiLoCoConfig) -> ExchangeSettings:
     return ExchangeSettings(
-        replicas=config.replicas, min_replicas=config.min_replicas, codec=config.codec, timeout_s=config.sync_timeout_s
+        replicas=config.replicas,
+        min_replicas=config.min_replicas,
+        codec=config.codec,
+        timeout_s=config.sync_timeout_s,
     )
 
 
 def grace_settings(config: DiLoCoConfig) -> GraceSettings:
-    return GraceSettings(min_s=config.quorum_grace_min_s, max_s=config.quorum_grace_max_s, mads=config.quorum_grace_mads)
+    return GraceSettings(
+        min_s=config.quorum_grace_min_s, max_s=config.quorum_grace_max_s, mads=config.quorum_grace_mads
+    )
 
 
 def load_run_model(run: ObjectStore, config: RunConfig, cache: Path) -> tuple[Any, Any]:
@@ -310,7 +321,13 @@ class Replica:
     """One replica's model, optimizers, data and DiLoCo, and the loop that runs them to the end of the run."""
 
     def __init__(
-        self, run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter, model: nn.Module, tokenizer: Any
+        self,
+        run: ObjectStore,
+        config: RunConfig,
+        rank: int,
+        reporter: Reporter,
+        model: nn.Module,
+        tokenizer: Any,
     ) -> None:
         dl = config.diloco
         self.run_store = run
@@ -351,7 +368,14 @@ class Replica:
                     self.reporter.round(0, {"eval": initial, "time": time.time()})
             self._align(late=False)
             self._loop()
-        self.reporter.beat(force=True, state="done", round=dl.rounds, rounds=dl.rounds, step=dl.sync_every, steps=dl.sync_every)
+        self.reporter.beat(
+            force=True,
+            state="done",
+            round=dl.rounds,
+            rounds=dl.rounds,
+            step=dl.sync_every,
+            steps=dl.sync_every,
+        )
 
     # --- the loop ----------------------------------------------------------------------------------
 
@@ -392,8 +416,12 @@ class Replica:
         self.meter.steps += 1
         dl = self.config.diloco
         self.reporter.beat(
-            state="training", round=self.completed_rounds + 1, rounds=dl.rounds,
-            step=min(self.meter.steps, dl.sync_every), steps=dl.sync_every, loss=loss.item(),
+            state="training",
+            round=self.completed_rounds + 1,
+            rounds=dl.rounds,
+            step=min(self.meter.steps, dl.sync_every),
+            steps=dl.sync_every,
+            loss=loss.item(),
         )
         return loss.detach()
 
@@ -419,7 +447,11 @@ class Replica:
         self.reporter.round(round_index, row)
         logger.info(
             "[replica %d] round %d/%d: train loss %s, participants %s",
-            self.rank, round_index, self.config.diloco.rounds, row["train_loss"], outcome.participants,
+            self.rank,
+            round_index,
+            self.config.diloco.rounds,
+            row["train_loss"],
+            outcome.participants,
         )
 
     def _evaluate(
@@ -443,13 +475,21 @@ class Replica:
         delay = 0.01
         while len(shares) < parts:
             for p in range(1, parts):
-                if p not in shares and (got := self._collect_share(round_index, p, parts, params)) is not None:
+                if (
+                    p not in shares
+                    and (got := self._collect_share(round_index, p, parts, params)) is not None
+                ):
                     shares[p] = got
             if len(shares) == parts:
                 break
             if time.monotonic() >= deadline:
                 missing = [participants[p] for p in range(parts) if p not in shares]
-                logger.warning("[replica %d] round %d: scoring the evaluation shares of replicas %s here", self.rank, round_index, missing)
+                logger.warning(
+                    "[replica %d] round %d: scoring the evaluation shares of replicas %s here",
+                    self.rank,
+                    round_index,
+                    missing,
+                )
                 with self._holding(params):
                     for p in range(parts):
                         shares.setdefault(p, self.objective.evaluate_part(self.model, p, parts))
@@ -470,7 +510,13 @@ class Replica:
         except FileNotFoundError:
             return None
         except ValueError as e:
-            logger.warning("[replica %d] round %d: evaluation share %d is malformed (%s); scoring it here", self.rank, round_index, part, e)
+            logger.warning(
+                "[replica %d] round %d: evaluation share %d is malformed (%s); scoring it here",
+                self.rank,
+                round_index,
+                part,
+                e,
+            )
             with self._holding(params):
                 return self.objective.evaluate_part(self.model, part, parts)
 
@@ -524,9 +570,13 @@ class Replica:
             latest = checkpoint.latest_round(self.run_store)
             if latest >= round_index:
                 return latest
-            self.reporter.beat(state="waiting", round=round_index, rounds=dl.rounds, step=0, steps=dl.sync_every)
+            self.reporter.beat(
+                state="waiting", round=round_index, rounds=dl.rounds, step=0, steps=dl.sync_every
+            )
             delay = backoff_sleep(delay, WAIT_POLL_CAP_S)
-        logger.warning("[replica %d] round %d was not published in time; training it and healing", self.rank, round_index)
+        logger.warning(
+            "[replica %d] round %d was not published in time; training it and healing", self.rank, round_index
+        )
         return None
 
     def _jump(self, round_index: int) -> None:
@@ -534,7 +584,9 @@ class Replica:
         was = self.completed_rounds
         self._apply_global(self._load_global(round_index))
         dl = self.config.diloco
-        self.schedule = make_schedule(self.inner, self.config.train, self.total_steps, self.completed_rounds * dl.sync_every)
+        self.schedule = make_schedule(
+            self.inner, self.config.train, self.total_steps, self.completed_rounds * dl.sync_every
+        )
         params = global_parameters(self.manager, self.names)
         # The inner steps run since the last row are discarded by the jump; counted, so goodput can be.
         row: dict[str, Any] = {"caught_up_from": was, "steps": self.meter.steps, "time": time.time()}
@@ -542,7 +594,12 @@ class Replica:
             row["global_sha256"] = digest(params)
         checkpoint.save_replica(self.run_store, self.rank, self.completed_rounds, self._own_state(params))
         self.reporter.round(self.completed_rounds, row)
-        logger.warning("[replica %d] loaded the global state of round %d from the store (was at round %d)", self.rank, self.completed_rounds, was)
+        logger.warning(
+            "[replica %d] loaded the global state of round %d from the store (was at round %d)",
+            self.rank,
+            self.completed_rounds,
+            was,
+        )
 
     def _load_global(self, round_index: int) -> dict[str, Any]:
         """The published state of ``round_index``, or of a newer round if that one was pruned meanwhile."""
@@ -551,7 +608,9 @@ class Replica:
                 return checkpoint.load_global(self.run_store, round_index)
             except FileNotFoundError:
                 round_index = checkpoint.latest_round(self.run_store)
-        raise CheckpointError(f"cannot read the global state of round {round_index} from {self.run_store.url}")
+        raise CheckpointError(
+            f"cannot read the global state of round {round_index} from {self.run_store.url}"
+        )
 
     # --- state -------------------------------------------------------------------------------------
 
@@ -570,7 +629,9 @@ class Replica:
             # Between syncs a fragment's local parameters run ahead of its global ones (fragments other than
             # the last synced, or alpha > 0); only those differ and need saving.
             "local_parameters": {
-                name: p for name, p in self.model.named_parameters() if not torch.equal(p.detach(), global_params[name])
+                name: p
+                for name, p in self.model.named_parameters()
+                if not torch.equal(p.detach(), global_params[name])
             },
         }
 
@@ -579,7 +640,9 @@ class Replica:
         for i, mapping in enumerate(self.names):
             saved = set(user.get(f"StreamingDiLoCoFragment_{i}", {}).get("original_parameters", {}))
             if saved != set(mapping):
-                raise CheckpointError(f"fragment {i} of the published state does not match this model's parameters")
+                raise CheckpointError(
+                    f"fragment {i} of the published state does not match this model's parameters"
+                )
         self.manager.load_user_state_dict(user)
         self.manager.set_step(int(state["step"]))
         params = global_parameters(self.manager, self.names)
@@ -597,8 +660,14 @@ class Replica:
         dl = self.config.diloco
         own = checkpoint.load_replica(self.run_store, self.rank, latest)
         if own is None:
-            self.schedule = make_schedule(self.inner, self.config.train, self.total_steps, latest * dl.sync_every)
-            logger.warning("[replica %d] resuming from round %d with a fresh inner optimizer (no state of its own)", self.rank, latest)
+            self.schedule = make_schedule(
+                self.inner, self.config.train, self.total_steps, latest * dl.sync_every
+            )
+            logger.warning(
+                "[replica %d] resuming from round %d with a fresh inner optimizer (no state of its own)",
+                self.rank,
+                latest,
+            )
             return latest
         own_round, state = own
         self.inner.load_state_dict(state["inner_optimizer"])
@@ -614,6 +683,10 @@ class Replica:
                 for name, value in state["local_parameters"].items():
                     current[name].copy_(value)
         else:
-            self.schedule = make_schedule(self.inner, self.config.train, self.total_steps, latest * dl.sync_every)
-        logger.info("[replica %d] resumed from round %d (own state of round %d)", self.rank, latest, own_round)
+            self.schedule = make_schedule(
+                self.inner, self.config.train, self.total_steps, latest * dl.sync_every
+            )
+        logger.info(
+            "[replica %d] resumed from round %d (own state of round %d)", self.rank, latest, own_round
+        )
         return latest

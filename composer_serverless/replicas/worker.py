@@ -16,11 +16,15 @@ from composer_serverless.replicas.trainer import run_replica
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", required=True, help="the run's store URL, e.g. s3://bucket/runs/abc or ./runs/abc")
+    parser.add_argument(
+        "--run", required=True, help="the run's store URL, e.g. s3://bucket/runs/abc or ./runs/abc"
+    )
     parser.add_argument("--rank", required=True, type=int, help="this replica's rank, 0-based")
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s [replica {args.rank}] %(levelname)s %(name)s: %(message)s", stream=sys.stdout
+        level=logging.INFO,
+        format=f"%(asctime)s [replica {args.rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
     )
     from transformers.utils import logging as hf_logging
 

@@ -202,7 +202,8 @@ def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path):
 def test_sigterm_to_the_launcher_cancels_its_replicas(tmp_path):
     store, launcher, env = _launch_until_training(tmp_path, "local-term")
     pids = [
-        h.backend_id for h in LaunchRecord.from_json((store / "local-term" / LAUNCH_KEY).read_bytes()).current()
+        h.backend_id
+        for h in LaunchRecord.from_json((store / "local-term" / LAUNCH_KEY).read_bytes()).current()
     ]
     assert all(_state(pid) not in ("Z", "gone") for pid in pids)
 

@@ -88,7 +88,9 @@ def main() -> int:
     parser.add_argument("--rank", required=True, type=int)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    histories = {url: {case_key(*case): run_case(url, args.rank, *case) for case in CASES} for url in args.store}
+    histories = {
+        url: {case_key(*case): run_case(url, args.rank, *case) for case in CASES} for url in args.store
+    }
     with open(args.out, "w") as f:
         json.dump(histories, f)
     return 0

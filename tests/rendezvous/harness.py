@@ -76,12 +76,31 @@ def create(config: RunConfig) -> ObjectStore:
     return run
 
 
-def start_replica(run: ObjectStore, rank: int, log: Path, faults: str | None = None) -> subprocess.Popen[bytes]:
+def start_replica(
+    run: ObjectStore, rank: int, log: Path, faults: str | None = None
+) -> subprocess.Popen[bytes]:
     """The production worker, or, with ``faults`` (FaultyStore arguments as JSON), its test twin."""
     if faults:
-        command = [sys.executable, str(REPLICA_SCRIPT), "--run", run.url, "--rank", str(rank), "--faults", faults]
+        command = [
+            sys.executable,
+            str(REPLICA_SCRIPT),
+            "--run",
+            run.url,
+            "--rank",
+            str(rank),
+            "--faults",
+            faults,
+        ]
     else:
-        command = [sys.executable, "-m", "composer_serverless.replicas.worker", "--run", run.url, "--rank", str(rank)]
+        command = [
+            sys.executable,
+            "-m",
+            "composer_serverless.replicas.worker",
+            "--run",
+            run.url,
+            "--rank",
+            str(rank),
+        ]
     with open(log, "ab") as out:
         return subprocess.Popen(command, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT, cwd=HERE)
 
@@ -102,7 +121,9 @@ def wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float = PROCESS_TI
     return codes
 
 
-def run_replicas(run: ObjectStore, logs: Path, replicas: int, faults: dict[int, str] | None = None) -> list[int]:
+def run_replicas(
+    run: ObjectStore, logs: Path, replicas: int, faults: dict[int, str] | None = None
+) -> list[int]:
     logs.mkdir(parents=True, exist_ok=True)
     procs = [start_replica(run, r, logs / f"rank-{r}.log", (faults or {}).get(r)) for r in range(replicas)]
     return wait_all(procs)

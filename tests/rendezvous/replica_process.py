@@ -1,6 +1,6 @@
 """One replica of a run, optionally through a FaultyStore: the test twin of ``replicas/worker.py``.
 
-    python replica_process.py --run URL --rank R [--faults '{"fraction": 0.2, "kill_on": "rounds/3/"}']
+python replica_process.py --run URL --rank R [--faults '{"fraction": 0.2, "kill_on": "rounds/3/"}']
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ def main() -> int:
     parser.add_argument("--faults", help="FaultyStore keyword arguments as JSON")
     args = parser.parse_args()
     logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s [replica {args.rank}] %(levelname)s %(name)s: %(message)s", stream=sys.stdout
+        level=logging.INFO,
+        format=f"%(asctime)s [replica {args.rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
     )
     store = FaultyStore(args.run, **json.loads(args.faults)) if args.faults else ObjectStore(args.run)
     run_replica(store, args.rank)

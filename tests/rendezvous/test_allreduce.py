@@ -61,8 +61,15 @@ def exchange(
             store = (stores or {}).get(rank) or ObjectStore(url)
             mine = values[rank].clone() if in_place else values[rank]
             results[rank] = allreduce(
-                store, mine, prefix=prefix, identity=IDENTITY, rank=rank, settings=settings, grace_s=grace,
-                out=mine if in_place else None, workspace=(workspaces or {}).get(rank),
+                store,
+                mine,
+                prefix=prefix,
+                identity=IDENTITY,
+                rank=rank,
+                settings=settings,
+                grace_s=grace,
+                out=mine if in_place else None,
+                workspace=(workspaces or {}).get(rank),
             )
             assert not in_place or results[rank].average.data_ptr() == mine.data_ptr()
         except BaseException as e:
@@ -78,7 +85,9 @@ def exchange(
     return results
 
 
-def expected_average(values: dict[int, torch.Tensor], participants: list[int], codec: str, shards: int) -> torch.Tensor:
+def expected_average(
+    values: dict[int, torch.Tensor], participants: list[int], codec: str, shards: int
+) -> torch.Tensor:
     """What every replica must end with: per shard, the decoded inputs summed in rank order in fp32, divided
     by their number, then passed through the codec once more (the reduced shard is encoded too)."""
     numel = next(iter(values.values())).numel()
@@ -118,14 +127,18 @@ def test_traffic_is_the_bandwidth_optimal_bound(tmp_path: Path) -> None:
     n = 4
     url = f"file://{tmp_path}/run"
     values = tensors(n, numel=40_000)
-    results = exchange(url, values, ExchangeSettings(replicas=n, min_replicas=n, codec="fp32", timeout_s=60), grace=10)
+    results = exchange(
+        url, values, ExchangeSettings(replicas=n, min_replicas=n, codec="fp32", timeout_s=60), grace=10
+    )
     store = ObjectStore(url).child(PREFIX)
     size = store.size
     quorum = size("quorum.json")
     for r, result in results.items():
         wire = sum(size(input_key(r, s)) for s in range(n))
         assert result.bytes_up == wire + size(reduced_key(r))
-        down = sum(size(input_key(p, r)) for p in range(n) if p != r) + sum(size(reduced_key(s)) for s in range(n) if s != r)
+        down = sum(size(input_key(p, r)) for p in range(n) if p != r) + sum(
+            size(reduced_key(s)) for s in range(n) if s != r
+        )
         # Replicas that did not fix the quorum also read its small record.
         assert result.bytes_down in (down, down + quorum)
         assert result.bytes_down <= 1.05 * 2 * (n - 1) / n * wire
@@ -159,7 +172,9 @@ def test_a_dead_shard_owner_does_not_stall_the_round(tmp_path: Path) -> None:
     values = tensors(3)
     store = ObjectStore(url).child(PREFIX)
     for s, (start, end) in enumerate(shard_bounds(NUMEL, 3)):
-        store.create(input_key(2, s), encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, "int8"))
+        store.create(
+            input_key(2, s), encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, "int8")
+        )
     settings = ExchangeSettings(replicas=3, min_replicas=3, codec="int8", timeout_s=60)
     results = exchange(url, {0: values[0], 1: values[1]}, settings, grace=0.05)
     expected = expected_average(values, [0, 1, 2], "int8", 3)
@@ -178,7 +193,9 @@ def test_the_average_can_overwrite_the_values_it_averages(tmp_path: Path, codec:
     values = tensors(4)
     store = ObjectStore(url).child(PREFIX)
     for s, (start, end) in enumerate(shard_bounds(NUMEL, 4)):
-        store.create(input_key(2, s), encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, codec))
+        store.create(
+            input_key(2, s), encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, codec)
+        )
     settings = ExchangeSettings(replicas=4, min_replicas=3, codec=codec, timeout_s=60)
     results = exchange(url, {0: values[0], 1: values[1]}, settings, grace=0.05, in_place=True)
     expected = expected_average(values, [0, 1, 2], codec, 4)
@@ -187,8 +204,16 @@ def test_the_average_can_overwrite_the_values_it_averages(tmp_path: Path, codec:
         assert result.participants == [0, 1, 2]
         assert torch.equal(result.average, expected)
     with pytest.raises(ValueError, match="out must be a contiguous fp32 CPU tensor of 1001 values"):
-        allreduce(store, values[0], prefix=PREFIX, identity=IDENTITY, rank=0, settings=settings, grace_s=0,
-                  out=torch.empty(1000))
+        allreduce(
+            store,
+            values[0],
+            prefix=PREFIX,
+            identity=IDENTITY,
+            rank=0,
+            settings=settings,
+            grace_s=0,
+            out=torch.empty(1000),
+        )
 
 
 def test_a_workspace_serves_one_sync_after_another_and_one_at_a_time(tmp_path: Path) -> None:
@@ -197,8 +222,12 @@ def test_a_workspace_serves_one_sync_after_another_and_one_at_a_time(tmp_path: P
     url = f"file://{tmp_path}/run"
     settings = ExchangeSettings(replicas=3, min_replicas=3, codec="fp32", timeout_s=60)
     workspaces = {r: Workspace() for r in range(3)}
-    first, second = tensors(3), {r: torch.randn(NUMEL, generator=torch.Generator().manual_seed(10 + r)) for r in range(3)}
+    first, second = (
+        tensors(3),
+        {r: torch.randn(NUMEL, generator=torch.Generator().manual_seed(10 + r)) for r in range(3)},
+    )
     exchange(url, first, settings, grace=10, workspaces=workspaces, prefix="rounds/1/0")
+
     def address(workspace: Workspace) -> int:  # of the buffer every gather reads reduced shards into
         return torch.frombuffer(workspace.bytes("scratch", 1), dtype=torch.uint8).data_ptr()
 
@@ -210,8 +239,16 @@ def test_a_workspace_serves_one_sync_after_another_and_one_at_a_time(tmp_path: P
         assert address(workspaces[r]) == held[r]
     busy = Workspace()
     with busy.busy, pytest.raises(RuntimeError, match="in use by another exchange"):
-        allreduce(ObjectStore(url), first[0], prefix="rounds/3/0", identity=IDENTITY, rank=0, settings=settings,
-                  grace_s=0, workspace=busy)
+        allreduce(
+            ObjectStore(url),
+            first[0],
+            prefix="rounds/3/0",
+            identity=IDENTITY,
+            rank=0,
+            settings=settings,
+            grace_s=0,
+            workspace=busy,
+        )
 
 
 class _CreatesAFile:
@@ -232,7 +269,9 @@ def test_a_rejected_input_is_left_out_and_never_executed(tmp_path: Path) -> None
     store.create(input_key(2, 0), pickle.dumps(_CreatesAFile(marker)))
     for s in (1, 2):
         start, end = bounds[s]
-        store.create(input_key(2, s), encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, "fp32"))
+        store.create(
+            input_key(2, s), encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, "fp32")
+        )
     results = exchange(url, {0: values[0], 1: values[1]}, ExchangeSettings(3, 3, "fp32", 60), grace=0.05)
     full = expected_average(values, [0, 1, 2], "fp32", 3)
     without = expected_average(values, [0, 1], "fp32", 3)
@@ -316,7 +355,9 @@ def test_the_last_replica_to_arrive_observes_the_arrival_of_all(tmp_path: Path) 
                 store.create("quorum.json", json.dumps({"participants": [0, 1, 2]}).encode())
             return result
 
-    result = exchange(url, {2: values[2]}, ExchangeSettings(3, 3, "fp32", 60), stores={2: QuorumFixedByAPeer(url)})[2]
+    result = exchange(
+        url, {2: values[2]}, ExchangeSettings(3, 3, "fp32", 60), stores={2: QuorumFixedByAPeer(url)}
+    )[2]
     assert result.participants == [0, 1, 2]
     assert result.waited_for_all_s is not None
     assert torch.equal(result.average, expected_average(values, [0, 1, 2], "fp32", 3))

@@ -33,7 +33,17 @@ def test_phases_and_summary_report_bytes_against_the_bound(tmp_path: Path) -> No
         store = bench.ObjectStore(f"file://{tmp_path}/store")
         started = time.monotonic()
         up, down = bench.phase_functions(values, n, codec)[phase](store, phase, values, rank, n, codec)
-        samples.append({"phase": phase, "repeat": 1, "rank": rank, "start": started, "end": time.monotonic(), "up": up, "down": down})
+        samples.append(
+            {
+                "phase": phase,
+                "repeat": 1,
+                "rank": rank,
+                "start": started,
+                "end": time.monotonic(),
+                "up": up,
+                "down": down,
+            }
+        )
 
     for phase in bench.PHASES:
         threads = [threading.Thread(target=replica, args=(r, phase)) for r in range(n)]
@@ -66,4 +76,10 @@ def test_phases_and_summary_report_bytes_against_the_bound(tmp_path: Path) -> No
     )
     expected = result["wall_s"] / (result["bound_s"] + result["checksum_s"])
     assert result["time_ratio_to_bound_with_checksums"] == pytest.approx(expected)
-    assert abs(result["time_ratio_to_down_bound"] / result["time_ratio_to_bound"] - (wire + result["bound_down_bytes"]) / result["bound_down_bytes"]) < 1e-9
+    assert (
+        abs(
+            result["time_ratio_to_down_bound"] / result["time_ratio_to_bound"]
+            - (wire + result["bound_down_bytes"]) / result["bound_down_bytes"]
+        )
+        < 1e-9
+    )

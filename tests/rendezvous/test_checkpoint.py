@@ -21,7 +21,7 @@ def optimizer_states() -> dict:
     model(torch.randn(5, 3)).sum().backward()
     adamw.step()
     sgd.step()
-    schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 0.5 ** step)
+    schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 0.5**step)
     return {
         "adamw": adamw.state_dict(),
         "sgd": sgd.state_dict(),
@@ -67,7 +67,9 @@ def test_flatten_refuses_what_it_cannot_represent() -> None:
 
 @pytest.fixture(params=["file", "memory"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
-    return ObjectStore(f"file://{tmp_path}/run" if request.param == "file" else f"memory://ckpt-{tmp_path.name}")
+    return ObjectStore(
+        f"file://{tmp_path}/run" if request.param == "file" else f"memory://ckpt-{tmp_path.name}"
+    )
 
 
 def test_snapshots_are_checked_against_their_manifest(store: ObjectStore) -> None:

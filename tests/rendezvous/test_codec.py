@@ -47,8 +47,12 @@ def test_round_trip_and_safetensors_compatibility(codec: str, tmp_path: Path) ->
     if codec == "int8":
         assert torch.equal(decoded, dequantize_int8(tensors["values"], tensors["scales"]))
         # Round-to-nearest on a grid of absmax/127 per block: at most half a step off.
-        steps = torch.stack([x[i : i + INT8_BLOCK].abs().max() / 127 for i in range(0, x.numel(), INT8_BLOCK)])
-        assert torch.all((decoded - x).abs() <= steps.repeat_interleave(INT8_BLOCK)[: x.numel()] / 2 * (1 + 1e-6))
+        steps = torch.stack(
+            [x[i : i + INT8_BLOCK].abs().max() / 127 for i in range(0, x.numel(), INT8_BLOCK)]
+        )
+        assert torch.all(
+            (decoded - x).abs() <= steps.repeat_interleave(INT8_BLOCK)[: x.numel()] / 2 * (1 + 1e-6)
+        )
     (tmp_path / "p.safetensors").write_bytes(payload)
     with safetensors.safe_open(str(tmp_path / "p.safetensors"), "pt") as f:
         assert set(f.metadata().items()) >= set(IDENTITY.items())
@@ -143,7 +147,8 @@ def test_truncated_payload_is_rejected(cut: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("run_id", "another-run"), ("round", "2"), ("fragment", "1"), ("rank", "0"), ("shard", "0")]
+    ("field", "value"),
+    [("run_id", "another-run"), ("round", "2"), ("fragment", "1"), ("rank", "0"), ("shard", "0")],
 )
 def test_foreign_payload_is_rejected(field: str, value: str) -> None:
     payload = encode(values(), {**IDENTITY, field: value}, "fp32")

@@ -12,7 +12,12 @@ from composer_serverless.config import ConfigError, DiLoCoConfig, load_config
 
 BASE = {"replicas": 4, "sync_every": 10, "rounds": 2}
 RENDEZVOUS_KEYS = (
-    "codec", "min_replicas", "quorum_grace_min_s", "quorum_grace_max_s", "quorum_grace_mads", "max_failed_syncs",
+    "codec",
+    "min_replicas",
+    "quorum_grace_min_s",
+    "quorum_grace_max_s",
+    "quorum_grace_mads",
+    "max_failed_syncs",
 )
 
 
@@ -46,6 +51,10 @@ def test_invalid_values_are_refused_with_the_reason(overrides: dict, message: st
 def test_the_demo_config_parses_and_takes_the_new_keys_from_the_command_line(tmp_path: Path) -> None:
     demo = REPO / "deploy" / "configs" / "local-demo.toml"
     config = load_config(demo, ["diloco.codec=int8", "diloco.min_replicas=3", "diloco.fragment_sync_delay=1"])
-    assert (config.diloco.codec, config.diloco.min_replicas, config.diloco.fragment_sync_delay) == ("int8", 3, 1)
+    assert (config.diloco.codec, config.diloco.min_replicas, config.diloco.fragment_sync_delay) == (
+        "int8",
+        3,
+        1,
+    )
     with pytest.raises(ConfigError, match="min_replicas"):
         load_config(demo, ["diloco.min_replicas=9"])

@@ -33,14 +33,22 @@ def wait_until(condition, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     """Replica 2 is killed when it starts uploading in round 3. The other two commit round 3 (and 4) without
     it and are then held before round 5 until the restarted replica has loaded the latest state, so that
     its rejoining is an ordering of events, not a race against the survivors."""
     rounds, killed_in, held_at = 6, 3, 5
     config = make_config(
-        f"file://{tmp_path}/runs", "kill", tiny_model_dir,
-        replicas=3, rounds=rounds, min_replicas=2, quorum_grace_min_s=2.0, quorum_grace_max_s=30.0,
+        f"file://{tmp_path}/runs",
+        "kill",
+        tiny_model_dir,
+        replicas=3,
+        rounds=rounds,
+        min_replicas=2,
+        quorum_grace_min_s=2.0,
+        quorum_grace_max_s=30.0,
     )
     run = create(config)
     logs = tmp_path / "logs"
@@ -54,7 +62,10 @@ def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(tmp_pat
     assert procs[2].returncode == -signal.SIGKILL
     wait_until(lambda: run.exists(metrics_key(0, killed_in)), f"round {killed_in} to commit")
     restarted = start_replica(run, 2, logs / "rank-2.log")
-    wait_until(lambda: "resumed from round" in (logs / "rank-2.log").read_text(), "replica 2 to load the latest state")
+    wait_until(
+        lambda: "resumed from round" in (logs / "rank-2.log").read_text(),
+        "replica 2 to load the latest state",
+    )
     release.touch()
     assert wait_all([procs[0], procs[1], restarted]) == [0, 0, 0], logs_of(logs)
 
@@ -94,7 +105,9 @@ def test_a_late_replica_heals_then_realigns_with_the_next_round(tmp_path: Path, 
     assert set(per_round) == set(range(1, 6))
 
 
-def test_transient_store_faults_change_nothing(tmp_path: Path, tiny_model_dir: Path, s3_url: str, reference_run: ReferenceRun) -> None:
+def test_transient_store_faults_change_nothing(
+    tmp_path: Path, tiny_model_dir: Path, s3_url: str, reference_run: ReferenceRun
+) -> None:
     """The reference run repeated on S3 with a quarter of first attempts failing (and a quarter of the other
     writes failing after reaching the store, as a lost response) ends bit-identical to the clean run."""
     faulty = create(make_config(s3_url, "faulty", tiny_model_dir, **REFERENCE_SETTINGS))

@@ -29,7 +29,9 @@ def test_different_initial_weights_are_refused_with_the_reason(tiny_model_dir: P
         check_initial_weights(run, model, rank=2)
 
 
-def test_a_checkpoint_missing_a_weight_starts_alike_on_every_replica(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_a_checkpoint_missing_a_weight_starts_alike_on_every_replica(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     partial = tmp_path / "partial"
     model, tokenizer = load_pretrained(tiny_model_dir, "float32")
     model.save_pretrained(partial)

@@ -54,7 +54,16 @@ def test_torchft_analytic_trajectory_with_two_replica_processes(tmp_path: Path, 
     outs = [tmp_path / f"history-{r}.json" for r in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "analytic_replica.py"), "--store", *urls, "--rank", str(r), "--out", str(outs[r])],
+            [
+                sys.executable,
+                str(HERE / "analytic_replica.py"),
+                "--store",
+                *urls,
+                "--rank",
+                str(r),
+                "--out",
+                str(outs[r]),
+            ],
             env=subprocess_env(),
             cwd=HERE,
         )

@@ -29,15 +29,28 @@ from composer_serverless.rendezvous.store import ObjectStore
 def test_interrupted_and_resumed_run_is_bit_identical(
     tmp_path: Path, tiny_model_dir: Path, reference_run: ReferenceRun
 ) -> None:
-    interrupted = create(make_config(f"file://{tmp_path}/runs", "interrupted", tiny_model_dir, **REFERENCE_SETTINGS))
+    interrupted = create(
+        make_config(f"file://{tmp_path}/runs", "interrupted", tiny_model_dir, **REFERENCE_SETTINGS)
+    )
     # Both replicas SIGKILL themselves when they start uploading in round 4, one inner step into it.
     kill = {r: json.dumps({"kill_on": "rounds/4/0/in/"}) for r in range(2)}
     assert run_replicas(interrupted, tmp_path / "logs", 2, kill) == [-signal.SIGKILL] * 2
     assert latest_round(interrupted) == 3
 
     cli = subprocess.run(
-        [sys.executable, "-c", "from composer_serverless.cli import main; main()", "launch", "--resume", interrupted.url],
-        env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            "from composer_serverless.cli import main; main()",
+            "launch",
+            "--resume",
+            interrupted.url,
+        ],
+        env=subprocess_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert cli.returncode == 0, cli.stdout + cli.stderr + logs_of(tmp_path / "logs")
     assert "resuming run interrupted" in cli.stdout
@@ -52,7 +65,9 @@ def test_interrupted_and_resumed_run_is_bit_identical(
 
 def final_eval(run: ObjectStore) -> float:
     """The held-out loss of the final global model, from whichever replica evaluated it."""
-    return next(by_round[5]["eval"]["eval/loss"] for by_round in rows(run).values() if "eval" in by_round.get(5, {}))
+    return next(
+        by_round[5]["eval"]["eval/loss"] for by_round in rows(run).values() if "eval" in by_round.get(5, {})
+    )
 
 
 def test_resume_refuses_what_it_cannot_honour(tmp_path: Path) -> None:
@@ -66,7 +81,10 @@ def test_resume_refuses_what_it_cannot_honour(tmp_path: Path) -> None:
         return result.exit_code, " ".join(result.output.split())  # rich wraps long lines
 
     demo = str(REPO / "deploy" / "configs" / "local-demo.toml")
-    for argv in (("launch", demo, "--resume", str(tmp_path)), ("launch", "--resume", str(tmp_path), "--set", "seed=1")):
+    for argv in (
+        ("launch", demo, "--resume", str(tmp_path)),
+        ("launch", "--resume", str(tmp_path), "--set", "seed=1"),
+    ):
         code, output = run(*argv)
         assert code == 2 and "--resume continues a run as it was created" in output
     code, output = run("launch", "--resume", str(tmp_path / "nothing"))

@@ -158,7 +158,11 @@ def test_pairs_are_read_from_s3(s3_bucket):
     s3_bucket.put_object(
         Bucket="composer-data", Key="pairs/a.jsonl", Body=b'{"prompt": "p", "chosen": "a", "rejected": "b"}\n'
     )
-    s3_bucket.put_object(Bucket="composer-data", Key="pairs/b.jsonl", Body=b'{"prompt": "q", "chosen": "c"}\n')
-    with pytest.raises(RecordError, match=r"^s3://composer-data/pairs/b.jsonl:1: 'rejected' must be a non-empty string"):
+    s3_bucket.put_object(
+        Bucket="composer-data", Key="pairs/b.jsonl", Body=b'{"prompt": "q", "chosen": "c"}\n'
+    )
+    with pytest.raises(
+        RecordError, match=r"^s3://composer-data/pairs/b.jsonl:1: 'rejected' must be a non-empty string"
+    ):
         read_pairs("s3://composer-data/pairs/*.jsonl")
     assert [p.chosen for p in read_pairs("s3://composer-data/pairs/a.jsonl")] == ["a"]

@@ -30,7 +30,14 @@ def test_a_share_round_trips_and_a_malformed_one_is_refused():
     part = {"eval/loss": (8.25, 4), "eval/reward": (0.0, 3)}
     assert loads(dumps(part)) == part
     assert part_key(7, 1, 3) == "evals/7/1-of-3.json"
-    for raw in (b"[]", b'{"eval/loss": 3}', b'{"eval/loss": [1.0]}', b'{"eval/loss": ["1", 2]}', b'{"x": [1.0, -1]}', b'{"x": [1.0, true]}'):
+    for raw in (
+        b"[]",
+        b'{"eval/loss": 3}',
+        b'{"eval/loss": [1.0]}',
+        b'{"eval/loss": ["1", 2]}',
+        b'{"x": [1.0, -1]}',
+        b'{"x": [1.0, true]}',
+    ):
         with pytest.raises(ValueError):
             loads(raw)
 
@@ -38,8 +45,12 @@ def test_a_share_round_trips_and_a_malformed_one_is_refused():
 def test_lm_shares_add_up_to_the_whole_held_out_loss(tiny_model_dir):
     model, tokenizer = load_pretrained(tiny_model_dir)
     config = validate_config(
-        {"model": {"tiny": {}}, "data": {"seq_len": 16, "batch_size": 4}, "eval": {"sequences": 10},
-         "diloco": {"sync_every": 1, "rounds": 1}}
+        {
+            "model": {"tiny": {}},
+            "data": {"seq_len": 16, "batch_size": 4},
+            "eval": {"sequences": 10},
+            "diloco": {"sync_every": 1, "rounds": 1},
+        }
     )
     objective = LMObjective(config, tokenizer, rank=0)
     whole = evaluate(objective, model)["eval/loss"]

@@ -165,7 +165,12 @@ def test_dynamic_sampling_without_any_informative_group_keeps_the_last_draw(mode
 
 def test_the_overlong_punishment_is_added_to_the_reward_of_long_completions(model, tokenizer):
     settings = RolloutSettings(
-        group_size=4, prompts_per_step=2, max_new_tokens=4, temperature=1.0, overlong_buffer=2, overlong_penalty=1.0
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=4,
+        temperature=1.0,
+        overlong_buffer=2,
+        overlong_penalty=1.0,
     )
     rewards = RewardSet([RewardConfig(fn="format", pattern=".*")])  # 1 for every completion
     torch.manual_seed(0)

@@ -41,7 +41,9 @@ def test_the_lowest_rank_participant_adds_up_the_published_shares(tiny_model_dir
     assert result == {"eval/loss": pytest.approx((own["eval/loss"][0] + 100.0) / (own["eval/loss"][1] + 4))}
     other = make_replica(run, 2, tiny_model_dir)
     assert other._evaluate(5, [0, 2], params) is None
-    assert evaluation.loads(run.get(evaluation.part_key(5, 1, 2))) == other.objective.evaluate_part(other.model, 1, 2)
+    assert evaluation.loads(run.get(evaluation.part_key(5, 1, 2))) == other.objective.evaluate_part(
+        other.model, 1, 2
+    )
 
 
 def test_a_share_that_never_comes_is_scored_by_the_lowest_rank_participant(tiny_model_dir: Path) -> None:
@@ -49,7 +51,9 @@ def test_a_share_that_never_comes_is_scored_by_the_lowest_rank_participant(tiny_
     lowest = make_replica(run, 0, tiny_model_dir)
     run.put(evaluation.part_key(3, 2, 3), b'{"eval/loss": "not a share"}')  # malformed: scored again too
     result = lowest._evaluate(3, [0, 1, 2], dict(lowest.model.named_parameters()))
-    assert result == {"eval/loss": pytest.approx(evaluate(lowest.objective, lowest.model)["eval/loss"], rel=1e-6)}
+    assert result == {
+        "eval/loss": pytest.approx(evaluate(lowest.objective, lowest.model)["eval/loss"], rel=1e-6)
+    }
 
 
 def test_a_malformed_share_is_scored_at_once_and_reported_once(
@@ -60,7 +64,9 @@ def test_a_malformed_share_is_scored_at_once_and_reported_once(
     run.put(evaluation.part_key(6, 1, 2), b'{"eval/loss": [1.0]}')
     with caplog.at_level("WARNING", logger="composer_serverless.replicas.trainer"):
         result = lowest._evaluate(6, [0, 1], dict(lowest.model.named_parameters()))
-    assert result == {"eval/loss": pytest.approx(evaluate(lowest.objective, lowest.model)["eval/loss"], rel=1e-6)}
+    assert result == {
+        "eval/loss": pytest.approx(evaluate(lowest.objective, lowest.model)["eval/loss"], rel=1e-6)
+    }
     # One line naming the bad share, and no wait for the deadline (which would log the missing replicas).
     assert [r.getMessage() for r in caplog.records] == [
         "[replica 0] round 6: evaluation share 1 is malformed "
