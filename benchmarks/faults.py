@@ -12,10 +12,11 @@ does for any run, up to ``executor.max_restarts``):
    each, one replica process is killed with SIGKILL the moment its first pseudo-gradient shard of that round
    lands in the store: after it ran all H inner steps of the round, with its exchange in flight, the
    costliest moment to lose it. The victim rotates over the ranks: kill i targets rank i mod N, or the next
-   rank that is training that round and has not uploaded it yet; when none is (all restarting, waiting
-   or done) before the round is published, the kill moves to the next round. The supervisor sees the death
-   at its next poll and starts the replica again; the new process resumes from the store's LATEST state and
-   its own last saved state. Both runs use ``min_replicas = 2``: a round averages whoever arrived within the
+   rank that is training that round (its heartbeat announces each round as it starts) or is already in its
+   exchange, and has not finished the round; when none is (all restarting, waiting or done) before the round
+   is published, the kill moves to the next round, and is reported under ``missed_kills``. The supervisor
+   sees the death at its next poll and starts the replica again; the new process resumes from the store's
+   LATEST state and its own last saved state. Both runs use ``min_replicas = 2``: a round averages whoever arrived within the
    straggler grace.
 
 Figures, from the store alone:
@@ -40,7 +41,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import signal
 import sys
 import threading
@@ -52,11 +52,12 @@ from typing import Any
 from rich.console import Console
 
 from composer_serverless.config import ConfigError, RunConfig, load_config, validate_config
-from composer_serverless.executors.base import LAUNCH_KEY, LaunchRecord
+from composer_serverless.executors.base import LaunchRecord
 from composer_serverless.launcher import launch
-from composer_serverless.rendezvous.checkpoint import latest_round
+from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.telemetry import metrics_key, read_heartbeats, read_metrics
+from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
 
 MAX_RESTARTS = 10
 POLL_S = 0.002
@@ -145,11 +146,9 @@ class Killer(threading.Thread):
 
     def __init__(self, run: ObjectStore, rounds: list[int], replicas: int, last_round: int) -> None:
         super().__init__(name="killer", daemon=True)
-        rounds_dir = run.local_dir("rounds")
-        if rounds_dir is None:
+        if run.local_dir(layout.ROUNDS) is None:
             raise ValueError("the fault benchmark kills local processes; its store must be a local directory")
         self.run_store = run
-        self.rounds_dir = rounds_dir
         self.rounds = rounds
         self.replicas = replicas
         self.last_round = last_round
@@ -176,22 +175,20 @@ class Killer(threading.Thread):
 
     def _kill_in(self, i: int, round_index: int) -> bool:
         """Kill a replica in ``round_index``; False if the round was published before a victim was found."""
-        inputs = self.rounds_dir / str(round_index) / "0" / "in"
         while not self.stop.is_set():
             if latest_round(self.run_store) >= round_index:
                 return False
-            victim = self._choose(i, round_index, inputs)
+            victim = self._choose(i, round_index)
             if victim is None:
-                time.sleep(0.05)
+                time.sleep(POLL_S)
                 continue
             rank, pid = victim
-            uploaded = re.compile(rf"^{rank}-\d+$")
             while not self.stop.is_set():
-                if inputs.is_dir() and any(uploaded.match(n) for n in os.listdir(inputs)):
+                if rank in self._uploaded(round_index):
                     os.kill(pid, signal.SIGKILL)
                     killed_at = time.time()
                     _wait_dead(pid)
-                    recorded = self.run_store.exists(metrics_key(rank, round_index))
+                    recorded = self.run_store.exists(layout.metrics(rank, round_index))
                     self.kills.append(
                         {
                             "round": round_index,
@@ -207,23 +204,32 @@ class Killer(threading.Thread):
                 time.sleep(POLL_S)
         return False
 
-    def _choose(self, i: int, round_index: int, inputs: Path) -> tuple[int, int] | None:
-        """The first rank in rotation order that is training this round and has not uploaded it yet."""
+    def _uploaded(self, round_index: int) -> set[int]:
+        """Ranks with a pseudo-gradient shard of ``round_index`` in the store."""
+        inputs = f"{layout.sync(round_index, 0)}/{layout.SYNC_INPUTS}"
+        return {int(name.split("-")[0]) for name in self.run_store.list(inputs)}
+
+    def _choose(self, i: int, round_index: int) -> tuple[int, int] | None:
+        """The first live rank in rotation order that is in ``round_index`` and has not finished it: one whose
+        heartbeat says it trains the round (a replica announces each new round at once), or one that already
+        uploaded its shard (it is in the exchange, and is killed at once)."""
         try:
-            handles = {h.rank: h for h in LaunchRecord.from_json(self.run_store.get(LAUNCH_KEY)).current()}
+            handles = {
+                h.rank: h for h in LaunchRecord.from_json(self.run_store.get(layout.LAUNCH_RECORD)).current()
+            }
         except FileNotFoundError:
             return None
         beats = read_heartbeats(self.run_store)
-        present = os.listdir(inputs) if inputs.is_dir() else []
+        uploaded = self._uploaded(round_index)
         for rank in victim_order(i, self.replicas):
             handle, beat = handles.get(rank), beats.get(rank, {})
             if handle is None or not _alive(int(handle.backend_id)):
                 continue
-            if beat.get("state") != "training" or beat.get("round", 0) > round_index:
+            if self.run_store.exists(layout.metrics(rank, round_index)):
                 continue
-            if any(n.startswith(f"{rank}-") for n in present):
-                continue
-            return rank, int(handle.backend_id)
+            training = beat.get("state") == "training" and beat.get("round") == round_index
+            if training or rank in uploaded:
+                return rank, int(handle.backend_id)
         return None
 
 

@@ -25,6 +25,7 @@ from rich.prompt import Prompt
 from rich.table import Table
 
 from composer_serverless.config import ConfigError, load_config
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import StoreError
 
 if TYPE_CHECKING:
@@ -35,8 +36,10 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Train a Hugging Face causal LM with DiLoCo across replicas that meet only in an object store.",
 )
-console = Console()
-err_console = Console(stderr=True)
+# Soft wrap: a message carrying a path, a URL or a command to copy is never broken across lines by the
+# terminal's width (the terminal wraps it visually, and it still pastes whole).
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 class Executor(str, enum.Enum):
@@ -115,6 +118,13 @@ def _cancel_on_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _print_table(table: Table) -> None:
+    """Print ``table`` at its natural width even on a narrower terminal: a cropped cell (``diloco.outer…``)
+    loses what it says, a line the terminal wraps does not."""
+    natural = console.measure(table, options=console.options.update(max_width=sys.maxsize)).maximum
+    Console(width=max(console.width, natural)).print(table)
 
 
 def ask_cancel_or_detach() -> str:
@@ -221,13 +231,13 @@ def status(run: RunArgument) -> None:
             row.backend_id,
             row.detail,
         )
-    console.print(table)
-    if opened.store.exists("summary.json"):
-        summary = json.loads(opened.store.get("summary.json"))
+    _print_table(table)
+    if opened.store.exists(layout.SUMMARY):
+        summary = json.loads(opened.store.get(layout.SUMMARY))
         console.print(
             f"finished: held-out loss {summary['initial_eval_loss']:.4f} -> "
             f"{summary['final_eval_loss']:.4f}; "
-            f"report {opened.store.url_of('summary.json')}",
+            f"report {opened.store.url_of(layout.SUMMARY)}",
             highlight=False,
         )
 
@@ -295,7 +305,8 @@ def sweep(
         finished = grid_sweep.run_sweep(cells, console, on_interrupt=ask_cancel_or_detach)
     if finished is None:
         return
-    console.print(grid_sweep.results_table(finished))
+    _print_table(grid_sweep.results_table(finished))
+    console.print(f"runs: {grid_sweep.runs_root(finished)}/<run>", markup=False, highlight=False)
     if any(cell.state != "succeeded" for cell in finished):
         raise typer.Exit(1)
 

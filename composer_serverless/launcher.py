@@ -31,15 +31,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from composer_serverless.config import ConfigError, RunConfig, validate_config
 from composer_serverless.executors import make_executor
 from composer_serverless.executors.base import LaunchPlan, LaunchRecord, ServerlessExecutor
-from composer_serverless.rendezvous.checkpoint import latest_round
+from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
 from composer_serverless.replicas.composer import preflight
 from composer_serverless.replicas.objective import preflight_text
-from composer_serverless.replicas.trainer import FINAL_PREFIX, MODEL_PREFIX
-from composer_serverless.report import PLOT_KEY, REWARD_PLOT_KEY, SUMMARY_KEY, eval_headline, write_report
+from composer_serverless.report import eval_headline, write_report
 from composer_serverless.runs import RUN_URL_HINT, STORE_HINT, absolute_store, open_store
 from composer_serverless.supervisor import RunCancelled, Supervisor, Terminated
-from composer_serverless.telemetry import read_heartbeats, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def create_run(config: RunConfig, source: str, console: Console) -> tuple[Object
     root.ensure_root()
     run_id = config.run_id or new_run_id(source)
     run = root.child(run_id)
-    if run.exists("run.json"):
+    if run.exists(layout.RUN_CONFIG):
         raise ConfigError(
             f"run {run.url} already exists\n  fix: choose another run_id, or leave run_id unset"
         )
@@ -85,7 +85,7 @@ def create_run(config: RunConfig, source: str, console: Console) -> tuple[Object
     if resolved.model.tiny is not None:
         with console.status("building the tiny model and its tokenizer"):
             _build_tiny_into(run, resolved)
-    if not run.create("run.json", resolved.resolved_json().encode()):
+    if not run.create(layout.RUN_CONFIG, resolved.resolved_json().encode()):
         raise ConfigError(
             f"run {run.url} was created concurrently by someone else\n  fix: choose another run_id"
         )
@@ -107,7 +107,7 @@ def _build_tiny_into(run: ObjectStore, config: RunConfig) -> None:
         texts = training_text(corpus, int(tiny.tokenizer_corpus_mb * 1e6), config.seed)
     with tempfile.TemporaryDirectory() as out:
         build_tiny(tiny, texts, Path(out), seed=config.seed)
-        run.upload_dir(Path(out), MODEL_PREFIX)
+        run.upload_dir(Path(out), layout.MODEL)
 
 
 @dataclass
@@ -191,10 +191,10 @@ def resume(
     """
     run = open_store(run_url.rstrip("/"))
     try:
-        raw = run.get("run.json")
+        raw = run.get(layout.RUN_CONFIG)
     except FileNotFoundError:
         raise ConfigError(
-            f"{run_url} is not a run: there is no run.json there\n  fix: {RUN_URL_HINT}"
+            f"{run_url} is not a run: there is no {layout.RUN_CONFIG} there\n  fix: {RUN_URL_HINT}"
         ) from None
     config = RunConfig.model_validate_json(raw)
     executor = make_executor(config, run)
@@ -348,6 +348,11 @@ def print_report(run: ObjectStore, summary: dict[str, Any], console: Console) ->
         f"replicas bit-identical after every sync: {summary['replicas_bit_identical']}; "
         f"moved {summary['bytes_uploaded'] / 1e6:.1f} MB up, {summary['bytes_downloaded'] / 1e6:.1f} MB down"
     )
-    plots = [("reward plot", REWARD_PLOT_KEY)] if summary["final_eval_reward"] is not None else []
-    for what, key in (("summary", SUMMARY_KEY), ("plot", PLOT_KEY), *plots, ("final model", FINAL_PREFIX)):
+    plots = [("reward plot", layout.REWARD_PLOT)] if summary["final_eval_reward"] is not None else []
+    for what, key in (
+        ("summary", layout.SUMMARY),
+        ("plot", layout.LOSS_PLOT),
+        *plots,
+        ("final model", layout.FINAL),
+    ):
         console.print(f"  {what:12s} {run.url_of(key)}")

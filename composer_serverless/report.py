@@ -13,12 +13,10 @@ import json
 from typing import Any
 
 from composer_serverless.config import RunConfig
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.telemetry import read_metrics
+from composer_serverless.rendezvous.telemetry import read_metrics
 
-SUMMARY_KEY = "summary.json"
-PLOT_KEY = "loss.png"
-REWARD_PLOT_KEY = "reward.png"
 # The per-channel losses of the composer objective, as the replicas report them under "train".
 CHANNEL_LOSSES = ("grpo/loss", "sdpo/loss", "replay/loss", "loss/total")
 TASK_PREFIX, TASK_SUFFIX = "eval/task/", "/reward"
@@ -123,10 +121,10 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
 def write_report(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, Any]:
     summary = summarise(run, config, wall_s)
     metrics = read_metrics(run)
-    run.put(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
-    run.put(PLOT_KEY, plot_losses(metrics))
+    run.put(layout.SUMMARY, json.dumps(summary, indent=2).encode())
+    run.put(layout.LOSS_PLOT, plot_losses(metrics))
     if "eval/reward" in eval_curves(metrics):
-        run.put(REWARD_PLOT_KEY, plot_rewards(metrics))
+        run.put(layout.REWARD_PLOT, plot_rewards(metrics))
     return summary
 
 

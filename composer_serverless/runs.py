@@ -20,15 +20,15 @@ from typing import Any
 from composer_serverless.config import ConfigError, RunConfig
 from composer_serverless.executors import make_executor
 from composer_serverless.executors.base import (
-    LAUNCH_KEY,
     LaunchRecord,
     ReplicaHandle,
     ReplicaStatus,
     ServerlessExecutor,
 )
 from composer_serverless.executors.environment import secret_value, store_protocol
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore, StoreError
-from composer_serverless.telemetry import read_heartbeats
+from composer_serverless.rendezvous.telemetry import read_heartbeats
 
 RUN_URL_HINT = "RUN is the URL `launch` printed, e.g. s3://bucket/runs/<run_id> or ./runs/<run_id>"
 STORE_HINT = "set store to a directory or an object store, e.g. --set store=s3://<bucket>/runs"
@@ -83,23 +83,27 @@ class OpenRun:
         return handles[rank]
 
     def save(self) -> None:
-        self.store.put(LAUNCH_KEY, self.record.to_json())
+        self.store.put(layout.LAUNCH_RECORD, self.record.to_json())
 
 
 def open_run(url: str) -> OpenRun:
     """Everything about the run at ``url``; ConfigError (exit 2) when ``url`` is not a launched run."""
     store = open_store(url.rstrip("/"))
     try:
-        raw_config = store.get("run.json")
+        raw_config = store.get(layout.RUN_CONFIG)
     except FileNotFoundError:
-        raise ConfigError(f"{url} is not a run: there is no run.json there\n  fix: {RUN_URL_HINT}") from None
+        raise ConfigError(
+            f"{url} is not a run: there is no {layout.RUN_CONFIG} there\n  fix: {RUN_URL_HINT}"
+        ) from None
     except Exception as e:  # an unreachable store or missing credentials look alike to the user
         raise StoreError(f"cannot read the run at {url}: {type(e).__name__}: {e}") from e
     config = RunConfig.model_validate_json(raw_config)
     try:
-        record = LaunchRecord.from_json(store.get(LAUNCH_KEY))
+        record = LaunchRecord.from_json(store.get(layout.LAUNCH_RECORD))
     except FileNotFoundError:
-        raise ConfigError(f"the run at {url} was created but never launched (no {LAUNCH_KEY})") from None
+        raise ConfigError(
+            f"the run at {url} was created but never launched (no {layout.LAUNCH_RECORD})"
+        ) from None
     return OpenRun(store, config, record, make_executor(config, store))
 
 
@@ -141,7 +145,7 @@ def status(url: str) -> tuple[OpenRun, list[ReplicaRow]]:
                 detail=st.detail or beat.get("state", ""),
             )
         )
-    if all(st.state == "succeeded" for st in statuses) and not run.store.exists("summary.json"):
+    if all(st.state == "succeeded" for st in statuses) and not run.store.exists(layout.SUMMARY):
         _write_detached_report(run, beats)
     return run, rows
 
@@ -191,12 +195,10 @@ def export(url: str, out: Path, push_to_hub: str | None = None) -> str | None:
 
     Returns the commit URL when pushed. Everything that can be wrong is checked before anything is written.
     """
-    from composer_serverless.replicas.trainer import FINAL_PREFIX
-
     store = open_run(url).store
-    if not store.list(FINAL_PREFIX):
+    if not store.list(layout.FINAL):
         raise ConfigError(
-            f"{url} has no final model yet (rank 0 writes {FINAL_PREFIX}/ when the run completes)\n"
+            f"{url} has no final model yet (rank 0 writes {layout.FINAL}/ when the run completes)\n"
             f"  fix: wait for the run to finish (`composer-serverless status {url}`); {RUN_URL_HINT}"
         )
     if out.exists() and any(out.iterdir()):
@@ -216,7 +218,7 @@ def export(url: str, out: Path, push_to_hub: str | None = None) -> str | None:
             raise ConfigError(
                 "--push-to-hub needs a Hugging Face token\n  fix: export HF_TOKEN=... or run `hf auth login`"
             )
-    store.download_dir(FINAL_PREFIX, out)
+    store.download_dir(layout.FINAL, out)
     if push_to_hub is None:
         return None
     from huggingface_hub import HfApi

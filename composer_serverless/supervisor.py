@@ -19,13 +19,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from composer_serverless.executors.base import (
-    LAUNCH_KEY,
     TERMINAL_STATES,
     LaunchRecord,
     ReplicaHandle,
     ReplicaStatus,
     ServerlessExecutor,
 )
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 
 LOG_TAIL_LINES = 30
@@ -70,7 +70,7 @@ class Supervisor:
         return self.record.current()
 
     def save(self) -> None:
-        self.run.put(LAUNCH_KEY, self.record.to_json())
+        self.run.put(layout.LAUNCH_RECORD, self.record.to_json())
 
     def poll(self) -> Poll:
         handles = self.handles
@@ -101,7 +101,7 @@ class Supervisor:
         return Poll(statuses, events, finished)
 
     def _relaunch_or_fail(self, handle: ReplicaHandle, status: ReplicaStatus) -> str:
-        if LaunchRecord.from_json(self.run.get(LAUNCH_KEY)).cancelled:
+        if LaunchRecord.from_json(self.run.get(layout.LAUNCH_RECORD)).cancelled:
             raise RunCancelled("the run was cancelled from elsewhere (`cancel RUN`)")
         restarts = self.record.plan.launcher_restarts
         if handle.attempt > restarts:

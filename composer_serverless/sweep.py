@@ -34,9 +34,9 @@ from composer_serverless.launcher import (
     start,
     status_poll_s,
 )
+from composer_serverless.rendezvous.telemetry import read_heartbeats
 from composer_serverless.report import write_report
 from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor, Terminated
-from composer_serverless.telemetry import read_heartbeats
 
 
 @dataclass
@@ -194,23 +194,28 @@ def _poll(cell: Cell, console: Console) -> None:
 def results_table(cells: list[Cell]) -> Table:
     keys = list(cells[0].values) if cells else []
     table = Table(title="sweep results")
-    for column in ["cell", *keys, "state", "rounds", "final held-out loss"]:
+    # The run id, not its URL: a URL folded at the terminal's width could not be copied; the URLs are
+    # printed whole when the cells start, and ``runs_root`` says where the ids live.
+    for column in ["cell", *keys, "state", "rounds", "final held-out loss", "run"]:
         table.add_column(column, no_wrap=True)
-    table.add_column("run", overflow="fold")
     for cell in cells:
         summary = cell.summary or {}
         loss = summary.get("final_eval_loss")
         rounds = f"{summary['rounds_committed']}/{summary['rounds']}" if summary else "-"
-        url = cell.supervisor.run.url if cell.supervisor is not None else "-"
         table.add_row(
             str(cell.index),
             *(cell.values[k] for k in keys),
             cell.state,
             rounds,
             "-" if loss is None else f"{loss:.4f}",
-            url,
+            cell.prepared.plan.run_id,
         )
     return table
+
+
+def runs_root(cells: list[Cell]) -> str:
+    """The store the cells' runs live in: ``<root>/<run id>`` is a run's URL."""
+    return cells[0].prepared.config.store
 
 
 def _describe(values: dict[str, str]) -> str:

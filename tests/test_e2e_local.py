@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from composer_serverless.config import validate_config
 from composer_serverless.launcher import launch
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.telemetry import read_metrics
+from composer_serverless.rendezvous.telemetry import read_metrics
 from tests.conftest import TINY
 
 

@@ -3,9 +3,10 @@
 import pytest
 
 from composer_serverless.config import validate_config
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.report import REWARD_PLOT_KEY, eval_headline, summarise, write_report
-from composer_serverless.telemetry import Reporter
+from composer_serverless.rendezvous.telemetry import Reporter
+from composer_serverless.report import eval_headline, summarise, write_report
 
 CONFIG = validate_config(
     {
@@ -60,7 +61,7 @@ def test_a_reward_run_reports_reward_headlines_per_task_and_channel_curves(run):
 
 def test_the_reward_plot_is_written_next_to_the_summary(run):
     write_report(run, CONFIG, wall_s=12.0)
-    png = run.get(REWARD_PLOT_KEY)
+    png = run.get(layout.REWARD_PLOT)
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     assert run.exists("summary.json") and run.exists("loss.png")
 
@@ -75,7 +76,7 @@ def test_a_loss_run_gets_no_reward_plot(tmp_path):
         6.0,
         None,
     )
-    assert not store.exists(REWARD_PLOT_KEY)
+    assert not store.exists(layout.REWARD_PLOT)
 
 
 def test_headlines_name_whatever_was_evaluated():

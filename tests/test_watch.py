@@ -12,9 +12,9 @@ from rich.console import Console
 from composer_serverless import launcher
 from composer_serverless.config import validate_config
 from composer_serverless.executors.base import ReplicaStatus
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.supervisor import Poll
-from composer_serverless.telemetry import heartbeat_key
 from tests.conftest import TINY
 
 
@@ -29,7 +29,7 @@ class ScriptedSupervisor:
     def poll(self) -> Poll:
         beats = self.script.pop(0)
         for beat in beats:
-            self.run.put(heartbeat_key(beat["rank"]), json.dumps(beat).encode())
+            self.run.put(layout.heartbeat(beat["rank"]), json.dumps(beat).encode())
         return Poll([ReplicaStatus(0, "running")], finished=not self.script)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from composer_serverless.rendezvous import layout
+
 if TYPE_CHECKING:
     from composer_serverless.config import RunConfig
     from composer_serverless.executors.base import ServerlessExecutor
@@ -21,7 +23,9 @@ def make_executor(config: RunConfig, run: ObjectStore) -> ServerlessExecutor:
     if kind == "local":
         from composer_serverless.executors.local import LocalProcessExecutor
 
-        log_dir = run.local_dir("logs") or Path(".composer-serverless") / (config.run_id or "run") / "logs"
+        log_dir = (
+            run.local_dir(layout.LOGS) or Path(".composer-serverless") / (config.run_id or "run") / "logs"
+        )
         return LocalProcessExecutor(run, log_dir)
     if kind == "modal":
         from composer_serverless.executors.modal import ModalExecutor

@@ -20,7 +20,6 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from composer_serverless.config import RunConfig
 
 WORKER_MODULE = "composer_serverless.replicas.worker"
-LAUNCH_KEY = "launch.json"
 
 ReplicaState = Literal["pending", "running", "succeeded", "failed", "cancelled", "unscheduled"]
 TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "unscheduled"})

@@ -35,7 +35,7 @@ from composer_serverless.executors.base import (
 )
 from composer_serverless.executors.environment import store_protocol
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.telemetry import read_heartbeats
+from composer_serverless.rendezvous.telemetry import read_heartbeats
 
 CANCEL_GRACE_S = 5.0
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.codec import (
     CodecName,
     Payload,
@@ -49,7 +50,6 @@ from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
 
-QUORUM = "quorum.json"
 REDUCED = "reduced"
 _POLL_FIRST_S = 0.005
 _POLL_CAP_S = 0.5
@@ -121,17 +121,9 @@ def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
     return [(s * numel // shards, (s + 1) * numel // shards) for s in range(shards)]
 
 
-def input_key(rank: int, shard: int) -> str:
-    return f"in/{rank}-{shard}"
-
-
-def reduced_key(shard: int) -> str:
-    return f"out/{shard}"
-
-
 def complete_ranks(keys: set[str], replicas: int) -> list[int]:
     """Ranks whose N input shards are all present among ``keys`` (relative to the sync prefix)."""
-    return [r for r in range(replicas) if all(input_key(r, s) in keys for s in range(replicas))]
+    return [r for r in range(replicas) if all(layout.sync_input(r, s) in keys for s in range(replicas))]
 
 
 def substitute_for(shard: int, participants: list[int]) -> int:
@@ -158,7 +150,7 @@ def allreduce(
     Args:
         store: the run's store.
         values: this replica's flat fp32 tensor; not modified unless it is ``out``.
-        prefix: the sync's prefix, ``rounds/{k}/{fragment}``.
+        prefix: the sync's prefix, ``layout.sync(k, fragment)``.
         identity: header fields every payload of this sync carries (run id, round, fragment).
         rank: this replica's rank.
         settings: replicas, min_replicas, codec, timeout.
@@ -270,7 +262,7 @@ class _Exchange:
                 start, end = self.bounds[shard]
                 identity = self._input_identity(self.rank, shard)
                 parts = encode_parts(self.values[start:end], identity, self.settings.codec)
-                if self.store.create(input_key(self.rank, shard), parts):
+                if self.store.create(layout.sync_input(self.rank, shard), parts):
                     self.result.bytes_up += sum(len(p) for p in parts)
                     self.mine[shard] = parts
                 else:
@@ -278,7 +270,7 @@ class _Exchange:
                     # input; inputs are immutable, so the stored bytes are the ones that count.
                     logger.info(
                         "input %s exists from an earlier attempt; using the stored one",
-                        input_key(self.rank, shard),
+                        layout.sync_input(self.rank, shard),
                     )
         except (
             Exception
@@ -304,7 +296,7 @@ class _Exchange:
             # already, and its near-zero wait belongs in its history as much as the first one's long wait.
             if len(present) == self.n and self.result.waited_for_all_s is None:
                 self.result.waited_for_all_s = now - self.started
-            if QUORUM in keys:
+            if layout.QUORUM in keys:
                 quorum = self._read_quorum()
                 if quorum is not None:
                     return quorum
@@ -327,17 +319,17 @@ class _Exchange:
         if self.is_stale is not None and self.is_stale():
             raise StaleRoundError(f"{self.store.url}: the store has already completed this round")
         doc = {"participants": present, "decided_by": self.rank, "reason": reason}
-        if self.store.create(QUORUM, json.dumps(doc).encode()):
+        if self.store.create(layout.QUORUM, json.dumps(doc).encode()):
             logger.info("[replica %d] quorum %s fixed: %s (%s)", self.rank, self.store.url, present, reason)
             return present
         quorum = self._read_quorum()
         if quorum is None:
-            raise ExchangeError(f"{self.store.url}/{QUORUM} vanished after it was created")
+            raise ExchangeError(f"{self.store.url}/{layout.QUORUM} vanished after it was created")
         return quorum
 
     def _read_quorum(self) -> list[int] | None:
         try:
-            raw = self.store.get(QUORUM)
+            raw = self.store.get(layout.QUORUM)
         except FileNotFoundError:
             return None
         self.result.bytes_down += len(raw)
@@ -348,7 +340,7 @@ class _Exchange:
             or any(not isinstance(p, int) or not 0 <= p < self.n for p in participants)
             or participants != sorted(set(participants))
         ):
-            raise ExchangeError(f"{self.store.url}/{QUORUM} is malformed: {raw[:200]!r}")
+            raise ExchangeError(f"{self.store.url}/{layout.QUORUM} is malformed: {raw[:200]!r}")
         return participants
 
     def _prefetch(self, keys: set[str], present: list[int]) -> None:
@@ -357,10 +349,10 @@ class _Exchange:
             if (
                 peer != self.rank
                 and (peer, self.rank) not in self.fetched
-                and input_key(peer, self.rank) in keys
+                and layout.sync_input(peer, self.rank) in keys
             ):
                 self.fetched[(peer, self.rank)] = self._fetch(
-                    input_key(peer, self.rank), self.rank, slot=peer
+                    layout.sync_input(peer, self.rank), self.rank, slot=peer
                 )
 
     # --- phase 3: reduce ---------------------------------------------------------------------------
@@ -377,7 +369,11 @@ class _Exchange:
                 accumulate(total, payload, identity, self.settings.codec, verify=verify)
             except PayloadError as e:
                 logger.warning(
-                    "[replica %d] rejected %s/%s: %s", self.rank, self.store.url, input_key(peer, shard), e
+                    "[replica %d] rejected %s/%s: %s",
+                    self.rank,
+                    self.store.url,
+                    layout.sync_input(peer, shard),
+                    e,
                 )
                 continue
             summed.append(peer)
@@ -385,11 +381,11 @@ class _Exchange:
             raise ExchangeError(f"{self.store.url}: no valid input for shard {shard}")
         identity = {**self._reduced_identity(shard), "summed": ",".join(map(str, summed))}
         parts = encode_parts(total.div_(len(summed)), identity, self.settings.codec)
-        if self.store.create(reduced_key(shard), parts):
+        if self.store.create(layout.sync_output(shard), parts):
             self.result.bytes_up += sum(len(p) for p in parts)
             self._place(shard, parts, verify=False)
         else:
-            self._place(shard, self._fetch(reduced_key(shard), shard))
+            self._place(shard, self._fetch(layout.sync_output(shard), shard))
 
     def _input(self, peer: int, shard: int) -> tuple[Payload, bool]:
         """The payload of ``peer``'s input for ``shard``, and whether it must be verified (it came from the
@@ -397,7 +393,7 @@ class _Exchange:
         if peer == self.rank and shard in self.mine:
             return self.mine.pop(shard), False
         if (peer, shard) not in self.fetched:
-            self.fetched[(peer, shard)] = self._fetch(input_key(peer, shard), shard)
+            self.fetched[(peer, shard)] = self._fetch(layout.sync_input(peer, shard), shard)
         return self.fetched.pop((peer, shard)), True
 
     # --- phase 4: gather ---------------------------------------------------------------------------
@@ -411,9 +407,9 @@ class _Exchange:
         rescue_at = now + _POLL_CAP_S + max(self.grace_s, 2 * (now - self.quorum_at))
         delay = _POLL_FIRST_S
         while pending:
-            available = {int(name) for name in self.store.list("out") if name.isdigit()}
+            available = {int(name) for name in self.store.list(layout.SYNC_OUTPUTS) if name.isdigit()}
             for shard in sorted(pending & available):
-                self._place(shard, self._fetch(reduced_key(shard), shard))
+                self._place(shard, self._fetch(layout.sync_output(shard), shard))
                 pending.discard(shard)
             if not pending:
                 return
@@ -424,7 +420,7 @@ class _Exchange:
                         "[replica %d] %s/%s missing %.1fs after the quorum; reducing it here",
                         self.rank,
                         self.store.url,
-                        reduced_key(shard),
+                        layout.sync_output(shard),
                         now - self.started,
                     )
                     self._reduce(shard, participants)

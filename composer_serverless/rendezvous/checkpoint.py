@@ -23,17 +23,12 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from composer_serverless.rendezvous import latest, layout
+from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
 
-STATE = "state"
-LATEST = "state/LATEST"
-INITIAL = "state/initial.json"
-REPLICAS = "replicas"
-TENSORS_FILE = "tensors.safetensors"
-STATE_FILE = "state.json"
-MANIFEST_FILE = "manifest.json"
 # Exchange objects of this many recent rounds are kept, so a replica that is a little behind can still
 # take a round's result from the store; an older one catches up from state/LATEST instead.
 KEEP_ROUNDS = 2
@@ -105,15 +100,18 @@ def write_snapshot(store: ObjectStore, prefix: str, tree: Any) -> None:
     """Write ``tree`` under ``prefix/``; the manifest goes last, so its presence means the snapshot is whole."""
     skeleton, tensors = flatten(tree)
     files = {
-        TENSORS_FILE: safetensors.torch.save(tensors),
-        STATE_FILE: json.dumps(skeleton).encode(),
+        layout.SNAPSHOT_TENSORS: safetensors.torch.save(tensors),
+        layout.SNAPSHOT_STATE: json.dumps(skeleton).encode(),
     }
     for name, data in files.items():
-        store.put(f"{prefix}/{name}", data)
+        store.put(layout.snapshot_file(prefix, name), data)
     manifest = {
         name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()
     }
-    store.put(f"{prefix}/{MANIFEST_FILE}", json.dumps({"files": manifest}, indent=1).encode())
+    store.put(
+        layout.snapshot_file(prefix, layout.SNAPSHOT_MANIFEST),
+        json.dumps({"files": manifest}, indent=1).encode(),
+    )
 
 
 def read_snapshot(store: ObjectStore, prefix: str) -> Any:
@@ -123,17 +121,19 @@ def read_snapshot(store: ObjectStore, prefix: str) -> Any:
         FileNotFoundError: there is no complete snapshot under ``prefix``.
         CheckpointError: a file is missing, of the wrong size, or fails its checksum.
     """
-    raw = store.get(f"{prefix}/{MANIFEST_FILE}")
+    raw = store.get(layout.snapshot_file(prefix, layout.SNAPSHOT_MANIFEST))
     try:
         manifest = json.loads(raw)["files"]
-        if set(manifest) != {TENSORS_FILE, STATE_FILE}:
+        if set(manifest) != {layout.SNAPSHOT_TENSORS, layout.SNAPSHOT_STATE}:
             raise ValueError(f"it lists {sorted(manifest)}")
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{store.url_of(prefix)}/{MANIFEST_FILE} is not a valid manifest: {e}") from e
+        raise CheckpointError(
+            f"{store.url_of(prefix)}/{layout.SNAPSHOT_MANIFEST} is not a valid manifest: {e}"
+        ) from e
     files = {}
     for name, expected in manifest.items():
         try:
-            data = store.get(f"{prefix}/{name}")
+            data = store.get(layout.snapshot_file(prefix, name))
         except FileNotFoundError as e:
             raise CheckpointError(
                 f"{store.url_of(prefix)}/{name} is listed in the manifest but missing"
@@ -142,53 +142,42 @@ def read_snapshot(store: ObjectStore, prefix: str) -> Any:
             raise CheckpointError(f"{store.url_of(prefix)}/{name} does not match its manifest checksum")
         files[name] = data
     try:
-        tensors = safetensors.torch.load(files[TENSORS_FILE])
+        tensors = safetensors.torch.load(files[layout.SNAPSHOT_TENSORS])
     except Exception as e:  # safetensors raises its own error type for every malformed layout
-        raise CheckpointError(f"{store.url_of(prefix)}/{TENSORS_FILE} is not valid safetensors: {e}") from e
-    return unflatten(json.loads(files[STATE_FILE]), tensors)
+        raise CheckpointError(
+            f"{store.url_of(prefix)}/{layout.SNAPSHOT_TENSORS} is not valid safetensors: {e}"
+        ) from e
+    return unflatten(json.loads(files[layout.SNAPSHOT_STATE]), tensors)
 
 
 # --- the global state and LATEST -----------------------------------------------------------------------
 
 
-def latest_round(store: ObjectStore) -> int:
-    """The round named by ``state/LATEST``; 0 before any round has been published."""
-    try:
-        return int(json.loads(store.get(LATEST))["round"])
-    except FileNotFoundError:
-        return 0
-
-
 def agree_on_initial_weights(store: ObjectStore, weights_sha256: str) -> bool:
     """Record the digest of a fresh replica's initial weights, or compare with the one recorded first."""
-    return store.create(INITIAL, json.dumps({"sha256": weights_sha256}).encode())
+    return store.create(layout.INITIAL_WEIGHTS, json.dumps({"sha256": weights_sha256}).encode())
 
 
 def initial_weights(store: ObjectStore) -> str:
     """The digest of the initial weights recorded by ``agree_on_initial_weights``."""
-    return str(json.loads(store.get(INITIAL))["sha256"])
+    return str(json.loads(store.get(layout.INITIAL_WEIGHTS))["sha256"])
 
 
 def write_global(store: ObjectStore, round_index: int, tree: Any) -> None:
     """Write the global state after ``round_index``; ``advance_latest`` then makes it the one to resume from."""
-    write_snapshot(store, f"{STATE}/{round_index}", tree)
+    write_snapshot(store, layout.global_state(round_index), tree)
 
 
 def advance_latest(store: ObjectStore, round_index: int) -> None:
-    """Point LATEST at ``round_index`` (already written), then prune old states and exchange objects.
-
-    LATEST only moves forward: a publisher that was slower than the next round's publisher leaves it alone
-    (a reader then just sees a slightly older, still complete, state).
-    """
-    if latest_round(store) < round_index:
-        store.put(LATEST, json.dumps({"round": round_index}).encode())
-    _prune_numbered(store, STATE, keep_from=round_index - KEEP_STATES + 1, skip={"LATEST"})
-    _prune_numbered(store, "rounds", keep_from=round_index - KEEP_ROUNDS + 1)
-    _prune_numbered(store, "evals", keep_from=round_index - KEEP_ROUNDS + 1)
+    """Point LATEST at ``round_index`` (already written), then prune old states and exchange objects."""
+    latest.advance(store, round_index)
+    _prune_numbered(store, layout.STATE, keep_from=round_index - KEEP_STATES + 1)
+    _prune_numbered(store, layout.ROUNDS, keep_from=round_index - KEEP_ROUNDS + 1)
+    _prune_numbered(store, layout.EVALS, keep_from=round_index - KEEP_ROUNDS + 1)
 
 
 def load_global(store: ObjectStore, round_index: int) -> Any:
-    return read_snapshot(store, f"{STATE}/{round_index}")
+    return read_snapshot(store, layout.global_state(round_index))
 
 
 # --- per-replica state ---------------------------------------------------------------------------------
@@ -197,16 +186,16 @@ def load_global(store: ObjectStore, round_index: int) -> Any:
 def save_replica(store: ObjectStore, rank: int, round_index: int, tree: Any) -> None:
     """Save replica ``rank``'s own state after ``round_index``; drop its states older than LATEST, which no
     resume can need."""
-    write_snapshot(store, f"{REPLICAS}/{rank}/{round_index}", tree)
-    _prune_numbered(store, f"{REPLICAS}/{rank}", keep_from=min(round_index, latest_round(store)))
+    write_snapshot(store, layout.replica_state(rank, round_index), tree)
+    _prune_numbered(store, layout.replica_states(rank), keep_from=min(round_index, latest_round(store)))
 
 
 def load_replica(store: ObjectStore, rank: int, round_index: int) -> tuple[int, Any] | None:
     """Replica ``rank``'s newest complete state at or before ``round_index``, as (round, state), or None."""
-    saved = sorted((int(n) for n in store.list(f"{REPLICAS}/{rank}") if n.isdigit()), reverse=True)
+    saved = sorted((int(n) for n in store.list(layout.replica_states(rank)) if n.isdigit()), reverse=True)
     for k in (k for k in saved if k <= round_index):
         try:
-            return k, read_snapshot(store, f"{REPLICAS}/{rank}/{k}")
+            return k, read_snapshot(store, layout.replica_state(rank, k))
         except FileNotFoundError:
             continue  # written partly when the replica died: its manifest is missing
         except CheckpointError as e:
@@ -214,9 +203,7 @@ def load_replica(store: ObjectStore, rank: int, round_index: int) -> tuple[int, 
     return None
 
 
-def _prune_numbered(
-    store: ObjectStore, prefix: str, *, keep_from: int, skip: frozenset[str] | set[str] = frozenset()
-) -> None:
+def _prune_numbered(store: ObjectStore, prefix: str, *, keep_from: int) -> None:
     for name in store.list(prefix):
-        if name not in skip and name.isdigit() and int(name) < keep_from:
+        if name.isdigit() and int(name) < keep_from:
             store.delete(f"{prefix}/{name}")

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torchft.work import _DummyWork
 
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.allreduce import (
     ExchangeResult,
     ExchangeSettings,
@@ -40,8 +41,8 @@ from composer_serverless.rendezvous.allreduce import (
     Workspace,
     allreduce,
 )
-from composer_serverless.rendezvous.checkpoint import latest_round
 from composer_serverless.rendezvous.deadline import ArrivalHistory, GraceSettings
+from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -250,7 +251,7 @@ class ObjectStoreManager:
             result: ExchangeResult = allreduce(
                 self._store,
                 values,
-                prefix=f"rounds/{outcome.round}/{outcome.fragment}",
+                prefix=layout.sync(outcome.round, outcome.fragment),
                 identity={
                     "run_id": self._run_id,
                     "round": str(outcome.round),

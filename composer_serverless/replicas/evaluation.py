@@ -32,12 +32,6 @@ def combine(parts: list[EvalPart]) -> dict[str, float]:
     return {name: sums[name] / counts[name] for name in sorted(sums) if counts[name] > 0}
 
 
-def part_key(round_index: int, part: int, parts: int) -> str:
-    """Where a share of a round's evaluation is published; the share count is in the name, so a share of
-    another split of the same round (a different set of participants) is never mistaken for this one's."""
-    return f"evals/{round_index}/{part}-of-{parts}.json"
-
-
 def dumps(part: EvalPart) -> bytes:
     return json.dumps({name: [total, count] for name, (total, count) in part.items()}).encode()
 

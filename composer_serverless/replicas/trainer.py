@@ -41,24 +41,23 @@ from torchft.local_sgd import DiLoCo
 
 from composer_serverless.config import DiLoCoConfig, RunConfig, TrainConfig
 from composer_serverless.models import load_pretrained
-from composer_serverless.rendezvous import checkpoint
-from composer_serverless.rendezvous.allreduce import QUORUM, ExchangeSettings, StaleRoundError, backoff_sleep
+from composer_serverless.rendezvous import checkpoint, layout
+from composer_serverless.rendezvous.allreduce import ExchangeSettings, StaleRoundError, backoff_sleep
 from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.deadline import GraceSettings
+from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutcome
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.telemetry import Reporter, mean_metrics
 from composer_serverless.replicas import evaluation
 from composer_serverless.replicas.objective import Objective, make_objective
-from composer_serverless.telemetry import Reporter, mean_metrics
 
 logger = logging.getLogger(__name__)
 
-MODEL_PREFIX = "model"
 # The shortest wait for the other replicas' evaluation shares, beyond twice this replica's own share's time.
 EVAL_WAIT_MIN_S = 1.0
 # Longest pause between polls of the store while waiting for a round or for evaluation shares.
 WAIT_POLL_CAP_S = 0.25
-FINAL_PREFIX = "final"
 
 
 class InitialWeightsError(RuntimeError):
@@ -252,7 +251,7 @@ def load_run_model(run: ObjectStore, config: RunConfig, cache: Path) -> tuple[An
     """Load the run's model: the tiny model stored in the run, or the configured hub id / path."""
     if config.model.path is not None:
         return load_pretrained(config.model.path, config.model.dtype)
-    local = run.local_dir(MODEL_PREFIX) or run.download_dir(MODEL_PREFIX, cache / MODEL_PREFIX)
+    local = run.local_dir(layout.MODEL) or run.download_dir(layout.MODEL, cache / layout.MODEL)
     return load_pretrained(local, config.model.dtype)
 
 
@@ -262,16 +261,16 @@ def run_replica(run: ObjectStore, rank: int) -> None:
     The same call starts a fresh replica, restarts one that died, and resumes a run whose replicas all
     died: the replica continues from the store's latest published state and its own saved state.
     """
-    config = RunConfig.model_validate_json(run.get("run.json"))
+    config = RunConfig.model_validate_json(run.get(layout.RUN_CONFIG))
     if not 0 <= rank < config.diloco.replicas:
         raise ValueError(f"rank {rank} is outside [0, {config.diloco.replicas})")
     reporter = Reporter(run, rank)
-    reporter.beat(force=True, state="starting")
+    reporter.beat(state="starting")
     try:
         run.ensure_root()
         _train(run, config, rank, reporter)
     except BaseException as e:
-        reporter.beat(force=True, state="failed", error=f"{type(e).__name__}: {e}")
+        reporter.beat(state="failed", error=f"{type(e).__name__}: {e}")
         raise
 
 
@@ -369,7 +368,6 @@ class Replica:
             self._align(late=False)
             self._loop()
         self.reporter.beat(
-            force=True,
             state="done",
             round=dl.rounds,
             rounds=dl.rounds,
@@ -469,7 +467,7 @@ class Replica:
         with self._holding(params):
             shares = {part: self.objective.evaluate_part(self.model, part, parts)}
         if part != 0:
-            self.run_store.put(evaluation.part_key(round_index, part, parts), evaluation.dumps(shares[part]))
+            self.run_store.put(layout.eval_share(round_index, part, parts), evaluation.dumps(shares[part]))
             return None
         deadline = time.monotonic() + EVAL_WAIT_MIN_S + 2 * (time.monotonic() - started)
         delay = 0.01
@@ -506,7 +504,7 @@ class Replica:
         """Share ``part`` as published, None while it has not come. A share is written once, so a malformed
         one will never become valid: it is scored here at once, not polled for until the deadline."""
         try:
-            return evaluation.loads(self.run_store.get(evaluation.part_key(round_index, part, parts)))
+            return evaluation.loads(self.run_store.get(layout.eval_share(round_index, part, parts)))
         except FileNotFoundError:
             return None
         except ValueError as e:
@@ -524,7 +522,7 @@ class Replica:
         with swapped_in(self.model, params), tempfile.TemporaryDirectory() as out:
             self.model.save_pretrained(out)
             self.tokenizer.save_pretrained(out)
-            self.run_store.upload_dir(Path(out), FINAL_PREFIX)
+            self.run_store.upload_dir(Path(out), layout.FINAL)
 
     # --- keeping up with the store -----------------------------------------------------------------
 
@@ -539,7 +537,7 @@ class Replica:
         """
         dl = self.config.diloco
         step = self.manager.current_step()
-        latest = checkpoint.latest_round(self.run_store)
+        latest = latest_round(self.run_store)
         if latest * dl.fragments > step:
             self._jump(latest)
             return True
@@ -555,7 +553,7 @@ class Replica:
 
     def _quorum_without_me(self, round_index: int) -> bool:
         try:
-            quorum = json.loads(self.run_store.get(f"rounds/{round_index}/0/{QUORUM}"))
+            quorum = json.loads(self.run_store.get(layout.quorum(round_index, 0)))
         except FileNotFoundError:
             return False
         return self.rank not in quorum.get("participants", [])
@@ -567,7 +565,7 @@ class Replica:
         deadline = time.monotonic() + dl.sync_timeout_s
         delay = 0.01
         while time.monotonic() < deadline:
-            latest = checkpoint.latest_round(self.run_store)
+            latest = latest_round(self.run_store)
             if latest >= round_index:
                 return latest
             self.reporter.beat(
@@ -607,7 +605,7 @@ class Replica:
             try:
                 return checkpoint.load_global(self.run_store, round_index)
             except FileNotFoundError:
-                round_index = checkpoint.latest_round(self.run_store)
+                round_index = latest_round(self.run_store)
         raise CheckpointError(
             f"cannot read the global state of round {round_index} from {self.run_store.url}"
         )
@@ -652,7 +650,7 @@ class Replica:
 
     def _restore(self) -> int:
         """Continue from the store's latest state and this replica's own; returns the round (0 if fresh)."""
-        latest = checkpoint.latest_round(self.run_store)
+        latest = latest_round(self.run_store)
         if latest == 0:
             return 0
         self._apply_global(self._load_global(latest))

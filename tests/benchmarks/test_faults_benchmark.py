@@ -83,6 +83,7 @@ def test_a_killed_replica_is_restarted_and_accounted_for(tmp_path: Path, tiny_mo
     out = tmp_path / "out"
     run = bench.run_once(bench.run_config(load_config(config), budget, 0, "faulty", out), out, [2])
 
+    assert len(run["kills"]) == 1, f"the kill in round 2 was missed: {run['missed_kills']}"
     (kill,) = run["kills"]
     # The rule's first victim is rank 0, or rank 1 when rank 0 had already uploaded round 2 by the time the
     # killer looked (which of the two depends on the machine's timing).

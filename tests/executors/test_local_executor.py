@@ -20,9 +20,10 @@ from rich.console import Console
 
 from composer_serverless.config import validate_config
 from composer_serverless.executors import base
-from composer_serverless.executors.base import LAUNCH_KEY, LaunchRecord, ReplicaHandle
+from composer_serverless.executors.base import LaunchRecord, ReplicaHandle
 from composer_serverless.executors.local import LocalProcessExecutor, _identity_meta
 from composer_serverless.launcher import launch
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.supervisor import RunFailed
 from tests.conftest import TINY
@@ -114,7 +115,7 @@ def test_dead_replica_is_relaunched_run_completes_and_no_secret_anywhere(
     assert "replica 1 died (exit code 3); started it again (attempt 2 of 2)" in output
 
     record = LaunchRecord.from_json(
-        client.get_object(Bucket="bucket", Key=f"runs/relaunch/{LAUNCH_KEY}")["Body"].read()
+        client.get_object(Bucket="bucket", Key=f"runs/relaunch/{layout.LAUNCH_RECORD}")["Body"].read()
     )
     assert [(h.rank, h.attempt) for h in record.handles] == [(0, 1), (1, 1), (1, 2)]
     log = Path(record.current()[1].log).read_text()
@@ -138,7 +139,7 @@ def test_replica_that_keeps_failing_fails_the_run_with_its_log(tmp_path, crash):
     message = str(failure.value)
     assert "replica 1 failed after 2 attempts (exit code 3); last lines of its log" in message
     assert "crashing on purpose (crash 2)" in message
-    record = LaunchRecord.from_json(ObjectStore(str(store / "keeps-failing")).get(LAUNCH_KEY))
+    record = LaunchRecord.from_json(ObjectStore(str(store / "keeps-failing")).get(layout.LAUNCH_RECORD))
     rank0 = record.current()[0]
     assert (
         not Path(f"/proc/{rank0.backend_id}").exists() or _state(rank0.backend_id) == "Z"
@@ -184,7 +185,9 @@ def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path):
     run_url = str(store / "local-detach")
     pids = [
         h.backend_id
-        for h in LaunchRecord.from_json((store / "local-detach" / LAUNCH_KEY).read_bytes()).current()
+        for h in LaunchRecord.from_json(
+            (store / "local-detach" / layout.LAUNCH_RECORD).read_bytes()
+        ).current()
     ]
     status = cli("status", run_url, env=env)
     assert status.returncode == 0 and status.stdout.count("running") == 2, status.stdout + status.stderr
@@ -203,7 +206,7 @@ def test_sigterm_to_the_launcher_cancels_its_replicas(tmp_path):
     store, launcher, env = _launch_until_training(tmp_path, "local-term")
     pids = [
         h.backend_id
-        for h in LaunchRecord.from_json((store / "local-term" / LAUNCH_KEY).read_bytes()).current()
+        for h in LaunchRecord.from_json((store / "local-term" / layout.LAUNCH_RECORD).read_bytes()).current()
     ]
     assert all(_state(pid) not in ("Z", "gone") for pid in pids)
 

@@ -22,7 +22,7 @@ from composer_serverless.executors import modal as modal_executor
 from composer_serverless.executors.base import LaunchPlan, worker_argv
 from composer_serverless.executors.modal import IMAGE_REQUIREMENTS, ModalExecutor
 from composer_serverless.launcher import create_run, launch, prepare, start
-from composer_serverless.telemetry import read_heartbeats
+from composer_serverless.rendezvous.telemetry import read_heartbeats
 from tests.conftest import TINY
 from tests.executors.fake_modal import FakeModalCalls
 

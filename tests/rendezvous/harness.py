@@ -15,7 +15,7 @@ from rich.console import Console
 from composer_serverless.config import RunConfig, validate_config
 from composer_serverless.launcher import create_run
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.telemetry import read_metrics
+from composer_serverless.rendezvous.telemetry import read_metrics
 
 # Two fragments with overlap and alpha: between rounds the local parameters differ from the global ones,
 # which makes resuming (and any fault) exercise every piece of per-replica state.

@@ -15,6 +15,7 @@ import pytest
 import torch
 from faults import FaultyStore
 
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.allreduce import (
     ExchangeError,
     ExchangeResult,
@@ -22,8 +23,6 @@ from composer_serverless.rendezvous.allreduce import (
     Workspace,
     allreduce,
     complete_ranks,
-    input_key,
-    reduced_key,
     shard_bounds,
     substitute_for,
 )
@@ -134,10 +133,10 @@ def test_traffic_is_the_bandwidth_optimal_bound(tmp_path: Path) -> None:
     size = store.size
     quorum = size("quorum.json")
     for r, result in results.items():
-        wire = sum(size(input_key(r, s)) for s in range(n))
-        assert result.bytes_up == wire + size(reduced_key(r))
-        down = sum(size(input_key(p, r)) for p in range(n) if p != r) + sum(
-            size(reduced_key(s)) for s in range(n) if s != r
+        wire = sum(size(layout.sync_input(r, s)) for s in range(n))
+        assert result.bytes_up == wire + size(layout.sync_output(r))
+        down = sum(size(layout.sync_input(p, r)) for p in range(n) if p != r) + sum(
+            size(layout.sync_output(s)) for s in range(n) if s != r
         )
         # Replicas that did not fix the quorum also read its small record.
         assert result.bytes_down in (down, down + quorum)
@@ -155,7 +154,7 @@ def test_quorum_forms_without_a_missing_replica_and_divides_by_the_participants(
         assert torch.equal(result.average, expected)
     # Shard 2's owner is absent: the substitute named by the quorum reduced it.
     assert substitute_for(2, [0, 1]) == 0
-    header, _ = read_header(ObjectStore(url).child(PREFIX).get(reduced_key(2)))
+    header, _ = read_header(ObjectStore(url).child(PREFIX).get(layout.sync_output(2)))
     assert header["__metadata__"]["summed"] == "0,1"
 
     # The late replica heals: it contributes nothing, uploads nothing, and gets the same average.
@@ -173,7 +172,8 @@ def test_a_dead_shard_owner_does_not_stall_the_round(tmp_path: Path) -> None:
     store = ObjectStore(url).child(PREFIX)
     for s, (start, end) in enumerate(shard_bounds(NUMEL, 3)):
         store.create(
-            input_key(2, s), encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, "int8")
+            layout.sync_input(2, s),
+            encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, "int8"),
         )
     settings = ExchangeSettings(replicas=3, min_replicas=3, codec="int8", timeout_s=60)
     results = exchange(url, {0: values[0], 1: values[1]}, settings, grace=0.05)
@@ -194,7 +194,8 @@ def test_the_average_can_overwrite_the_values_it_averages(tmp_path: Path, codec:
     store = ObjectStore(url).child(PREFIX)
     for s, (start, end) in enumerate(shard_bounds(NUMEL, 4)):
         store.create(
-            input_key(2, s), encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, codec)
+            layout.sync_input(2, s),
+            encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, codec),
         )
     settings = ExchangeSettings(replicas=4, min_replicas=3, codec=codec, timeout_s=60)
     results = exchange(url, {0: values[0], 1: values[1]}, settings, grace=0.05, in_place=True)
@@ -266,11 +267,12 @@ def test_a_rejected_input_is_left_out_and_never_executed(tmp_path: Path) -> None
     store = ObjectStore(url).child(PREFIX)
     bounds = shard_bounds(NUMEL, 3)
     marker = tmp_path / "executed"
-    store.create(input_key(2, 0), pickle.dumps(_CreatesAFile(marker)))
+    store.create(layout.sync_input(2, 0), pickle.dumps(_CreatesAFile(marker)))
     for s in (1, 2):
         start, end = bounds[s]
         store.create(
-            input_key(2, s), encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, "fp32")
+            layout.sync_input(2, s),
+            encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, "fp32"),
         )
     results = exchange(url, {0: values[0], 1: values[1]}, ExchangeSettings(3, 3, "fp32", 60), grace=0.05)
     full = expected_average(values, [0, 1, 2], "fp32", 3)
@@ -322,7 +324,7 @@ def test_the_quorum_record_is_validated(tmp_path: Path) -> None:
 def test_shard_helpers() -> None:
     assert shard_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
     assert shard_bounds(1, 2) == [(0, 0), (0, 1)]
-    keys = {input_key(0, 0), input_key(0, 1), input_key(1, 0), "quorum.json"}
+    keys = {layout.sync_input(0, 0), layout.sync_input(0, 1), layout.sync_input(1, 0), layout.QUORUM}
     assert complete_ranks(keys, 2) == [0]
     assert [substitute_for(s, [1, 3]) for s in range(4)] == [1, 3, 1, 3]
 
@@ -346,12 +348,12 @@ def test_the_last_replica_to_arrive_observes_the_arrival_of_all(tmp_path: Path) 
     for peer in (0, 1):
         for s, (start, end) in enumerate(shard_bounds(NUMEL, 3)):
             identity = {**IDENTITY, "rank": str(peer), "shard": str(s)}
-            store.create(input_key(peer, s), encode(values[peer][start:end], identity, "fp32"))
+            store.create(layout.sync_input(peer, s), encode(values[peer][start:end], identity, "fp32"))
 
     class QuorumFixedByAPeer(ObjectStore):
         def _attempt(self, op, key, fn):
             result = fn()
-            if op == "create" and key == input_key(2, 2):
+            if op == "create" and key == layout.sync_input(2, 2):
                 store.create("quorum.json", json.dumps({"participants": [0, 1, 2]}).encode())
             return result
 

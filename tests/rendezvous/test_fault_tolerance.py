@@ -22,8 +22,8 @@ from harness import (
     wait_all,
 )
 
-from composer_serverless.rendezvous.checkpoint import latest_round
-from composer_serverless.telemetry import metrics_key
+from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.latest import latest_round
 
 
 def wait_until(condition, what: str) -> None:
@@ -60,7 +60,7 @@ def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
 
     wait_until(lambda: procs[2].poll() is not None, "replica 2 to die")
     assert procs[2].returncode == -signal.SIGKILL
-    wait_until(lambda: run.exists(metrics_key(0, killed_in)), f"round {killed_in} to commit")
+    wait_until(lambda: run.exists(layout.metrics(0, killed_in)), f"round {killed_in} to commit")
     restarted = start_replica(run, 2, logs / "rank-2.log")
     wait_until(
         lambda: "resumed from round" in (logs / "rank-2.log").read_text(),
@@ -92,7 +92,7 @@ def test_a_late_replica_heals_then_realigns_with_the_next_round(tmp_path: Path, 
     gate = tmp_path / "release"
     hold = json.dumps({"hold": {"rounds/2/0/in/1-": str(gate)}})
     procs = [start_replica(run, 0, logs / "rank-0.log"), start_replica(run, 1, logs / "rank-1.log", hold)]
-    wait_until(lambda: run.exists(metrics_key(0, 2)), "replica 0 to commit round 2")
+    wait_until(lambda: run.exists(layout.metrics(0, 2)), "replica 0 to commit round 2")
     gate.touch()
     assert wait_all(procs) == [0, 0], logs_of(logs)
 

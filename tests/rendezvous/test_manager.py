@@ -14,8 +14,8 @@ from analytic_replica import CASES, SYNC_EVERY, case_key
 from faults import InjectedFault
 from harness import HERE, subprocess_env, wait_all
 
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.allreduce import ExchangeSettings, StaleRoundError
-from composer_serverless.rendezvous.checkpoint import LATEST
 from composer_serverless.rendezvous.deadline import GraceSettings
 from composer_serverless.rendezvous.manager import ObjectStoreManager
 from composer_serverless.rendezvous.store import ObjectStore, RetryPolicy
@@ -141,7 +141,7 @@ def test_a_failed_exchange_does_not_commit_or_advance(tmp_path: Path) -> None:
 
 def test_a_replica_behind_the_store_does_not_reopen_a_completed_round(tmp_path: Path) -> None:
     store = ObjectStore(f"file://{tmp_path}/run")
-    store.put(LATEST, json.dumps({"round": 1}).encode())
+    store.put(layout.LATEST, json.dumps({"round": 1}).encode())
     manager = manager_for(store)
     manager.start_quorum()
     manager.allreduce(torch.ones(3)).wait()

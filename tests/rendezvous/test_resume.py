@@ -22,7 +22,7 @@ from harness import (
     subprocess_env,
 )
 
-from composer_serverless.rendezvous.checkpoint import latest_round
+from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.store import ObjectStore
 
 

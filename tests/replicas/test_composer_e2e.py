@@ -8,10 +8,10 @@ from rich.console import Console
 
 from composer_serverless.config import validate_config
 from composer_serverless.launcher import launch
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.report import REWARD_PLOT_KEY
+from composer_serverless.rendezvous.telemetry import read_metrics
 from composer_serverless.task_suite import TASKS as TASK_SUITE
-from composer_serverless.telemetry import read_metrics
 
 TASKS = Path(__file__).resolve().parents[2] / "deploy" / "data" / "composer-tasks"
 
@@ -72,5 +72,5 @@ def test_two_replicas_two_rounds_with_all_three_channels(tmp_path):
     assert len(evals) == 3 and all("eval/task/digit/reward" in e for e in evals)
     assert summary["initial_eval_reward"] is not None
     assert set(summary["eval_reward_by_task"]) == {task.name for task in TASK_SUITE}
-    assert run.get(REWARD_PLOT_KEY).startswith(b"\x89PNG")
+    assert run.get(layout.REWARD_PLOT).startswith(b"\x89PNG")
     assert run.exists("final/config.json")

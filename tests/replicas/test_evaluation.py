@@ -6,7 +6,8 @@ import pytest
 
 from composer_serverless.config import validate_config
 from composer_serverless.models import load_pretrained
-from composer_serverless.replicas.evaluation import combine, dumps, loads, part_key, share
+from composer_serverless.rendezvous import layout
+from composer_serverless.replicas.evaluation import combine, dumps, loads, share
 from composer_serverless.replicas.objective import LMObjective, evaluate
 
 
@@ -29,7 +30,7 @@ def test_combine_weights_each_share_by_its_count():
 def test_a_share_round_trips_and_a_malformed_one_is_refused():
     part = {"eval/loss": (8.25, 4), "eval/reward": (0.0, 3)}
     assert loads(dumps(part)) == part
-    assert part_key(7, 1, 3) == "evals/7/1-of-3.json"
+    assert layout.eval_share(7, 1, 3) == "evals/7/1-of-3.json"
     for raw in (
         b"[]",
         b'{"eval/loss": 3}',

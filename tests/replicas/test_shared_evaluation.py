@@ -9,11 +9,12 @@ import pytest
 
 from composer_serverless.config import validate_config
 from composer_serverless.models import load_pretrained
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.replicas import evaluation
 from composer_serverless.replicas.objective import evaluate
 from composer_serverless.replicas.trainer import Replica
-from composer_serverless.telemetry import Reporter
 
 
 def make_replica(run: ObjectStore, rank: int, model_dir: Path) -> Replica:
@@ -35,13 +36,13 @@ def test_the_lowest_rank_participant_adds_up_the_published_shares(tiny_model_dir
     params = dict(lowest.model.named_parameters())
     # Replica 2 (share 1 of 2 in a round whose participants are 0 and 2) published a share with values no
     # real share has, so that its use shows in the result.
-    run.put(evaluation.part_key(4, 1, 2), evaluation.dumps({"eval/loss": (100.0, 4)}))
+    run.put(layout.eval_share(4, 1, 2), evaluation.dumps({"eval/loss": (100.0, 4)}))
     own = lowest.objective.evaluate_part(lowest.model, 0, 2)
     result = lowest._evaluate(4, [0, 2], params)
     assert result == {"eval/loss": pytest.approx((own["eval/loss"][0] + 100.0) / (own["eval/loss"][1] + 4))}
     other = make_replica(run, 2, tiny_model_dir)
     assert other._evaluate(5, [0, 2], params) is None
-    assert evaluation.loads(run.get(evaluation.part_key(5, 1, 2))) == other.objective.evaluate_part(
+    assert evaluation.loads(run.get(layout.eval_share(5, 1, 2))) == other.objective.evaluate_part(
         other.model, 1, 2
     )
 
@@ -49,7 +50,7 @@ def test_the_lowest_rank_participant_adds_up_the_published_shares(tiny_model_dir
 def test_a_share_that_never_comes_is_scored_by_the_lowest_rank_participant(tiny_model_dir: Path) -> None:
     run = ObjectStore("memory://shared-eval/missing")
     lowest = make_replica(run, 0, tiny_model_dir)
-    run.put(evaluation.part_key(3, 2, 3), b'{"eval/loss": "not a share"}')  # malformed: scored again too
+    run.put(layout.eval_share(3, 2, 3), b'{"eval/loss": "not a share"}')  # malformed: scored again too
     result = lowest._evaluate(3, [0, 1, 2], dict(lowest.model.named_parameters()))
     assert result == {
         "eval/loss": pytest.approx(evaluate(lowest.objective, lowest.model)["eval/loss"], rel=1e-6)
@@ -61,7 +62,7 @@ def test_a_malformed_share_is_scored_at_once_and_reported_once(
 ) -> None:
     run = ObjectStore("memory://shared-eval/malformed")
     lowest = make_replica(run, 0, tiny_model_dir)
-    run.put(evaluation.part_key(6, 1, 2), b'{"eval/loss": [1.0]}')
+    run.put(layout.eval_share(6, 1, 2), b'{"eval/loss": [1.0]}')
     with caplog.at_level("WARNING", logger="composer_serverless.replicas.trainer"):
         result = lowest._evaluate(6, [0, 1], dict(lowest.model.named_parameters()))
     assert result == {

@@ -1,0 +1,143 @@
+"""The store layout of one run: every key the launcher, the replicas and the CLI read or write.
+
+Keys are relative to the run's prefix (``{store}/{run_id}``) and are spelled here only: a module that reads
+or writes an object asks this one for its key, so two modules can never disagree about where something lives,
+and a change of layout (a local-rank level for replicas that span several GPUs, say) is made in one place.
+``describe()`` lists the layout with what each key holds; ``docs/architecture.md`` shows the same table and a
+test holds the two together.
+
+Inside a sync's prefix (``sync(k, fragment)``) the exchange works on a store rooted there, so its keys
+(``SYNC_INPUTS``, ``sync_input``, ``QUORUM``, ``sync_output``) are relative to that prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# --- written by the launcher --------------------------------------------------------------------------
+
+RUN_CONFIG = "run.json"
+"""The resolved config, written once; every replica reads exactly this."""
+LAUNCH_RECORD = "launch.json"
+"""The plan and every replica attempt's handle, so any process holding the run URL can find the replicas."""
+MODEL = "model"
+"""The tiny model and tokenizer the launcher builds for offline runs (save_pretrained format)."""
+LOGS = "logs"
+"""The local executor's replica logs (``logs/rank-{rank}.log``), when the store is a local directory."""
+SUMMARY = "summary.json"
+LOSS_PLOT = "loss.png"
+REWARD_PLOT = "reward.png"
+
+# --- written by the replicas --------------------------------------------------------------------------
+
+MEMBERS = "members"
+METRICS = "metrics"
+ROUNDS = "rounds"
+EVALS = "evals"
+STATE = "state"
+LATEST = f"{STATE}/LATEST"
+INITIAL_WEIGHTS = f"{STATE}/initial.json"
+REPLICAS = "replicas"
+FINAL = "final"
+"""The final global model and tokenizer (save_pretrained format), written by the last round's publisher."""
+
+# Inside a sync's prefix.
+SYNC_INPUTS = "in"
+SYNC_OUTPUTS = "out"
+QUORUM = "quorum.json"
+
+# The three objects of a snapshot (a global state or a replica's own state); the manifest is written last.
+SNAPSHOT_TENSORS = "tensors.safetensors"
+SNAPSHOT_STATE = "state.json"
+SNAPSHOT_MANIFEST = "manifest.json"
+
+
+def heartbeat(rank: int) -> str:
+    """Replica ``rank``'s heartbeat, overwritten in place (object stores cannot append)."""
+    return f"{MEMBERS}/{rank}.json"
+
+
+def metrics_dir(rank: int) -> str:
+    return f"{METRICS}/{rank}"
+
+
+def metrics(rank: int, round_index: int) -> str:
+    """Replica ``rank``'s row for round ``round_index``; zero-padded so a listing is in round order."""
+    return f"{metrics_dir(rank)}/{round_index:06d}.json"
+
+
+def sync(round_index: int, fragment: int) -> str:
+    """The prefix of one fragment's sync in round ``round_index`` (rounds count from 1)."""
+    return f"{ROUNDS}/{round_index}/{fragment}"
+
+
+def sync_input(rank: int, shard: int) -> str:
+    """Relative to a sync's prefix: replica ``rank``'s pseudo-gradient shard ``shard``."""
+    return f"{SYNC_INPUTS}/{rank}-{shard}"
+
+
+def sync_output(shard: int) -> str:
+    """Relative to a sync's prefix: the reduced (averaged) shard ``shard``."""
+    return f"{SYNC_OUTPUTS}/{shard}"
+
+
+def quorum(round_index: int, fragment: int) -> str:
+    return f"{sync(round_index, fragment)}/{QUORUM}"
+
+
+def eval_share(round_index: int, part: int, parts: int) -> str:
+    """A participant's share of round ``round_index``'s evaluation. The share count is in the name, so a
+    share of another split of the same round (another set of participants) is never taken for this one's."""
+    return f"{EVALS}/{round_index}/{part}-of-{parts}.json"
+
+
+def global_state(round_index: int) -> str:
+    """The snapshot of the global parameters and outer optimizer after round ``round_index``."""
+    return f"{STATE}/{round_index}"
+
+
+def replica_states(rank: int) -> str:
+    return f"{REPLICAS}/{rank}"
+
+
+def replica_state(rank: int, round_index: int) -> str:
+    """The snapshot of replica ``rank``'s own state after round ``round_index``."""
+    return f"{replica_states(rank)}/{round_index}"
+
+
+def snapshot_file(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}"
+
+
+class _Placeholder(str):
+    """A key argument shown as ``{name}`` whatever format it is given (``{k:06d}`` too)."""
+
+    def __format__(self, spec: str) -> str:
+        return "{" + str.__str__(self) + "}"
+
+
+def describe() -> list[tuple[str, str]]:
+    """The layout as (key pattern, what it holds), for the documentation; prefixes end in ``/``."""
+    placeholder: Any = _Placeholder  # stands in for the int arguments
+    rank, k, frag, shard, part, parts = map(placeholder, ("rank", "k", "frag", "s", "part", "parts"))
+    in_sync = f"{sync(k, frag)}/"
+    return [
+        (RUN_CONFIG, "resolved config, written once by the launcher"),
+        (LAUNCH_RECORD, "the plan and every replica attempt's handle (the launcher)"),
+        (f"{MODEL}/", "the tiny model the launcher builds for offline runs"),
+        (heartbeat(rank), "heartbeat: state, round, step, last loss"),
+        (metrics(rank, k), "one row per round (object stores cannot append)"),
+        (in_sync + sync_input(rank, shard), "pseudo-gradient shards (wire format)"),
+        (in_sync + QUORUM, "participants of the sync, created once"),
+        (in_sync + sync_output(shard), "reduced shards, created once"),
+        (eval_share(k, part, parts), "a participant's share of round k's evaluation"),
+        (INITIAL_WEIGHTS, "sha256 of the initial weights, created once"),
+        (f"{global_state(k)}/", "global params + outer optimizer state + manifest"),
+        (LATEST, "the newest complete state"),
+        (f"{replica_state(rank, k)}/", "inner optimizer, schedule, RNG, data position"),
+        (f"{FINAL}/", "the final global model and tokenizer (Hugging Face format)"),
+        (SUMMARY, "the report's figures, written at the end"),
+        (LOSS_PLOT, "held-out and training loss per round"),
+        (REWARD_PLOT, "held-out reward and loss channels per round (composer runs)"),
+        (f"{LOGS}/", "local replicas' logs, when the store is a directory"),
+    ]
