@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from composer_serverless.config import DEFAULT_HF_JOBS_IMAGE, ConfigError, RunConfig
+from composer_serverless.config.hardware import HF_FLAVOR_PRICES
 from composer_serverless.executors.base import (
     LaunchPlan,
     ReplicaHandle,
@@ -45,7 +46,7 @@ from composer_serverless.executors.environment import (
     secret_name_problems,
     secret_value,
 )
-from composer_serverless.executors.pricing import HF_FLAVOR_PRICES, check_timeout_covers_work, estimate_cost
+from composer_serverless.executors.pricing import check_timeout_covers_work, estimate_cost
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi

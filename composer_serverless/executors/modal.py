@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from composer_serverless.config import ConfigError, RunConfig
+from composer_serverless.config.hardware import MODAL_GPU_PRICES
 from composer_serverless.executors.base import (
     LaunchPlan,
     ReplicaHandle,
@@ -40,7 +41,7 @@ from composer_serverless.executors.environment import (
     secret_name_problems,
     secret_value,
 )
-from composer_serverless.executors.pricing import MODAL_GPU_PRICES, check_timeout_covers_work, estimate_cost
+from composer_serverless.executors.pricing import check_timeout_covers_work, estimate_cost
 
 APP_NAME = "composer-serverless"
 PYTHON_VERSION = "3.11"

@@ -1,19 +1,7 @@
-"""List prices behind the plan's cost estimate, in USD per hour, and the hardware names each backend knows.
+"""The plan's cost estimate and the check that a replica's timeout covers its work.
 
-The tables double as the lists the config validates against: a GPU type or flavor missing here is rejected
-before anything is launched, so a typo costs a second instead of a failed job. Prices change; a run can
-override them (``executor.price_per_gpu_hour`` on Modal, ``executor.price_per_hour`` on HF Jobs).
-
-Sources:
-
-* Modal bills GPUs per second; the figures are those rates times 3600, GPU only (Modal also bills the
-  container's CPU cores and memory, a few percent on top). T4, L4, L40S, A100-80GB and H100 were checked
-  against a May 2026 price listing; A10, A100-40GB, H200 and B200 are Modal's last published per-second
-  rates. ``A100`` is Modal's 40 GB A100 (Modal may place it on an 80 GB card at the same price); ``H100!``
-  pins an H100 where plain ``H100`` may be upgraded to an H200 at H100 prices.
-* Hugging Face Jobs bill per minute by flavor, only while a job is starting or running (not while it is
-  scheduling): the Hub's jobs pricing page. The flavor names are ``huggingface_hub.JobHardware`` (a test keeps
-  the two in sync).
+The list prices behind the estimate are ``config.hardware``'s tables, which are also the hardware names the
+config validates against.
 """
 
 from __future__ import annotations
@@ -21,57 +9,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from composer_serverless.config import ConfigError
+from composer_serverless.config.base import ConfigError
 from composer_serverless.executors.base import CostEstimate
 
 if TYPE_CHECKING:
-    from composer_serverless.config import RunConfig
-
-MODAL_GPU_PRICES: dict[str, float] = {
-    "T4": 0.59,
-    "L4": 0.80,
-    "A10": 1.10,
-    "A10G": 1.10,
-    "L40S": 1.95,
-    "A100": 2.10,
-    "A100-40GB": 2.10,
-    "A100-80GB": 2.50,
-    "H100": 3.95,
-    "H100!": 3.95,
-    "H200": 4.54,
-    "B200": 6.25,
-}
-"""USD per GPU-hour on Modal, by the GPU type string Modal's ``gpu=`` accepts."""
-
-HF_FLAVOR_PRICES: dict[str, float] = {
-    "cpu-basic": 0.01,
-    "cpu-upgrade": 0.03,
-    "cpu-performance": 1.90,
-    "cpu-xl": 1.00,
-    "t4-small": 0.40,
-    "t4-medium": 0.60,
-    "l4x1": 0.80,
-    "l4x4": 3.80,
-    "l40sx1": 1.80,
-    "l40sx4": 8.30,
-    "l40sx8": 23.50,
-    "a10g-small": 1.00,
-    "a10g-large": 1.50,
-    "a10g-largex2": 3.00,
-    "a10g-largex4": 5.00,
-    "a100-large": 2.50,
-    "a100x4": 10.00,
-    "a100x8": 20.00,
-    "h200": 5.00,
-    "h200x2": 10.00,
-    "h200x4": 20.00,
-    "h200x8": 40.00,
-    "rtx-pro-6000": 2.75,
-    "rtx-pro-6000x2": 5.50,
-    "rtx-pro-6000x4": 11.00,
-    "rtx-pro-6000x8": 22.00,
-}
-"""USD per job-hour on Hugging Face Jobs, by flavor (the whole machine, all its GPUs)."""
+    from composer_serverless.config.run import RunConfig
 
 
 def estimate_cost(

@@ -188,3 +188,13 @@ def _training(client, run_id, ranks):
             return False
         beats.append(json.loads(body))
     return all(b["state"] == "training" for b in beats)
+
+
+def test_the_flavors_the_config_accepts_are_the_hub_clients_flavors() -> None:
+    """The flavor list a config is validated against is the installed client's ``JobHardware``: a flavor the
+    Hub added is not refused, and one it retired fails at validation, not at launch."""
+    from huggingface_hub import JobHardware
+
+    from composer_serverless.config.hardware import HF_FLAVOR_PRICES
+
+    assert set(HF_FLAVOR_PRICES) == {flavor.value for flavor in JobHardware}

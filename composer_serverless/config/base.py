@@ -1,0 +1,16 @@
+"""What every config table shares: the error users see, and the strictness of every table."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the message names the key and says how."""
+
+
+class StrictModel(BaseModel):
+    """A config table: unknown keys are errors (a typo fails at once), values are frozen and defaults are
+    validated like any value."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)

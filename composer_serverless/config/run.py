@@ -1,0 +1,270 @@
+"""The run's schema: the model, the data, the inner and outer loops, evaluation, and ``RunConfig``, the tree
+that holds them with the composer objective's table and the executor's.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from composer_serverless.config.base import StrictModel
+from composer_serverless.config.composer import ComposerConfig
+from composer_serverless.config.executors import ExecutorConfig, LocalExecutorConfig
+
+RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+class TinyModelConfig(StrictModel):
+    """A small Llama-family model and a byte-level BPE tokenizer built offline from the demo corpus."""
+
+    vocab_size: int = Field(
+        2048, ge=300, le=65536, description="BPE vocabulary size (256 bytes + merges + specials)"
+    )
+    hidden_size: int = Field(128, ge=16, description="width of the residual stream")
+    intermediate_size: int = Field(384, ge=16, description="width of the MLP")
+    num_layers: int = Field(2, ge=1, description="decoder layers")
+    num_heads: int = Field(4, ge=1, description="attention heads (also key/value heads)")
+    tokenizer_corpus_mb: float = Field(4.0, gt=0, description="MB of training text the tokenizer is fit on")
+    tokenizer: Literal["bpe", "chars"] = Field(
+        "bpe",
+        description="'bpe': byte-level BPE fit on the demo corpus; 'chars': one token per character of "
+        "alphabet, for tasks whose answers are a few characters",
+    )
+    alphabet: str | None = Field(
+        None,
+        description="'chars' only: the characters that get a token (others become <|unk|>); default "
+        "printable ASCII. A small alphabet gives a fresh model a real chance of sampling a right answer",
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _chars_has_no_fitted_vocabulary(self) -> TinyModelConfig:
+        # Compared with the defaults, not with model_fields_set: the resolved run.json spells every field out.
+        fitted = [
+            name
+            for name in ("vocab_size", "tokenizer_corpus_mb")
+            if getattr(self, name) != type(self).model_fields[name].default
+        ]
+        if self.tokenizer == "chars" and fitted:
+            raise ValueError(
+                "tokenizer = 'chars' takes its vocabulary from alphabet and is not fit on a corpus; "
+                f"remove {', '.join(fitted)}"
+            )
+        if self.alphabet is not None:
+            if self.tokenizer != "chars":
+                raise ValueError("alphabet is the vocabulary of tokenizer = 'chars'; set that or remove it")
+            repeated = sorted({c for c in self.alphabet if self.alphabet.count(c) > 1})
+            if not self.alphabet or repeated:
+                raise ValueError(f"alphabet must be non-empty, each character once (repeated: {repeated})")
+        return self
+
+
+class ModelConfig(StrictModel):
+    """Which causal LM to train: a Hugging Face hub id or local path, or a tiny model built offline."""
+
+    path: str | None = Field(None, description="hub id or local directory loadable by from_pretrained")
+    tiny: TinyModelConfig | None = Field(None, description="build a tiny model from the demo corpus instead")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype on the replicas")
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("set exactly one of model.path (a hub id or directory) or [model.tiny]")
+        return self
+
+
+class DataConfig(StrictModel):
+    """The text the causal-LM objective trains on, split by file into train and held-out sets.
+
+    Each step reads a global batch of ``diloco.replicas * batch_size`` rows and replica r trains on its
+    ``batch_size`` of them, so runs with the same global batch (N = 4 x 4 rows, N = 1 x 16) see the same
+    tokens in the same order, and comparing them compares the method, not the data.
+    """
+
+    corpus: Literal["stdlib"] = Field(
+        "stdlib", description="'stdlib': the Python standard library source of the running interpreter"
+    )
+    seq_len: int = Field(128, ge=8, le=32768, description="tokens per training sequence")
+    batch_size: int = Field(8, ge=1, description="sequences per inner step on each replica")
+    streams_per_row: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="files each batch row takes its sequences from in turn; 1 reads one file at a time, so "
+        "for tens of steps a replica sees only batch_size files and replicas drift apart between syncs",
+    )
+    heldout_percent: float = Field(5.0, gt=0, lt=50, description="share of files held out for evaluation")
+
+
+class TrainConfig(StrictModel):
+    """The inner loop each replica runs between synchronisations."""
+
+    objective: Literal["lm", "composer"] = Field(
+        "lm",
+        description="'lm': causal-LM cross-entropy (the DiLoCo papers' setting); 'composer': the "
+        "three-channel loss GRPO + alpha * SDPO + beta * replay, configured in [composer]",
+    )
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="inner optimizer")
+    lr: float = Field(3e-3, gt=0, description="peak inner learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (AdamW)")
+    warmup_steps: int = Field(
+        0, ge=0, description="linear warm-up of the inner learning rate, in inner steps"
+    )
+    schedule: Literal["constant", "cosine"] = Field(
+        "cosine", description="inner learning-rate decay after warm-up"
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    grad_clip: float | None = Field(1.0, gt=0, description="clip the inner gradient norm; unset to disable")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"both betas must be in [0, 1), got {list(betas)}")
+        return betas
+
+
+class DiLoCoConfig(StrictModel):
+    """The outer loop: how many replicas, how often they sync, and the outer optimizer."""
+
+    replicas: int = Field(4, ge=1, le=1024, description="number of replicas (M in the DiLoCo papers)")
+    sync_every: int = Field(ge=1, description="inner steps between synchronisations (H)")
+    rounds: int = Field(
+        ge=1, description="outer rounds to run; each replica runs rounds * sync_every inner steps"
+    )
+    outer_lr: float = Field(0.7, gt=0, description="outer SGD learning rate (0.7 in DiLoCo)")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer SGD momentum (0.9 in DiLoCo)")
+    nesterov: bool = Field(True, description="Nesterov momentum for the outer step")
+    fragments: int = Field(1, ge=1, description="Streaming DiLoCo fragments, synced one at a time")
+    fragment_sync_delay: int = Field(
+        0, ge=0, description="inner steps the sync overlaps (Streaming DiLoCo tau)"
+    )
+    fragment_update_alpha: float = Field(0.0, ge=0, le=1, description="mix of local into global after a sync")
+    sync_timeout_s: float = Field(
+        600.0, gt=0, description="seconds one sync may take before this replica gives it up and rolls back"
+    )
+    verify_global: bool = Field(
+        True, description="record a digest of the global parameters after every round"
+    )
+    codec: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32",
+        description="wire format of pseudo-gradients: fp32, bf16, or int8 with blockwise absmax scales",
+    )
+    min_replicas: int = Field(
+        1, ge=1, description="fewest replicas a sync may average once the straggler grace has passed"
+    )
+    quorum_grace_min_s: float = Field(
+        1.0, ge=0, description="shortest wait for stragglers after a replica arrives at a sync, in seconds"
+    )
+    quorum_grace_max_s: float = Field(
+        60.0,
+        gt=0,
+        description="longest wait for stragglers (also the wait before any arrival has been observed)",
+    )
+    quorum_grace_mads: float = Field(
+        4.0, ge=0, description="straggler wait = median + this many scaled MADs of recent full-arrival waits"
+    )
+    max_failed_syncs: int = Field(
+        3,
+        ge=1,
+        description="failed syncs in a row after which a replica stops (its restart resumes from the store)",
+    )
+
+    @model_validator(mode="after")
+    def _consistent_schedule(self) -> DiLoCoConfig:
+        if self.sync_every % self.fragments:
+            raise ValueError(
+                f"sync_every ({self.sync_every}) must be a multiple of fragments ({self.fragments}): "
+                "each fragment syncs every sync_every/fragments steps"
+            )
+        per_fragment = self.sync_every // self.fragments
+        if self.fragment_sync_delay >= per_fragment:
+            raise ValueError(
+                f"fragment_sync_delay ({self.fragment_sync_delay}) must be below sync_every/fragments "
+                f"({per_fragment}): a fragment must land before it is sent again"
+            )
+        if self.min_replicas > self.replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) cannot exceed replicas ({self.replicas})")
+        if self.quorum_grace_min_s > self.quorum_grace_max_s:
+            raise ValueError(
+                f"quorum_grace_min_s ({self.quorum_grace_min_s}) cannot exceed quorum_grace_max_s ({self.quorum_grace_max_s})"
+            )
+        if self.quorum_grace_max_s >= self.sync_timeout_s:
+            raise ValueError(
+                f"quorum_grace_max_s ({self.quorum_grace_max_s}) must be below sync_timeout_s ({self.sync_timeout_s}): "
+                "a sync must be able to form its quorum before it times out"
+            )
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError("nesterov = true needs outer_momentum > 0; set nesterov = false for plain SGD")
+        return self
+
+
+class EvalConfig(StrictModel):
+    """Evaluation of the global model on the held-out files."""
+
+    sequences: int = Field(
+        64, ge=1, description="held-out sequences (lm) or held-out prompts (composer) scored per evaluation"
+    )
+    every_rounds: int = Field(1, ge=1, description="evaluate the global model every this many rounds")
+
+
+class RunConfig(StrictModel):
+    """Everything one training run needs; resolved to ``run.json`` and read by every replica."""
+
+    run_id: str | None = Field(None, description="name of the run inside the store; generated when unset")
+    store: str = Field(
+        "runs", description="where runs live: a local directory, file://, s3://bucket/prefix, ..."
+    )
+    seed: int = Field(0, ge=0, description="seed for the model initialisation and the data order")
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    diloco: DiLoCoConfig
+    eval: EvalConfig = EvalConfig()
+    composer: ComposerConfig | None = Field(None, description="settings of train.objective = 'composer'")
+    executor: ExecutorConfig = LocalExecutorConfig()
+
+    @field_validator("run_id")
+    @classmethod
+    def _valid_run_id(cls, run_id: str | None) -> str | None:
+        if run_id is not None and not RUN_ID_PATTERN.match(run_id):
+            raise ValueError(
+                f"{run_id!r} is not a valid run id: use 1-63 lowercase letters, digits and '-', "
+                "starting with a letter or digit"
+            )
+        return run_id
+
+    @model_validator(mode="after")
+    def _composer_table_iff_composer_objective(self) -> RunConfig:
+        if self.train.objective == "composer" and self.composer is None:
+            raise ValueError("train.objective = 'composer' needs a [composer] table (its data and rewards)")
+        if self.train.objective != "composer" and self.composer is not None:
+            raise ValueError(
+                f"[composer] is set but train.objective = {self.train.objective!r}; "
+                "set train.objective = 'composer'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fragments_fit_tiny_model(self) -> RunConfig:
+        if self.diloco.fragments > 1 and self.model.tiny is not None:
+            layers = self.model.tiny.num_layers
+            if self.diloco.fragments > layers:
+                raise ValueError(
+                    f"diloco.fragments ({self.diloco.fragments}) exceeds model.tiny.num_layers ({layers})"
+                )
+        return self
+
+    def resolved_json(self) -> str:
+        """The JSON replicas read: every default filled in, so a run never depends on a later default change."""
+        return self.model_dump_json(indent=2)
