@@ -23,9 +23,13 @@ demo: $(STAMP)
 demo-composer: $(STAMP)
 	$(VENV)/bin/composer-serverless launch deploy/configs/local-composer.toml
 
-test: $(STAMP)
+# Style, formatting and the import layering, each held by a tool (contracts: pyproject.toml).
+lint: $(STAMP)
 	$(PY) -m ruff check composer_serverless tests benchmarks deploy
 	$(PY) -m ruff format --check composer_serverless tests benchmarks deploy
+	$(VENV)/bin/lint-imports
+
+test: lint
 	$(PY) -m pytest -q
 
 clean:

@@ -54,9 +54,9 @@ from composer_serverless.launcher import launch
 from composer_serverless.models import build_tiny, load_pretrained
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
-from composer_serverless.replicas.data import stdlib_corpus, training_text
+from composer_serverless.replicas.corpus import stdlib_corpus, training_text
+from composer_serverless.replicas.diloco import make_inner_optimizer, make_schedule
 from composer_serverless.replicas.objective import LMObjective, evaluate
-from composer_serverless.replicas.trainer import make_inner_optimizer, make_schedule
 
 FEDAVG = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
 BASE = "diloco-h10"

@@ -27,6 +27,7 @@ from rich.table import Table
 from composer_serverless.config import ConfigError, load_config
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import StoreError
+from composer_serverless.report import outcome
 
 if TYPE_CHECKING:
     from composer_serverless.launcher import Prepared
@@ -234,12 +235,8 @@ def status(run: RunArgument) -> None:
     _print_table(table)
     if opened.store.exists(layout.SUMMARY):
         summary = json.loads(opened.store.get(layout.SUMMARY))
-        console.print(
-            f"finished: held-out loss {summary['initial_eval_loss']:.4f} -> "
-            f"{summary['final_eval_loss']:.4f}; "
-            f"report {opened.store.url_of(layout.SUMMARY)}",
-            highlight=False,
-        )
+        figures = "; ".join(outcome(summary)) or "no held-out evaluation"
+        console.print(f"finished: {figures}; report {opened.store.url_of(layout.SUMMARY)}", highlight=False)
 
 
 @app.command()

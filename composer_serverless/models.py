@@ -9,9 +9,10 @@ special once built.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import string
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,8 @@ def build_tiny(config: TinyModelConfig, texts: Iterable[str], out_dir: Path, *, 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(model_config)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    with _no_progress_bars():  # one shard of a tiny model: a bar would only clutter the launcher's status
+        model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     logger.info(
         "built tiny model: %d parameters, vocabulary %d, in %s",
@@ -113,6 +115,19 @@ def build_tiny(config: TinyModelConfig, texts: Iterable[str], out_dir: Path, *, 
         out_dir,
     )
     return out_dir
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def load_pretrained(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:

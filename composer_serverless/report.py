@@ -128,6 +128,18 @@ def write_report(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str
     return summary
 
 
+def outcome(summary: dict[str, Any]) -> list[str]:
+    """What the run achieved, one line per figure it was evaluated on: its held-out loss (the causal-LM
+    objective) or reward (the composer objective) from the initial to the final global model."""
+    lines = []
+    for what, key in (("loss", "eval_loss"), ("reward", "eval_reward")):
+        final, initial = summary.get(f"final_{key}"), summary.get(f"initial_{key}")
+        if final is not None:
+            start = "-" if initial is None else f"{initial:.4f}"
+            lines.append(f"held-out {what} of the global model: {start} -> {final:.4f}")
+    return lines
+
+
 def eval_headline(evaluation: dict[str, float]) -> str:
     """One line for a progress log: the held-out loss or reward of the global model, per task if any."""
     if "eval/reward" in evaluation:

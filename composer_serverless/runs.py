@@ -86,8 +86,8 @@ class OpenRun:
         self.store.put(layout.LAUNCH_RECORD, self.record.to_json())
 
 
-def open_run(url: str) -> OpenRun:
-    """Everything about the run at ``url``; ConfigError (exit 2) when ``url`` is not a launched run."""
+def open_created(url: str) -> tuple[ObjectStore, RunConfig]:
+    """The run at ``url`` and the config it was created with; ConfigError (exit 2) when there is none."""
     store = open_store(url.rstrip("/"))
     try:
         raw_config = store.get(layout.RUN_CONFIG)
@@ -97,7 +97,12 @@ def open_run(url: str) -> OpenRun:
         ) from None
     except Exception as e:  # an unreachable store or missing credentials look alike to the user
         raise StoreError(f"cannot read the run at {url}: {type(e).__name__}: {e}") from e
-    config = RunConfig.model_validate_json(raw_config)
+    return store, RunConfig.model_validate_json(raw_config)
+
+
+def open_run(url: str) -> OpenRun:
+    """Everything about the launched run at ``url``; ConfigError (exit 2) when ``url`` is not one."""
+    store, config = open_created(url)
     try:
         record = LaunchRecord.from_json(store.get(layout.LAUNCH_RECORD))
     except FileNotFoundError:

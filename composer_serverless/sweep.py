@@ -11,46 +11,40 @@ from __future__ import annotations
 
 import itertools
 import textwrap
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 from rich.table import Table
 
+from composer_serverless import watch
 from composer_serverless.config import RUN_ID_PATTERN, ConfigError, load_config
-from composer_serverless.launcher import (
-    HEARTBEAT_POLL_S,
-    Choice,
-    Prepared,
-    cancel_on_interrupt,
-    new_run_id,
-    prepare,
-    print_detached,
-    start,
-    status_poll_s,
-)
-from composer_serverless.rendezvous.telemetry import read_heartbeats
-from composer_serverless.report import write_report
-from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor, Terminated
+from composer_serverless.launcher import Prepared, new_run_id, prepare, start
+from composer_serverless.watch import Choice, Followed, RunView, cancel_on_interrupt
 
 
 @dataclass
 class Cell:
-    """One point of the grid and what became of its run."""
+    """One point of the grid: its values, its prepared run, and that run once started."""
 
     index: int
     values: dict[str, str]
     prepared: Prepared
-    supervisor: Supervisor | None = None
-    state: str = "pending"
-    detail: str = ""
-    summary: dict[str, Any] | None = None
-    next_status: float = 0.0
+    run: Followed | None = None
+
+    @property
+    def label(self) -> str:
+        return f"cell {self.index}"
+
+    @property
+    def state(self) -> str:
+        return "pending" if self.run is None else self.run.state
+
+    @property
+    def summary(self) -> dict[str, Any] | None:
+        return None if self.run is None else self.run.summary
 
 
 def parse_grid(grid: list[str]) -> list[tuple[str, list[str]]]:
@@ -102,112 +96,48 @@ def plan_sweep(path: Path, grid: list[str], overrides: list[str], executor_type:
 def run_sweep(
     cells: list[Cell], console: Console, on_interrupt: Callable[[], Choice] = cancel_on_interrupt
 ) -> list[Cell] | None:
-    """Start every cell, watch them all to the end, write each finished cell's report; None if detached."""
-    started = time.monotonic()
+    """Start every cell, watch them all to the end, write each finished cell's report; None if detached.
+
+    A cell that fails is cancelled and marked; the others go on.
+    """
+    runs: list[Followed] = []
     try:
         for cell in cells:
-            cell.supervisor = start(cell.prepared, console)
-            cell.state = "running"
-            plan = cell.prepared.plan
+            supervisor = start(cell.prepared, console)
+            cell.run = Followed(supervisor, cell.prepared.config, label=f"{cell.label}: ")
+            runs.append(cell.run)
             console.print(
-                f"cell {cell.index} ({_describe(cell.values)}): "
-                f"run {plan.run_id} at {cell.supervisor.run.url}",
+                f"{cell.label} ({_describe(cell.values)}): run {cell.prepared.plan.run_id} at {supervisor.run.url}",
                 markup=False,
             )
-        _watch(cells, console)
-    except KeyboardInterrupt:
-        if on_interrupt() == "detach":
-            for cell in cells:
-                if cell.supervisor is not None:
-                    print_detached(cell.supervisor.run.url, console)
-            return None
-        for cell in _live(cells):
-            cell.supervisor.cancel()
-        raise RunCancelled("sweep cancelled at your request") from None
-    except Terminated:
-        for cell in _live(cells):
-            cell.supervisor.cancel()
-        raise RunCancelled(Terminated.message) from None
     except BaseException:
-        for cell in _live(cells):
-            cell.supervisor.executor.cancel(cell.supervisor.handles)
+        for run in runs:  # the cells started so far must not keep running
+            run.supervisor.executor.cancel(run.supervisor.handles)
         raise
-    for cell in cells:
-        if cell.state == "succeeded" and cell.supervisor is not None:
-            cell.summary = write_report(cell.supervisor.run, cell.prepared.config, time.monotonic() - started)
+    if not watch.follow(runs, RunView(runs, console), on_interrupt, fail_fast=False):
+        return None
+    watch.write_reports(runs)
     return cells
-
-
-def _live(cells: list[Cell]) -> list[Any]:
-    return [c for c in cells if c.supervisor is not None and c.state == "running"]
-
-
-def _watch(cells: list[Cell], console: Console) -> None:
-    progress = Progress(
-        TextColumn("cell {task.fields[cell]}"),
-        BarColumn(),
-        TaskProgressColumn(),
-        TextColumn("{task.fields[state]}"),
-        console=console,
-    )
-    tasks = {}
-    for cell in cells:
-        dl = cell.prepared.config.diloco
-        total = dl.replicas * dl.rounds * dl.sync_every
-        tasks[cell.index] = progress.add_task("", total=total, cell=cell.index, state=cell.state)
-    with progress:
-        while _live(cells):
-            for cell in _live(cells):
-                _poll(cell, progress.console)
-                beats = read_heartbeats(cell.supervisor.run)
-                dl = cell.prepared.config.diloco
-                done = sum(
-                    max(0, b.get("round", 1) - 1) * dl.sync_every + b.get("step", 0) for b in beats.values()
-                )
-                progress.update(tasks[cell.index], completed=done, state=cell.state)
-            time.sleep(HEARTBEAT_POLL_S)
-        for cell in cells:
-            progress.update(tasks[cell.index], state=cell.state)
-
-
-def _poll(cell: Cell, console: Console) -> None:
-    if time.monotonic() < cell.next_status:
-        return
-    cell.next_status = time.monotonic() + status_poll_s(cell.prepared.config)
-    supervisor = cell.supervisor
-    try:
-        poll = supervisor.poll()
-    except RunFailed as e:
-        supervisor.executor.cancel(supervisor.handles)
-        cell.state, cell.detail = "failed", str(e)
-        console.print(f"[red]cell {cell.index} failed:[/] {escape(str(e))}", highlight=False)
-        return
-    except RunCancelled as e:
-        cell.state, cell.detail = "cancelled", str(e)
-        return
-    for event in poll.events:
-        console.print(f"[yellow]cell {cell.index}: {escape(event)}[/]", highlight=False)
-    if poll.finished:
-        cell.state = "succeeded"
 
 
 def results_table(cells: list[Cell]) -> Table:
     keys = list(cells[0].values) if cells else []
+    what = "reward" if cells and cells[0].prepared.config.train.objective == "composer" else "loss"
     table = Table(title="sweep results")
     # The run id, not its URL: a URL folded at the terminal's width could not be copied; the URLs are
     # printed whole when the cells start, and ``runs_root`` says where the ids live.
-    for column in ["cell", *keys, "state", "rounds", "final held-out loss", "run"]:
+    for column in ["cell", *keys, "state", "rounds", f"final held-out {what}", "run"]:
         table.add_column(column, no_wrap=True)
     for cell in cells:
         summary = cell.summary or {}
-        loss = summary.get("final_eval_loss")
+        final = summary.get(f"final_eval_{what}")
         rounds = f"{summary['rounds_committed']}/{summary['rounds']}" if summary else "-"
         table.add_row(
             str(cell.index),
             *(cell.values[k] for k in keys),
             cell.state,
             rounds,
-            "-" if loss is None else f"{loss:.4f}",
+            "-" if final is None else f"{final:.4f}",
             cell.prepared.plan.run_id,
         )
     return table

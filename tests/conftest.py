@@ -10,7 +10,10 @@ replica subprocesses started by a test inherit it and the code under test carrie
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -36,7 +39,7 @@ S3_ENV = {
 
 @pytest.fixture(scope="session")
 def corpus():
-    from composer_serverless.replicas.data import stdlib_corpus
+    from composer_serverless.replicas.corpus import stdlib_corpus
 
     return stdlib_corpus(5.0)
 
@@ -45,7 +48,7 @@ def corpus():
 def tiny_model_dir(tmp_path_factory, corpus):
     """A tiny Llama and its tokenizer, built once per session and saved with save_pretrained."""
     from composer_serverless.models import build_tiny
-    from composer_serverless.replicas.data import training_text
+    from composer_serverless.replicas.corpus import training_text
 
     out = tmp_path_factory.mktemp("tiny-model")
     return build_tiny(TINY, training_text(corpus, int(TINY.tokenizer_corpus_mb * 1e6), seed=0), out, seed=0)
@@ -81,3 +84,59 @@ def s3_url(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
     urllib.request.urlopen(urllib.request.Request(f"{s3_endpoint}/moto-api/reset", method="POST")).read()
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=S3_BUCKET)
     return f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:8]}"
+
+
+# The training stack: what the launcher's side (dry runs, status, cancel) must do without.
+TRAINING_STACK = ("torch", "torchft", "transformers")
+_CLI_THEN_LIST_MODULES = """
+import json, sys
+exec(sys.argv.pop(1))
+from composer_serverless.cli import run
+code = run(sys.argv[2:])
+print("LOADED " + json.dumps(sorted({name.split(".")[0] for name in sys.modules} & set(json.loads(sys.argv[1])))))
+sys.exit(code)
+"""
+
+
+def cli_in_fresh_process(*argv: str, before: str = "") -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """Run the CLI with ``argv`` in a new interpreter (after the code ``before``): its result, and which of
+    ``TRAINING_STACK`` it loaded."""
+    result = subprocess.run(
+        [sys.executable, "-c", _CLI_THEN_LIST_MODULES, before, json.dumps(TRAINING_STACK), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    marker = [line for line in result.stdout.splitlines() if line.startswith("LOADED ")]
+    assert marker, result.stdout + result.stderr
+    return result, json.loads(marker[-1].removeprefix("LOADED "))
+
+
+# How a replica process is started: the worker module (every executor), the tests' replica twin, or the CLI
+# launching a run (which then starts the worker itself).
+_REPLICA_COMMANDS = ("composer_serverless.replicas.worker", "replica_process.py", "analytic_replica.py")
+
+
+def _starts_replicas(args: object) -> bool:
+    argv = [args] if isinstance(args, (str, bytes)) else list(args)  # type: ignore[call-overload]
+    text = " ".join(map(str, argv))
+    via_cli = "composer_serverless" in text and any(a in ("launch", "sweep") for a in map(str, argv))
+    return any(command in text for command in _REPLICA_COMMANDS) or (via_cli and "--dry-run" not in text)
+
+
+@pytest.fixture(autouse=True)
+def _replica_processes_only_in_slow_tests(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test that starts replica processes must carry the ``slow`` marker (``make test`` runs them all;
+    ``pytest -m "not slow"`` is the quick loop): held by this check, not by memory."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    popen_init = subprocess.Popen.__init__
+
+    def checked(self: subprocess.Popen, args: object, *rest: object, **options: object) -> None:
+        if _starts_replicas(args):
+            raise AssertionError(f"{request.node.nodeid} starts replica processes ({args!r}); mark it slow")
+        popen_init(self, args, *rest, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from composer_serverless.models import load_pretrained
-from composer_serverless.replicas.data import Batches, TokenStream, shuffled, stdlib_corpus
+from composer_serverless.replicas.corpus import shuffled, stdlib_corpus
+from composer_serverless.replicas.data import Batches, TokenStream
 
 
 def test_split_is_deterministic_and_disjoint(corpus):
@@ -137,7 +138,7 @@ def test_eval_set_does_not_depend_on_the_batch_size(tiny_model_dir):
 
 def test_a_global_batch_the_corpus_cannot_feed_is_refused_before_launch(corpus):
     from composer_serverless.config import ConfigError, validate_config
-    from composer_serverless.replicas.objective import preflight_text
+    from composer_serverless.replicas.inputs import check_text
 
     def config(replicas: int, batch_size: int, streams_per_row: int = 1):
         return validate_config(
@@ -149,11 +150,11 @@ def test_a_global_batch_the_corpus_cannot_feed_is_refused_before_launch(corpus):
         )
 
     files = len(corpus.train)
-    preflight_text(config(1, files))  # one stream per file: just enough
+    check_text(config(1, files))  # one stream per file: just enough
     with pytest.raises(
         ConfigError,
         match=rf"2 replicas x batch_size {files} x streams_per_row 1 = {2 * files} streams.*\n  fix:",
     ):
-        preflight_text(config(2, files))
+        check_text(config(2, files))
     with pytest.raises(ConfigError, match="streams_per_row 2"):
-        preflight_text(config(1, files, streams_per_row=2))
+        check_text(config(1, files, streams_per_row=2))

@@ -14,7 +14,9 @@ from composer_serverless.config import validate_config
 from composer_serverless.launcher import launch
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
-from tests.conftest import TINY
+from tests.conftest import TINY, cli_in_fresh_process
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +96,13 @@ def test_replica_logs_are_kept_per_rank(finished_run):
     logs = sorted(p.name for p in run.local_dir("logs").iterdir())
     assert logs == ["rank-0.log", "rank-1.log"]
     assert "round 2/2" in (run.local_dir("logs") / "rank-1.log").read_text()
+
+
+def test_status_of_the_finished_run_names_its_outcome_without_the_training_stack(finished_run):
+    run, summary, _ = finished_run
+    result, loaded = cli_in_fresh_process("status", run.url)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("succeeded") == 2
+    initial, final = summary["initial_eval_loss"], summary["final_eval_loss"]
+    assert f"finished: held-out loss of the global model: {initial:.4f} -> {final:.4f}" in result.stdout
+    assert loaded == []

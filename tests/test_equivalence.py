@@ -20,7 +20,7 @@ from composer_serverless.config import validate_config
 from composer_serverless.rendezvous.allreduce import ExchangeSettings
 from composer_serverless.rendezvous.manager import ObjectStoreManager
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.trainer import (
+from composer_serverless.replicas.diloco import (
     grace_settings,
     make_diloco,
     make_inner_optimizer,

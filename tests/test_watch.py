@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from composer_serverless import launcher
+from composer_serverless import watch
 from composer_serverless.config import validate_config
 from composer_serverless.executors.base import ReplicaStatus
 from composer_serverless.rendezvous import layout
@@ -34,8 +34,8 @@ class ScriptedSupervisor:
 
 
 def test_a_finished_replica_keeps_its_last_loss_on_screen(monkeypatch) -> None:
-    monkeypatch.setattr(launcher, "HEARTBEAT_POLL_S", 0.0)
-    monkeypatch.setattr(launcher, "LOCAL_STATUS_POLL_S", 0.0)
+    monkeypatch.setattr(watch, "HEARTBEAT_POLL_S", 0.0)
+    monkeypatch.setattr(watch, "LOCAL_STATUS_POLL_S", 0.0)
     config = validate_config(
         {
             "run_id": "w",
@@ -48,6 +48,8 @@ def test_a_finished_replica_keeps_its_last_loss_on_screen(monkeypatch) -> None:
     training = {"rank": 0, "state": "training", "round": 2, "step": 10, "loss": 2.5}
     done = {"rank": 0, "state": "done", "round": 2, "step": 10}
     out = io.StringIO()
-    launcher.watch(ScriptedSupervisor(run, [[training], [done]]), config, Console(file=out, width=200))
+    followed = watch.Followed(ScriptedSupervisor(run, [[training], [done]]), config)  # type: ignore[arg-type]
+    console = Console(file=out, width=200)
+    assert watch.follow([followed], watch.ReplicaView(followed, console), fail_fast=True)
     final = out.getvalue().strip().splitlines()[-1]
     assert "round 2/2" in final and "loss 2.500" in final and "done" in final, final

@@ -15,9 +15,10 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from composer_serverless.config import RunConfig
+if TYPE_CHECKING:
+    from composer_serverless.config import RunConfig
 
 WORKER_MODULE = "composer_serverless.replicas.worker"
 

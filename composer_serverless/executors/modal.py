@@ -41,28 +41,13 @@ from composer_serverless.executors.environment import (
     secret_name_problems,
     secret_value,
 )
-from composer_serverless.executors.pricing import check_timeout_covers_work, estimate_cost
-
-APP_NAME = "composer-serverless"
-PYTHON_VERSION = "3.11"
-# The project's runtime dependencies plus its s3 and hf extras, torch pinned to the version it is tested on.
-IMAGE_REQUIREMENTS = (
-    "torch==2.13.0",
-    "transformers>=5.0,<6",
-    "tokenizers>=0.21",
-    "torchft==0.2.0",
-    "fsspec>=2025.1",
-    "safetensors>=0.5",
-    "pydantic>=2.6,<3",
-    "typer>=0.15",
-    "rich>=13",
-    "numpy>=1.26",
-    "matplotlib>=3.8",
-    "s3fs>=2025.1",
-    "boto3>=1.35.21",
-    "huggingface_hub>=1.0",
+from composer_serverless.executors.modal_image import (
+    APP_NAME,
+    IMAGE_REQUIREMENTS,
+    PYTHON_VERSION,
+    RETRY_DELAY_S,
 )
-RETRY_DELAY_S = 10.0
+from composer_serverless.executors.pricing import check_timeout_covers_work, estimate_cost
 
 
 @dataclass(frozen=True)

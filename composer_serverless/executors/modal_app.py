@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import modal
 
-from composer_serverless.executors.modal import APP_NAME, IMAGE_REQUIREMENTS, PYTHON_VERSION, RETRY_DELAY_S
+from composer_serverless.executors.modal_image import (
+    APP_NAME,
+    IMAGE_REQUIREMENTS,
+    PYTHON_VERSION,
+    RETRY_DELAY_S,
+)
 
 image = (
     modal.Image.debian_slim(python_version=PYTHON_VERSION)

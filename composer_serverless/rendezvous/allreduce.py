@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous import layout, polling
 from composer_serverless.rendezvous.codec import (
     CodecName,
     Payload,
@@ -46,13 +45,13 @@ from composer_serverless.rendezvous.codec import (
     encode_parts,
     max_payload_bytes,
 )
+from composer_serverless.rendezvous.polling import poll_until
+from composer_serverless.rendezvous.replica_log import ReplicaLog
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
 
 REDUCED = "reduced"
-_POLL_FIRST_S = 0.005
-_POLL_CAP_S = 0.5
 
 
 class ExchangeError(RuntimeError):
@@ -202,6 +201,7 @@ class _Exchange:
         self.values = values.detach().reshape(-1).to(torch.float32)
         self.identity = identity
         self.rank = rank
+        self.log = ReplicaLog(logger, rank)
         self.settings = settings
         self.n = settings.replicas
         self.grace_s = grace_s
@@ -268,7 +268,7 @@ class _Exchange:
                 else:
                     # An earlier attempt at this sync (before a restart or a rollback) already wrote this
                     # input; inputs are immutable, so the stored bytes are the ones that count.
-                    logger.info(
+                    self.log.info(
                         "input %s exists from an earlier attempt; using the stored one",
                         layout.sync_input(self.rank, shard),
                     )
@@ -276,9 +276,8 @@ class _Exchange:
             Exception
         ) as e:  # a replica that cannot upload still receives the average, as a non-participant
             self.result.upload_failed = True
-            logger.warning(
-                "[replica %d] upload failed (%s: %s); continuing without contributing",
-                self.rank,
+            self.log.warning(
+                "upload failed (%s: %s); continuing without contributing",
                 type(e).__name__,
                 e,
             )
@@ -286,9 +285,11 @@ class _Exchange:
     # --- phase 2: quorum ---------------------------------------------------------------------------
 
     def _await_quorum(self) -> list[int]:
-        deadline = self.started + self.grace_s
-        delay = _POLL_FIRST_S
-        while True:
+        grace_deadline = self.started + self.grace_s
+        present: list[int] = []
+
+        def quorum() -> list[int] | None:
+            nonlocal present
             keys = set(self.store.list_tree(""))
             present = complete_ranks(keys, self.n)
             now = time.monotonic()
@@ -297,30 +298,33 @@ class _Exchange:
             if len(present) == self.n and self.result.waited_for_all_s is None:
                 self.result.waited_for_all_s = now - self.started
             if layout.QUORUM in keys:
-                quorum = self._read_quorum()
-                if quorum is not None:
-                    return quorum
+                fixed = self._read_quorum()
+                if fixed is not None:
+                    return fixed
             if self.rank in present:
                 self._prefetch(keys, present)
                 now = time.monotonic()
             full = len(present) == self.n
-            if full or (now >= deadline and len(present) >= self.settings.min_replicas):
+            if full or (now >= grace_deadline and len(present) >= self.settings.min_replicas):
                 return self._decide(
                     present, "all arrived" if full else f"grace of {self.grace_s:.2f}s passed"
                 )
-            if now >= self.hard_deadline:
-                raise ExchangeError(
-                    f"{self.store.url}: only {len(present)}/{self.n} replicas arrived within "
-                    f"{self.settings.timeout_s:.0f}s; a quorum needs {self.settings.min_replicas}"
-                )
-            delay = backoff_sleep(delay)
+            return None
+
+        fixed = poll_until(quorum, self.hard_deadline)
+        if fixed is None:
+            raise ExchangeError(
+                f"{self.store.url}: only {len(present)}/{self.n} replicas arrived within "
+                f"{self.settings.timeout_s:.0f}s; a quorum needs {self.settings.min_replicas}"
+            )
+        return fixed
 
     def _decide(self, present: list[int], reason: str) -> list[int]:
         if self.is_stale is not None and self.is_stale():
             raise StaleRoundError(f"{self.store.url}: the store has already completed this round")
         doc = {"participants": present, "decided_by": self.rank, "reason": reason}
         if self.store.create(layout.QUORUM, json.dumps(doc).encode()):
-            logger.info("[replica %d] quorum %s fixed: %s (%s)", self.rank, self.store.url, present, reason)
+            self.log.info("quorum %s fixed: %s (%s)", self.store.url, present, reason)
             return present
         quorum = self._read_quorum()
         if quorum is None:
@@ -368,9 +372,8 @@ class _Exchange:
                 identity = self._input_identity(peer, shard)
                 accumulate(total, payload, identity, self.settings.codec, verify=verify)
             except PayloadError as e:
-                logger.warning(
-                    "[replica %d] rejected %s/%s: %s",
-                    self.rank,
+                self.log.warning(
+                    "rejected %s/%s: %s",
                     self.store.url,
                     layout.sync_input(peer, shard),
                     e,
@@ -400,37 +403,34 @@ class _Exchange:
 
     def _gather(self, participants: list[int], done: set[int]) -> None:
         pending = set(range(self.n)) - done
-        # Owners start reducing when they see the quorum, up to one poll interval after this replica did:
-        # give them that, plus twice as long as this replica took and at least the straggler grace, before
-        # doing their work for them.
-        now = time.monotonic()
-        rescue_at = now + _POLL_CAP_S + max(self.grace_s, 2 * (now - self.quorum_at))
-        delay = _POLL_FIRST_S
-        while pending:
+
+        def all_placed() -> bool | None:
             available = {int(name) for name in self.store.list(layout.SYNC_OUTPUTS) if name.isdigit()}
             for shard in sorted(pending & available):
                 self._place(shard, self._fetch(layout.sync_output(shard), shard))
                 pending.discard(shard)
-            if not pending:
-                return
-            now = time.monotonic()
-            if now >= rescue_at:
-                for shard in sorted(pending):
-                    logger.warning(
-                        "[replica %d] %s/%s missing %.1fs after the quorum; reducing it here",
-                        self.rank,
-                        self.store.url,
-                        layout.sync_output(shard),
-                        now - self.started,
-                    )
-                    self._reduce(shard, participants)
-                    self.result.rescued.append(shard)
-                return
-            if now >= self.hard_deadline:
-                raise ExchangeError(
-                    f"{self.store.url}: reduced shards {sorted(pending)} missing after {self.settings.timeout_s:.0f}s"
-                )
-            delay = backoff_sleep(delay)
+            return None if pending else True
+
+        # Owners start reducing when they see the quorum, up to one poll interval after this replica did:
+        # give them that, plus twice as long as this replica took and at least the straggler grace, before
+        # doing their work for them.
+        now = time.monotonic()
+        rescue_at = now + polling.CAP_S + max(self.grace_s, 2 * (now - self.quorum_at))
+        if poll_until(all_placed, min(rescue_at, self.hard_deadline)):
+            return
+        if rescue_at > self.hard_deadline:
+            raise ExchangeError(
+                f"{self.store.url}: reduced shards {sorted(pending)} missing after {self.settings.timeout_s:.0f}s"
+            )
+        for shard in sorted(pending):
+            self.log.warning(
+                "%s/%s missing %.1fs after the quorum; reducing it here",
+                self.store.url,
+                layout.sync_output(shard),
+                time.monotonic() - self.started,
+            )
+            self._reduce(shard, participants)
+            self.result.rescued.append(shard)
 
     def _place(self, shard: int, payload: Payload, *, verify: bool = True) -> None:
         start, end = self.bounds[shard]
@@ -456,10 +456,3 @@ class _Exchange:
 
     def _reduced_identity(self, shard: int) -> dict[str, str]:
         return {**self.identity, "rank": REDUCED, "shard": str(shard)}
-
-
-def backoff_sleep(delay: float, cap: float = _POLL_CAP_S) -> float:
-    """Sleep a jittered ``delay`` and return the next one, at most ``cap``: a poll of the store that is quick
-    at first and cheap (few requests) when the wait is long; the jitter keeps replicas from polling in step."""
-    time.sleep(delay * (0.5 + random.random()))
-    return min(cap, delay * 1.5)

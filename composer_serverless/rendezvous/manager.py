@@ -43,6 +43,7 @@ from composer_serverless.rendezvous.allreduce import (
 )
 from composer_serverless.rendezvous.deadline import ArrivalHistory, GraceSettings
 from composer_serverless.rendezvous.latest import latest_round
+from composer_serverless.rendezvous.replica_log import ReplicaLog
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class ObjectStoreManager:
         self._store = store
         self._run_id = run_id
         self._rank = rank
+        self._log = ReplicaLog(logger, rank)
         self._fragments = fragments
         self._settings = settings
         self._arrivals = ArrivalHistory(grace)
@@ -190,17 +192,15 @@ class ObjectStoreManager:
         self.syncs_attempted += 1
         self.last_sync = outcome
         if outcome.committed:
-            logger.info(
-                "[replica %d] round %d fragment %d committed, participants %s",
-                self._rank,
+            self._log.info(
+                "round %d fragment %d committed, participants %s",
                 outcome.round,
                 outcome.fragment,
                 outcome.participants,
             )
         else:
-            logger.warning(
-                "[replica %d] round %d fragment %d FAILED: %s",
-                self._rank,
+            self._log.warning(
+                "round %d fragment %d FAILED: %s",
                 outcome.round,
                 outcome.fragment,
                 outcome.error,
@@ -275,11 +275,10 @@ class ObjectStoreManager:
             self.bytes_down += result.bytes_down
         except Exception as e:  # reported through should_commit, as torchft's Manager does
             if isinstance(e, StaleRoundError):
-                logger.info("[replica %d] %s", self._rank, e)
+                self._log.info("%s", e)
             else:
-                logger.exception(
-                    "[replica %d] round %d fragment %d exchange failed",
-                    self._rank,
+                self._log.exception(
+                    "round %d fragment %d exchange failed",
                     outcome.round,
                     outcome.fragment,
                 )

@@ -5,8 +5,8 @@ them with the configured rewards, turns the feedback into SDPO hints, takes the 
 returns `losses.compose.three_channel_loss` on the lot. Evaluation decodes the held-out prompts greedily and
 reports the mean reward, overall and per task. The data position (two cursors) is the objective's state.
 
-`preflight` reads every data file and resolves every reward before a replica starts, so a malformed record
-or a reward that does not import is reported with its file and line, or its import path, at launch.
+The launcher reads the same inputs before any replica starts (`inputs.py`), so a malformed record or a reward
+that does not import is reported with its file and line, or its import path, at launch.
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from composer_serverless.config import ComposerConfig, ConfigError, RunConfig
+from composer_serverless.config import ComposerConfig, RunConfig
 from composer_serverless.losses.compose import LossBatch, LossSettings, RLBatch, three_channel_loss
 from composer_serverless.losses.grpo import GRPOSettings
 from composer_serverless.losses.logprobs import completion_logprobs
 from composer_serverless.losses.replay import ReplaySettings
 from composer_serverless.losses.sdpo import SDPOSettings
-from composer_serverless.replicas.data import Cycle, PromptRecord, read_pairs, read_prompts, shard_records
+from composer_serverless.replicas import inputs
 from composer_serverless.replicas.evaluation import EvalPart, share
 from composer_serverless.replicas.hints import HintBuilder
 from composer_serverless.replicas.pairs import ReplayPairs
+from composer_serverless.replicas.records import Cycle, PromptRecord, read_pairs, shard_records
 from composer_serverless.replicas.rewards import RewardSet
 from composer_serverless.replicas.rollout import RolloutSettings, generate, rollout
 
@@ -69,39 +70,6 @@ def loss_settings(config: ComposerConfig) -> LossSettings:
     )
 
 
-def preflight(config: RunConfig) -> None:
-    """Read every data file and resolve every reward, before any replica starts.
-
-    Raises:
-        ConfigError: a file is missing or has a malformed record (named by file and line), a reward does not
-            import or needs a field a record lacks, or there are fewer records than replicas.
-    """
-    composer = _composer(config)
-    try:
-        train, _ = _read_prompts(composer, RewardSet(composer.rewards))
-        shard_records(train, 0, config.diloco.replicas)
-        if composer.data.pairs is not None and composer.beta > 0:
-            shard_records(read_pairs(composer.data.pairs), 0, config.diloco.replicas)
-    except (OSError, ValueError) as e:  # RecordError and RewardError are ValueErrors
-        raise ConfigError(f"[composer] inputs: {e}") from e
-
-
-def _composer(config: RunConfig) -> ComposerConfig:
-    if config.composer is None:
-        raise ValueError("the composer objective needs the [composer] table")
-    return config.composer
-
-
-def _read_prompts(
-    composer: ComposerConfig, rewards: RewardSet
-) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """The training and held-out prompts, checked to carry what the rewards need."""
-    train, heldout = read_prompts(composer.data.prompts), read_prompts(composer.data.heldout)
-    rewards.check(train)
-    rewards.check(heldout)
-    return train, heldout
-
-
 def stratified(records: Sequence[PromptRecord], count: int) -> list[PromptRecord]:
     """Up to ``count`` records taking one of each task in turn (file order within a task), so any count is
     balanced over the tasks however the file is sorted."""
@@ -129,12 +97,12 @@ class ComposerObjective:
     """
 
     def __init__(self, config: RunConfig, model: nn.Module, tokenizer: Any, rank: int) -> None:
-        composer = _composer(config)
+        composer = inputs.composer_table(config)
         replicas = config.diloco.replicas
         self._tokenizer = tokenizer
         self._settings = loss_settings(composer)
         self._rewards = RewardSet(composer.rewards)
-        train, heldout = _read_prompts(composer, self._rewards)
+        train, heldout = inputs.checked_prompts(composer, self._rewards)
         self._prompts = shard_records(train, rank, replicas)
         self._cycle = Cycle(len(self._prompts), seed=config.seed * 7919 + rank)
         self._heldout = stratified(heldout, config.eval.sequences)

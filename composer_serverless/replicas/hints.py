@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from composer_serverless.config import HintConfig
-from composer_serverless.replicas.data import PromptRecord
+from composer_serverless.replicas.records import PromptRecord
 
 
 class HintBuilder:

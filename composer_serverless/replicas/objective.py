@@ -11,9 +11,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from composer_serverless.config import ConfigError, RunConfig
+from composer_serverless.config import RunConfig
 from composer_serverless.replicas.composer import ComposerObjective
-from composer_serverless.replicas.data import Batches, shuffled, stdlib_corpus
+from composer_serverless.replicas.corpus import shuffled, stdlib_corpus
+from composer_serverless.replicas.data import Batches
 from composer_serverless.replicas.evaluation import EvalPart, combine, share
 
 # Held-out sequences are drawn from this many interleaved file streams, independent of the training batch size.
@@ -93,24 +94,6 @@ class LMObjective:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._train.load_state_dict(state["train"])
-
-
-def preflight_text(config: RunConfig) -> None:
-    """Refuse, before anything starts, a global batch the corpus cannot feed: each of its streams reads
-    files of its own (``Batches``), so a replica would otherwise fail only once it is running.
-
-    Raises:
-        ConfigError: fewer train files than streams.
-    """
-    data = config.data
-    streams = config.diloco.replicas * data.batch_size * data.streams_per_row
-    files = len(stdlib_corpus(data.heldout_percent).train)
-    if streams > files:
-        raise ConfigError(
-            f"data: {config.diloco.replicas} replicas x batch_size {data.batch_size} x streams_per_row "
-            f"{data.streams_per_row} = {streams} streams, but the {data.corpus} corpus has {files} train files "
-            "and each stream needs at least one\n  fix: lower data.batch_size or data.streams_per_row"
-        )
 
 
 def evaluate(objective: Objective, model: torch.nn.Module) -> dict[str, float]:

@@ -21,7 +21,7 @@ from torch import nn
 
 from composer_serverless.losses.compose import ReplayBatch
 from composer_serverless.losses.logprobs import completion_logprobs
-from composer_serverless.replicas.data import Cycle, PreferencePair
+from composer_serverless.replicas.records import Cycle, PreferencePair
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from composer_serverless.config import RewardConfig
-from composer_serverless.replicas.data import PromptRecord
+from composer_serverless.replicas.records import PromptRecord
 from composer_serverless.replicas.sandbox import run_tests
 
 # Sandboxed test runs wait on child processes, not on the GIL, so a few run side by side.

@@ -23,8 +23,8 @@ from torch import nn
 
 from composer_serverless.losses.compose import HintBatch, RLBatch
 from composer_serverless.losses.grpo import ScaleRewards, dynamic_sampling_keep, group_advantages
-from composer_serverless.replicas.data import PromptRecord
 from composer_serverless.replicas.hints import HintBuilder
+from composer_serverless.replicas.records import PromptRecord
 from composer_serverless.replicas.rewards import RewardSet, Scored
 
 

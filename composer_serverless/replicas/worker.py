@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s [replica {args.rank}] %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stdout,
     )
     from transformers.utils import logging as hf_logging

@@ -20,7 +20,8 @@ from composer_serverless import runs
 from composer_serverless.config import validate_config
 from composer_serverless.executors import modal as modal_executor
 from composer_serverless.executors.base import LaunchPlan, worker_argv
-from composer_serverless.executors.modal import IMAGE_REQUIREMENTS, ModalExecutor
+from composer_serverless.executors.modal import ModalExecutor
+from composer_serverless.executors.modal_image import IMAGE_REQUIREMENTS
 from composer_serverless.launcher import create_run, launch, prepare, start
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 from tests.conftest import TINY
@@ -114,6 +115,7 @@ def test_replica_function_body_runs_through_modal_local(tmp_path):
     assert run.exists("final/config.json")
 
 
+@pytest.mark.slow
 def test_launcher_drives_modal_through_the_seam(tmp_path, s3_store, fake_modal):
     store, _ = s3_store
     out = io.StringIO()
@@ -135,6 +137,7 @@ def test_launcher_drives_modal_through_the_seam(tmp_path, s3_store, fake_modal):
     assert any("[replica 1]" in line for line in runs.logs(f"{store}/modal-run", 1, follow=False))
 
 
+@pytest.mark.slow
 def test_cancel_from_another_process_through_the_seam(tmp_path, s3_store, fake_modal):
     store, _ = s3_store
     start(

@@ -24,7 +24,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s [replica {args.rank}] %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stdout,
     )
     store = FaultyStore(args.run, **json.loads(args.faults)) if args.faults else ObjectStore(args.run)

@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from harness import (
     PROCESS_TIMEOUT_S,
     REFERENCE_SETTINGS,
@@ -33,6 +34,7 @@ def wait_until(condition, what: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -81,6 +83,7 @@ def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
     assert latest_round(run) == rounds
 
 
+@pytest.mark.slow
 def test_a_late_replica_heals_then_realigns_with_the_next_round(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Replica 1's upload of round 2 is held until replica 0 has committed round 2 alone, so it arrives after
     the quorum: it takes the round's average from the store (its parameters stay identical), then, its lag
@@ -105,6 +108,7 @@ def test_a_late_replica_heals_then_realigns_with_the_next_round(tmp_path: Path, 
     assert set(per_round) == set(range(1, 6))
 
 
+@pytest.mark.slow
 def test_transient_store_faults_change_nothing(
     tmp_path: Path, tiny_model_dir: Path, s3_url: str, reference_run: ReferenceRun
 ) -> None:

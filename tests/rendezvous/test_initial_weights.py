@@ -13,7 +13,7 @@ from harness import create, digests, logs_of, make_config, run_replicas
 
 from composer_serverless.models import load_pretrained
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.trainer import InitialWeightsError, check_initial_weights, digest
+from composer_serverless.replicas.weights import InitialWeightsError, check_initial_weights, digest
 
 MISSING = "model.layers.0.mlp.down_proj.weight"
 
@@ -29,6 +29,7 @@ def test_different_initial_weights_are_refused_with_the_reason(tiny_model_dir: P
         check_initial_weights(run, model, rank=2)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_missing_a_weight_starts_alike_on_every_replica(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:

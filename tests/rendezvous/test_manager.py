@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 from analytic_replica import CASES, SYNC_EVERY, case_key
 from faults import InjectedFault
@@ -49,6 +50,7 @@ def analytic_history(fragments: int, delay: int, alpha: float, steps: int) -> li
     return history
 
 
+@pytest.mark.slow
 def test_torchft_analytic_trajectory_with_two_replica_processes(tmp_path: Path, s3_url: str) -> None:
     urls = [f"file://{tmp_path}/run", s3_url]
     outs = [tmp_path / f"history-{r}.json" for r in range(2)]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from harness import (
     REFERENCE_SETTINGS,
     REPO,
@@ -26,6 +27,7 @@ from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.store import ObjectStore
 
 
+@pytest.mark.slow
 def test_interrupted_and_resumed_run_is_bit_identical(
     tmp_path: Path, tiny_model_dir: Path, reference_run: ReferenceRun
 ) -> None:

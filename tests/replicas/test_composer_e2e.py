@@ -12,12 +12,17 @@ from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 from composer_serverless.task_suite import TASKS as TASK_SUITE
+from tests.conftest import cli_in_fresh_process
 
 TASKS = Path(__file__).resolve().parents[2] / "deploy" / "data" / "composer-tasks"
 
 
-@pytest.mark.slow
-def test_two_replicas_two_rounds_with_all_three_channels(tmp_path):
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("composer")
     config = validate_config(
         {
             "run_id": "composer-e2e",
@@ -53,9 +58,12 @@ def test_two_replicas_two_rounds_with_all_three_channels(tmp_path):
         }
     )
     summary = launch(config, "composer-e2e", Console(file=io.StringIO()))
+    return ObjectStore(str(tmp_path / "composer-e2e")), summary
 
+
+def test_two_replicas_two_rounds_with_all_three_channels(finished_run):
+    run, summary = finished_run
     assert summary["rounds_committed"] == 2 and summary["replicas_bit_identical"]
-    run = ObjectStore(str(tmp_path / "composer-e2e"))
     metrics = read_metrics(run)
     assert sorted(metrics) == [0, 1]
     for rank, rows in metrics.items():
@@ -74,3 +82,13 @@ def test_two_replicas_two_rounds_with_all_three_channels(tmp_path):
     assert set(summary["eval_reward_by_task"]) == {task.name for task in TASK_SUITE}
     assert run.get(layout.REWARD_PLOT).startswith(b"\x89PNG")
     assert run.exists("final/config.json")
+
+
+def test_status_of_the_finished_run_names_its_reward_without_the_training_stack(finished_run):
+    run, summary = finished_run
+    result, loaded = cli_in_fresh_process("status", run.url)
+    assert result.returncode == 0, result.stdout + result.stderr
+    initial, final = summary["initial_eval_reward"], summary["final_eval_reward"]
+    assert f"finished: held-out reward of the global model: {initial:.4f} -> {final:.4f}" in result.stdout
+    assert summary["final_eval_loss"] is None and "held-out loss" not in result.stdout
+    assert loaded == []

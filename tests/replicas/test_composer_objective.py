@@ -5,10 +5,11 @@ import json
 import pytest
 
 from composer_serverless.config import ConfigError, validate_config
-from composer_serverless.replicas.composer import preflight, stratified
-from composer_serverless.replicas.data import PromptRecord
+from composer_serverless.replicas.composer import stratified
 from composer_serverless.replicas.evaluation import combine
+from composer_serverless.replicas.inputs import check_composer
 from composer_serverless.replicas.objective import evaluate, make_objective
+from composer_serverless.replicas.records import PromptRecord
 
 TRAIN = [{"prompt": f"add {a} {b}=", "answer": str(a + b), "task": "add"} for a in range(3) for b in range(3)]
 HELDOUT = [
@@ -92,7 +93,7 @@ def test_held_out_prompts_are_taken_across_tasks_in_turn():
     assert len(stratified(records, 100)) == 6
 
 
-def test_preflight_names_the_malformed_record(raw, jsonl):
+def test_the_launchers_check_names_the_malformed_record(raw, jsonl):
     config = validate_config(raw())
     bad = jsonl("bad.jsonl", [TRAIN[0], '{"prompt": "x", "answer": 5}'])
     broken = config.model_copy(
@@ -103,20 +104,20 @@ def test_preflight_names_the_malformed_record(raw, jsonl):
         }
     )
     with pytest.raises(ConfigError, match=rf"{bad}:2: 'answer' must be a non-empty string \(got 5\)"):
-        preflight(broken)
+        check_composer(broken)
 
 
-def test_preflight_names_a_reward_that_does_not_import(raw):
+def test_the_launchers_check_names_a_reward_that_does_not_import(raw):
     config = validate_config(raw(rewards=[{"fn": "no_such_module:score"}]))
     with pytest.raises(ConfigError, match="reward 'no_such_module:score': cannot import 'no_such_module'"):
-        preflight(config)
+        check_composer(config)
 
 
-def test_preflight_refuses_fewer_records_than_replicas(raw):
+def test_the_launchers_check_refuses_fewer_records_than_replicas(raw):
     config = validate_config(raw())
     crowded = config.model_copy(update={"diloco": config.diloco.model_copy(update={"replicas": 20})})
     with pytest.raises(ConfigError, match="9 records cannot be sharded over 20 replicas"):
-        preflight(crowded)
+        check_composer(crowded)
 
 
 def test_shares_of_the_evaluation_add_up_to_the_whole(raw, model, tokenizer):

@@ -3,8 +3,8 @@
 import pytest
 
 from composer_serverless.config import HintConfig
-from composer_serverless.replicas.data import PromptRecord
 from composer_serverless.replicas.hints import HintBuilder
+from composer_serverless.replicas.records import PromptRecord
 
 RECORD = PromptRecord(prompt="add 2 3=", answer="5")
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from composer_serverless.losses.logprobs import completion_logprobs
-from composer_serverless.replicas.data import PreferencePair
 from composer_serverless.replicas.pairs import ReplayPairs
+from composer_serverless.replicas.records import PreferencePair
 
 PAIRS = [
     PreferencePair("add 2 3=", "5", "6"),

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from composer_serverless.config import RewardConfig
-from composer_serverless.replicas.data import PromptRecord
+from composer_serverless.replicas.records import PromptRecord
 from composer_serverless.replicas.rewards import RewardError, RewardSet, Score, exact_match, load_user_reward
 
 RECORD = PromptRecord(prompt="add 2 3=", answer="5", source="train.jsonl:7")

@@ -1,0 +1,28 @@
+"""What a Modal replica container is built from: the app's name, Python, the pip requirements, retries.
+
+Shared by the executor (which puts them in the plan, without the modal SDK) and the Modal app (which builds
+the image from them in every container), so neither imports the other for them.
+"""
+
+from __future__ import annotations
+
+APP_NAME = "composer-serverless"
+PYTHON_VERSION = "3.11"
+# The project's runtime dependencies plus its s3 and hf extras, torch pinned to the version it is tested on.
+IMAGE_REQUIREMENTS = (
+    "torch==2.13.0",
+    "transformers>=5.0,<6",
+    "tokenizers>=0.21",
+    "torchft==0.2.0",
+    "fsspec>=2025.1",
+    "safetensors>=0.5",
+    "pydantic>=2.6,<3",
+    "typer>=0.15",
+    "rich>=13",
+    "numpy>=1.26",
+    "matplotlib>=3.8",
+    "s3fs>=2025.1",
+    "boto3>=1.35.21",
+    "huggingface_hub>=1.0",
+)
+RETRY_DELAY_S = 10.0

@@ -1,0 +1,149 @@
+"""torchft's DiLoCo wired to this project's pieces: fragments, inner and outer optimizers, the manager's
+settings, and the global parameters DiLoCo keeps.
+
+torchft's ``DiLoCo`` hooks the inner optimizer's ``step``: every ``sync_every / fragments`` steps it computes
+the pseudo-gradient of one fragment (global - local), has the manager average it, restores the global
+parameters and applies the outer optimizer. We supply the manager (``ObjectStoreManager``), the fragments
+(strided decoder layers, as in Streaming DiLoCo) and one outer Nesterov SGD per fragment; the algorithm is
+torchft's, unmodified.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torchft.local_sgd import DiLoCo
+
+from composer_serverless.config import DiLoCoConfig, TrainConfig
+from composer_serverless.rendezvous.allreduce import ExchangeSettings
+from composer_serverless.rendezvous.deadline import GraceSettings
+from composer_serverless.rendezvous.manager import ObjectStoreManager
+
+
+def split_fragments(model: nn.Module, count: int) -> list[nn.Module]:
+    """Partition ``model``'s parameters into ``count`` modules, one per Streaming DiLoCo fragment.
+
+    Decoder layers are dealt out strided (layer i to fragment i % count), the pattern Streaming DiLoCo found
+    best; parameters outside the layers (embeddings, final norm, a tied head) join fragment 0. The fragments
+    hold the model's own Parameter objects, so updates through a fragment are updates of the model.
+    """
+    if count == 1:
+        return [model]
+    layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+    if layers is None or len(layers) < count:
+        raise ValueError(
+            f"cannot split the model into {count} fragments: it has {len(layers or [])} decoder layers"
+        )
+    fragments = [nn.Module() for _ in range(count)]
+    in_layers: set[int] = set()
+    for i, layer in enumerate(layers):
+        fragments[i % count].add_module(f"layer{i}", layer)
+        in_layers.update(id(p) for p in layer.parameters())
+    for name, param in model.named_parameters():
+        if id(param) not in in_layers:
+            fragments[0].register_parameter(name.replace(".", "__"), param)
+    return fragments
+
+
+def model_names(model: nn.Module, fragments: list[nn.Module]) -> list[dict[str, str]]:
+    """For each fragment, its parameter names mapped to the model's parameter names."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return [{local: by_id[id(p)] for local, p in fragment.named_parameters()} for fragment in fragments]
+
+
+def make_inner_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (decay on matrices only, as is standard for transformers) or plain SGD."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr)
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
+
+
+def make_schedule(
+    optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int, done_steps: int = 0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then constant or cosine decay to ``min_lr_ratio`` over the run's inner steps.
+
+    ``done_steps`` starts the schedule part-way, for a replica that joins from a published state.
+    """
+
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps))
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    if done_steps:
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=done_steps - 1)
+
+
+def make_outer_optimizers(fragments: list[nn.Module], config: DiLoCoConfig) -> list[torch.optim.Optimizer]:
+    """One outer SGD per fragment, so each fragment's momentum is saved and restored with that fragment."""
+    return [
+        torch.optim.SGD(
+            f.parameters(), lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.nesterov
+        )
+        for f in fragments
+    ]
+
+
+def make_diloco(
+    manager: ObjectStoreManager,
+    fragments: list[nn.Module],
+    inner: torch.optim.Optimizer,
+    outer: list[torch.optim.Optimizer],
+    config: DiLoCoConfig,
+) -> DiLoCo:
+    """torchft's DiLoCo with one bucket per fragment, so the store exchanges one object per replica and sync."""
+    dtypes = {p.dtype for f in fragments for p in f.parameters()}
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"all parameters must share one dtype for the flat exchange, got {sorted(map(str, dtypes))}"
+        )
+    largest = max(sum(p.numel() * p.element_size() for p in f.parameters()) for f in fragments)
+    return DiLoCo(
+        manager,
+        fragments,
+        inner,
+        outer,
+        sync_every=config.sync_every,
+        use_bucketization=True,
+        bucket_cap_mb=math.ceil(largest / 2**20),
+        fragment_sync_delay=config.fragment_sync_delay,
+        fragment_update_alpha=config.fragment_update_alpha,
+    )
+
+
+def global_parameters(manager: ObjectStoreManager, names: list[dict[str, str]]) -> dict[str, torch.Tensor]:
+    """The global (outer) parameters by model name, from the state DiLoCo registered with the manager."""
+    state = manager.user_state_dict()
+    params = {}
+    for i, mapping in enumerate(names):
+        originals = state[f"StreamingDiLoCoFragment_{i}"]["original_parameters"]
+        params.update({mapping[local]: tensor for local, tensor in originals.items()})
+    return params
+
+
+def exchange_settings(config: DiLoCoConfig) -> ExchangeSettings:
+    return ExchangeSettings(
+        replicas=config.replicas,
+        min_replicas=config.min_replicas,
+        codec=config.codec,
+        timeout_s=config.sync_timeout_s,
+    )
+
+
+def grace_settings(config: DiLoCoConfig) -> GraceSettings:
+    return GraceSettings(
+        min_s=config.quorum_grace_min_s, max_s=config.quorum_grace_max_s, mads=config.quorum_grace_mads
+    )

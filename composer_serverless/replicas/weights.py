@@ -1,0 +1,77 @@
+"""The weights a replica trains: loading them, checking that every replica starts from the same ones, their
+digest, and swapping the global parameters in (to evaluate or save the global model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from composer_serverless.config import RunConfig
+from composer_serverless.models import load_pretrained
+from composer_serverless.rendezvous import checkpoint, layout
+from composer_serverless.rendezvous.store import ObjectStore
+
+
+class InitialWeightsError(RuntimeError):
+    """This replica loaded weights that differ from another replica's, so the run cannot be DiLoCo."""
+
+
+def load_run_model(run: ObjectStore, config: RunConfig, cache: Path) -> tuple[Any, Any]:
+    """Load the run's model: the tiny model stored in the run, or the configured hub id / path."""
+    if config.model.path is not None:
+        return load_pretrained(config.model.path, config.model.dtype)
+    local = run.local_dir(layout.MODEL) or run.download_dir(layout.MODEL, cache / layout.MODEL)
+    return load_pretrained(local, config.model.dtype)
+
+
+def digest(params: dict[str, torch.Tensor]) -> str:
+    """sha256 over the raw bytes of every tensor in name order: equal iff bit-identical."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode())
+        h.update(params[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_initial_weights(run: ObjectStore, model: nn.Module, rank: int) -> None:
+    """Refuse to train from weights that differ from the other replicas'.
+
+    DiLoCo averages pseudo-gradients, not parameters: replicas that start apart stay apart for the whole
+    run. The first fresh replica records the digest of its weights (create-if-absent); every other one must
+    match it.
+
+    Raises:
+        InitialWeightsError: this replica's weights are not the recorded ones.
+    """
+    mine = digest(dict(model.named_parameters()))
+    if checkpoint.agree_on_initial_weights(run, mine):
+        return
+    raise InitialWeightsError(
+        f"replica {rank}: the model's initial weights differ from those another replica loaded "
+        f"(sha256 {mine[:12]} vs {checkpoint.initial_weights(run)[:12]}); DiLoCo needs every replica to start "
+        "from the same weights. Load them deterministically: a model whose code initialises weights at load "
+        "time with its own randomness, or a checkpoint that changed while replicas downloaded it, does this"
+    )
+
+
+@contextmanager
+def swapped_in(model: nn.Module, params: dict[str, torch.Tensor]) -> Iterator[nn.Module]:
+    """Temporarily load ``params`` into ``model`` (to evaluate or save the global model), then restore."""
+    current = dict(model.named_parameters())
+    saved = {name: current[name].detach().clone() for name in params}
+    with torch.no_grad():
+        for name, value in params.items():
+            current[name].copy_(value)
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for name, value in saved.items():
+                current[name].copy_(value)

@@ -1,0 +1,305 @@
+"""Following started runs to their end: the one path ``launch`` and ``sweep`` share.
+
+Progress comes from the heartbeats in the store (every ``HEARTBEAT_POLL_S``); each run's backend is asked for
+its replicas' states only every ``executor.status_poll_s``, since on a cloud backend each ask is a
+rate-limited call. Whatever ends the watch early, nothing is left billing: Ctrl-C asks whether to cancel the
+replicas or detach from them (a detached run keeps going; ``status``, ``logs`` and ``cancel`` reach it through
+its URL), SIGTERM (``Terminated``) cancels them, and any other failure cancels them too. A run that fails while
+others go on (a sweep cell) is cancelled and marked; with ``fail_fast`` (a single launch) its failure ends the
+watch. A launch shows a bar per replica; a sweep a bar per run (``ReplicaView``, ``RunView``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn
+
+from composer_serverless.config import RunConfig
+from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
+from composer_serverless.report import eval_headline, outcome, write_report
+from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor, Terminated
+
+HEARTBEAT_POLL_S = 1.0
+LOCAL_STATUS_POLL_S = 1.0
+
+Choice = Literal["cancel", "detach"]
+
+
+def cancel_on_interrupt() -> Choice:
+    """The non-interactive answer to Ctrl-C: nobody can be asked, so do not leave replicas billing."""
+    return "cancel"
+
+
+@dataclass
+class Followed:
+    """One started run being followed, and what became of it.
+
+    ``label`` prefixes the lines printed about it (``"cell 2: "`` in a sweep); ``statuses`` is each replica's
+    backend state at the last poll.
+    """
+
+    supervisor: Supervisor
+    config: RunConfig
+    label: str = ""
+    started: float = field(default_factory=time.monotonic)
+    state: str = "running"
+    detail: str = ""
+    statuses: dict[int, str] = field(default_factory=dict)
+    summary: dict[str, Any] | None = None
+    next_status: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return self.supervisor.run.url
+
+
+class View(Protocol):
+    """How progress is drawn: a context (the live display), and an update per run and poll."""
+
+    console: Console
+
+    def __enter__(self) -> View: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def show(self, run: Followed, beats: dict[int, dict[str, Any]]) -> None: ...
+
+
+def follow(
+    runs: list[Followed],
+    view: View,
+    on_interrupt: Callable[[], Choice] = cancel_on_interrupt,
+    *,
+    fail_fast: bool,
+) -> bool:
+    """Watch ``runs`` until every one has ended; False if the user detached (Ctrl-C, then "detach").
+
+    Raises:
+        RunCancelled: cancelled here (Ctrl-C, then "cancel"; SIGTERM), or, with ``fail_fast``, elsewhere.
+        RunFailed: with ``fail_fast``, a replica failed for good; every run's replicas were cancelled.
+    """
+    try:
+        with view:
+            _watch(runs, view, fail_fast)
+    except KeyboardInterrupt:
+        if on_interrupt() == "detach":
+            for run in _live(runs):
+                print_detached(run.url, view.console)
+            return False
+        _cancel(runs, record=True)
+        raise RunCancelled("cancelled at your request") from None
+    except Terminated:
+        _cancel(runs, record=True)
+        raise RunCancelled(Terminated.message) from None
+    except BaseException:
+        _cancel(runs, record=False)  # a failed launch must not keep its replicas billing
+        raise
+    return True
+
+
+def write_reports(runs: list[Followed]) -> None:
+    """Write the report of every run that succeeded (``summary.json`` and the plots, in its store)."""
+    for run in runs:
+        if run.state == "succeeded":
+            run.summary = write_report(run.supervisor.run, run.config, time.monotonic() - run.started)
+
+
+def print_report(run: Followed, console: Console) -> None:
+    summary = run.summary
+    assert summary is not None
+    console.print(
+        f"\n[bold]done[/]: {summary['rounds_committed']}/{summary['rounds']} rounds committed on "
+        f"{summary['replicas']} replicas in {summary['wall_s']:.0f}s"
+    )
+    for line in outcome(summary):
+        console.print(line, highlight=False)
+    console.print(
+        f"replicas bit-identical after every sync: {summary['replicas_bit_identical']}; "
+        f"moved {summary['bytes_uploaded'] / 1e6:.1f} MB up, {summary['bytes_downloaded'] / 1e6:.1f} MB down"
+    )
+    store = run.supervisor.run
+    for what, key in report_files(summary):
+        console.print(f"  {what:12s} {store.url_of(key)}", highlight=False)
+
+
+def report_files(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the report wrote, as (what, key in the run)."""
+    plots = [("reward plot", layout.REWARD_PLOT)] if summary["final_eval_reward"] is not None else []
+    return [("summary", layout.SUMMARY), ("plot", layout.LOSS_PLOT), *plots, ("final model", layout.FINAL)]
+
+
+def print_detached(url: str, console: Console) -> None:
+    console.print(
+        f"\ndetached: the replicas keep running.\n"
+        f"  composer-serverless status {url}\n"
+        f"  composer-serverless logs {url} --rank 0 --follow\n"
+        f"  composer-serverless cancel {url}",
+        highlight=False,
+    )
+
+
+def status_poll_s(config: RunConfig) -> float:
+    return getattr(config.executor, "status_poll_s", LOCAL_STATUS_POLL_S)
+
+
+def _live(runs: list[Followed]) -> list[Followed]:
+    return [run for run in runs if run.state == "running"]
+
+
+def _watch(runs: list[Followed], view: View, fail_fast: bool) -> None:
+    while True:
+        for run in _live(runs):
+            _poll(run, view.console, fail_fast)
+            view.show(run, read_heartbeats(run.supervisor.run))
+        if not _live(runs):
+            return
+        time.sleep(HEARTBEAT_POLL_S)
+
+
+def _poll(run: Followed, console: Console, fail_fast: bool) -> None:
+    """Ask the backend for the run's replicas, if it is time to; record and print what changed."""
+    if time.monotonic() < run.next_status:
+        return
+    run.next_status = time.monotonic() + status_poll_s(run.config)
+    supervisor = run.supervisor
+    try:
+        poll = supervisor.poll()
+    except RunFailed as e:
+        if fail_fast:
+            raise
+        supervisor.executor.cancel(supervisor.handles)
+        run.state, run.detail = "failed", str(e)
+        console.print(f"[red]{escape(run.label)}failed:[/] {escape(str(e))}", highlight=False)
+        return
+    except RunCancelled as e:
+        if fail_fast:
+            raise
+        run.state, run.detail = "cancelled", str(e)
+        return
+    for event in poll.events:
+        console.print(f"[yellow]{escape(run.label + event)}[/]", highlight=False)
+    run.statuses = {
+        s.rank: s.state if s.state != "pending" else f"pending: {s.detail}" for s in poll.statuses
+    }
+    if poll.finished:
+        run.state = "succeeded"
+
+
+def _cancel(runs: list[Followed], *, record: bool) -> None:
+    """Cancel the replicas of every run still going; ``record`` marks the runs cancelled in the store first
+    (so no other watcher takes the dying replicas for failures)."""
+    for run in _live(runs):
+        if record:
+            run.supervisor.cancel()
+        else:
+            run.supervisor.executor.cancel(run.supervisor.handles)
+        run.state = "cancelled"
+
+
+def _steps_done(beat: dict[str, Any], sync_every: int) -> int:
+    return max(0, beat.get("round", 1) - 1) * sync_every + beat.get("step", 0)
+
+
+class ReplicaView:
+    """One run: a bar per replica (round, step, latest loss, state) and a line per evaluated round."""
+
+    def __init__(self, run: Followed, console: Console) -> None:
+        dl = run.config.diloco
+        self.console = console
+        self._progress = Progress(
+            TextColumn("replica {task.fields[rank]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(
+                "round {task.fields[round]}/{task.fields[rounds]}  loss {task.fields[loss]}  {task.fields[state]}"
+            ),
+            console=console,
+        )
+        self._tasks = {
+            h.rank: self._progress.add_task(
+                "",
+                total=dl.rounds * dl.sync_every,
+                rank=h.rank,
+                round=0,
+                rounds=dl.rounds,
+                loss="-",
+                state="pending",
+            )
+            for h in run.supervisor.handles
+        }
+        self._reported: set[int] = set()
+
+    def __enter__(self) -> ReplicaView:
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.__exit__(*exc)  # type: ignore[arg-type]
+
+    def show(self, run: Followed, beats: dict[int, dict[str, Any]]) -> None:
+        sync_every = run.config.diloco.sync_every
+        for rank, task in self._tasks.items():
+            beat, backend = beats.get(rank, {}), run.statuses.get(rank, "pending")
+            fields: dict[str, Any] = {
+                "state": beat.get("state", backend) if backend == "running" else backend
+            }
+            if beat:
+                fields.update(completed=_steps_done(beat, sync_every), round=beat.get("round", 0))
+            if "loss" in beat:  # beats without one (starting, done) keep the last loss on screen
+                fields["loss"] = f"{beat['loss']:.3f}"
+            self._progress.update(task, **fields)
+        self._print_new_rounds(run)
+
+    def _print_new_rounds(self, run: Followed) -> None:
+        # The evaluator of a round is its lowest-rank participant, so any replica's metrics may carry it.
+        metrics = read_metrics(run.supervisor.run)
+        rows = sorted((r for rank_rows in metrics.values() for r in rank_rows), key=lambda r: r["round"])
+        for row in rows:
+            if row["round"] in self._reported or "eval" not in row:
+                continue
+            self._reported.add(row["round"])
+            rounds = run.config.diloco.rounds
+            label = "initial model" if row["round"] == 0 else f"round {row['round']}/{rounds}"
+            self.console.print(f"  {label}: {eval_headline(row['eval'])}", highlight=False)
+
+
+class RunView:
+    """Several runs (a sweep): a bar per run, its inner steps over all its replicas, and its state."""
+
+    def __init__(self, runs: list[Followed], console: Console) -> None:
+        self.console = console
+        self._progress = Progress(
+            TextColumn("{task.fields[label]}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[state]}"),
+            console=console,
+        )
+        self._tasks = {}
+        for run in runs:
+            dl = run.config.diloco
+            total = dl.replicas * dl.rounds * dl.sync_every
+            label = run.label.rstrip(": ")
+            self._tasks[id(run)] = self._progress.add_task("", total=total, label=label, state=run.state)
+        self._runs = runs
+
+    def __enter__(self) -> RunView:
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for run in self._runs:  # the final states, also of runs that ended since their last update
+            self._progress.update(self._tasks[id(run)], state=run.state)
+        self._progress.__exit__(*exc)  # type: ignore[arg-type]
+
+    def show(self, run: Followed, beats: dict[int, dict[str, Any]]) -> None:
+        sync_every = run.config.diloco.sync_every
+        done = sum(_steps_done(beat, sync_every) for beat in beats.values())
+        self._progress.update(self._tasks[id(run)], completed=done, state=run.state)
