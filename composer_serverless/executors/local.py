@@ -5,9 +5,10 @@ Modal or HF Jobs only in where the processes live. Each replica is the leader of
 group, so a terminal's Ctrl-C reaches only the launcher (which then asks whether to cancel or detach) and
 cancelling ends the replica and whatever it started, and nothing else.
 
-Handles carry the process's identity (pid, process group, start time from ``/proc``, boot id, host), so a
-later ``status`` or ``cancel`` from another process signals a pid only while it still belongs to the replica
-that was started: a recycled pid is never signalled. When the process is gone and was not ours to reap, its
+Handles carry the process's identity (pid, process group, creation time and the machine's boot time as
+psutil reads them on Linux and macOS alike, host), so a later ``status`` or ``cancel`` from another process
+signals a pid only while it still belongs to the replica that was started: a recycled pid is never
+signalled. When the process is gone and was not ours to reap, its
 outcome comes from the replica's final heartbeat in the store.
 """
 
@@ -21,8 +22,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from composer_serverless.config import ConfigError, RunConfig
 from composer_serverless.executors.base import (
@@ -38,19 +40,6 @@ from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 
 CANCEL_GRACE_S = 5.0
-
-
-@dataclass(frozen=True)
-class _Identity:
-    """What ``/proc/<pid>/stat`` says of a process: enough to tell it from a later one with the same pid."""
-
-    state: str
-    pgid: int
-    start_ticks: int
-
-    @property
-    def alive(self) -> bool:
-        return self.state not in ("Z", "X")  # a zombie has exited; only its exit status is left
 
 
 class LocalProcessExecutor:
@@ -149,12 +138,7 @@ class LocalProcessExecutor:
 
     def _foreign_status(self, handle: ReplicaHandle) -> ReplicaStatus | None:
         """A replica another process started: running while its identity holds, else None (see beats)."""
-        if not _on_this_machine(handle):
-            return None
-        identity = _read_identity(int(handle.backend_id))
-        if identity is not None and identity.alive and _matches(handle, identity):
-            return ReplicaStatus(handle.rank, "running")
-        return None
+        return ReplicaStatus(handle.rank, "running") if _verified_alive(handle) else None
 
     def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
         if handle.log is None or not Path(handle.log).exists():
@@ -213,56 +197,49 @@ def _status_from_heartbeat(handle: ReplicaHandle, beat: dict | None) -> ReplicaS
 
 
 def _identity_meta(pid: int) -> dict[str, str]:
-    identity = _read_identity(pid)
     meta = {
         "pid": str(pid),
         "pgid": str(pid),
         "host": socket.gethostname(),
+        "boot_time": _boot_time(),
         "started_at": f"{time.time():.3f}",
     }
-    if identity is not None:
-        meta.update(start_ticks=str(identity.start_ticks), boot_id=_boot_id())
+    with contextlib.suppress(psutil.Error):
+        meta["create_time"] = repr(psutil.Process(pid).create_time())
     return meta
 
 
-def _read_identity(pid: int) -> _Identity | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) is parenthesised and may hold spaces; the fields after it are plain.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return _Identity(state=fields[0], pgid=int(fields[2]), start_ticks=int(fields[19]))
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
+def _boot_time() -> str:
+    return f"{psutil.boot_time():.0f}"
 
 
 def _on_this_machine(handle: ReplicaHandle) -> bool:
-    return handle.meta.get("host") == socket.gethostname() and handle.meta.get("boot_id", "") == _boot_id()
-
-
-def _matches(handle: ReplicaHandle, identity: _Identity) -> bool:
-    return str(identity.start_ticks) == handle.meta.get("start_ticks") and str(
-        identity.pgid
-    ) == handle.meta.get("pgid")
+    return handle.meta.get("host") == socket.gethostname() and handle.meta.get("boot_time") == _boot_time()
 
 
 def _same_process(handle: ReplicaHandle) -> bool:
-    """True unless ``/proc`` proves the pid now belongs to another process (no ``/proc``: trust our Popen)."""
-    identity = _read_identity(int(handle.backend_id))
-    return identity is None or "start_ticks" not in handle.meta or _matches(handle, identity)
+    """True unless the pid is proven to belong to another process now (gone, or no creation time recorded:
+    trust our Popen, which still holds the exit status)."""
+    created = handle.meta.get("create_time")
+    if created is None:
+        return True
+    try:
+        return psutil.Process(int(handle.backend_id)).create_time() == float(created)
+    except psutil.Error:
+        return True
 
 
 def _verified_alive(handle: ReplicaHandle) -> bool:
-    if not _on_this_machine(handle):
+    """The replica's process runs on this machine and is the one that was started (same creation time)."""
+    created = handle.meta.get("create_time")
+    if created is None or not _on_this_machine(handle):
         return False
-    identity = _read_identity(int(handle.backend_id))
-    return identity is not None and identity.alive and _matches(handle, identity)
+    try:
+        process = psutil.Process(int(handle.backend_id))
+        # A zombie has exited; only its exit status is left for its parent.
+        return process.create_time() == float(created) and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _signal_group(handle: ReplicaHandle, sig: signal.Signals) -> None:

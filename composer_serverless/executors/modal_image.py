@@ -21,6 +21,7 @@ IMAGE_REQUIREMENTS = (
     "rich>=13",
     "numpy>=1.26",
     "matplotlib>=3.8",
+    "psutil>=5.9",
     "s3fs>=2025.1",
     "boto3>=1.35.21",
     "huggingface_hub>=1.0",
