@@ -51,9 +51,11 @@ from typing import Any
 
 import torch
 
-from composer_serverless.rendezvous.allreduce import ExchangeSettings, Workspace, allreduce, shard_bounds
+from composer_serverless.rendezvous.allreduce import ExchangeSettings, allreduce
 from composer_serverless.rendezvous.codec import decode, encode, max_payload_bytes
+from composer_serverless.rendezvous.sharding import shard_bounds
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.workspace import Workspace
 
 IDENTITY = {"run_id": "bench", "round": "1", "fragment": "0"}
 PHASES = ("raw", "checksum", "allreduce", "naive")

@@ -34,14 +34,8 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from composer_serverless.losses.compose import (
-    HintBatch,
-    LossBatch,
-    LossSettings,
-    ReplayBatch,
-    RLBatch,
-    three_channel_loss,
-)
+from composer_serverless.losses.batches import HintBatch, LossBatch, ReplayBatch, RLBatch
+from composer_serverless.losses.compose import LossSettings, three_channel_loss
 from composer_serverless.losses.grpo import GRPOSettings, group_advantages
 from composer_serverless.losses.sdpo import SDPOSettings
 

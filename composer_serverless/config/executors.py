@@ -79,10 +79,9 @@ class _CloudExecutorConfig(StrictModel):
     @field_validator("secrets")
     @classmethod
     def _secret_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
-        bad = [n for n in names if not ENV_NAME_PATTERN.match(n)]
-        if bad:
-            raise ValueError(f"{bad} are not environment variable names (letters, digits, '_'; not values)")
-        return names
+        return _all_match(
+            names, ENV_NAME_PATTERN, "environment variable names (letters, digits, '_'; not values)"
+        )
 
 
 class ModalExecutorConfig(_CloudExecutorConfig):
@@ -113,10 +112,9 @@ class ModalExecutorConfig(_CloudExecutorConfig):
     @field_validator("modal_secrets")
     @classmethod
     def _modal_secret_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
-        bad = [n for n in names if not MODAL_NAME_PATTERN.match(n)]
-        if bad:
-            raise ValueError(f"{bad} are not Modal secret names (letters, digits, '.', '_', '-'; < 64 chars)")
-        return names
+        return _all_match(
+            names, MODAL_NAME_PATTERN, "Modal secret names (letters, digits, '.', '_', '-'; < 64 chars)"
+        )
 
 
 class HFJobsExecutorConfig(_CloudExecutorConfig):
@@ -168,6 +166,13 @@ class HFJobsExecutorConfig(_CloudExecutorConfig):
         if namespace is not None and not HF_NAMESPACE_PATTERN.match(namespace):
             raise ValueError(f"{namespace!r} is not a Hugging Face user or organisation name")
         return namespace
+
+
+def _all_match(names: tuple[str, ...], pattern: re.Pattern[str], what: str) -> tuple[str, ...]:
+    bad = [n for n in names if not pattern.match(n)]
+    if bad:
+        raise ValueError(f"{bad} are not {what}")
+    return names
 
 
 def _known_name(name: str, known: dict[str, float], what: str, hint: str = "") -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import fsspec
 
 from composer_serverless.config import ConfigError, RunConfig
+from composer_serverless.executors.pricing import check_timeout_covers_work
 
 # Credentials each store protocol needs in the replicas, and optional ones forwarded when present.
 STORE_CREDENTIALS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -24,6 +25,9 @@ STORE_CREDENTIALS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # Non-secret settings the S3 clients read; forwarded so replicas reach the same endpoint and region.
 FORWARDED_SETTINGS = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
 LOCAL_PROTOCOLS = frozenset({"file", "local", "memory"})
+# Every replica's environment: unbuffered output (its log is read while it runs), tokenizers without a thread
+# pool of their own (the replica's threads are sized by the executor).
+REPLICA_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 _LOGIN_HINT = " (or run `hf auth login`)"
 
 
@@ -48,6 +52,30 @@ def check_reachable_by_cloud_replicas(config: RunConfig, executor: str) -> None:
             f"model.path {path!r} is a directory on this machine, which {executor} replicas cannot read\n"
             "  fix: push it to the Hugging Face Hub and set model.path to its repo id"
         )
+
+
+def check_cloud_plan(config: RunConfig, backend: str, at_once: str) -> None:
+    """What a paid backend refuses before it plans anything: a store or model its replicas could not reach,
+    more replicas than ``executor.max_replicas`` (``at_once`` says what they would hold, e.g. "8 H100 GPUs"),
+    or a timeout shorter than the configured work.
+
+    Raises:
+        ConfigError: naming the key to change.
+    """
+    replicas = config.diloco.replicas
+    check_reachable_by_cloud_replicas(config, backend)
+    if replicas > config.executor.max_replicas:
+        raise ConfigError(
+            f"diloco.replicas ({replicas}) exceeds executor.max_replicas ({config.executor.max_replicas}): "
+            f"{at_once} at once\n"
+            f"  fix: fewer replicas, or --set executor.max_replicas={replicas} to pay for them"
+        )
+    check_timeout_covers_work(config)
+
+
+def cloud_env() -> dict[str, str]:
+    """The non-secret environment of a cloud replica: ``REPLICA_ENV`` and the S3 settings set here."""
+    return {**REPLICA_ENV, **forwarded_settings()}
 
 
 def secret_names(config: RunConfig, always: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:

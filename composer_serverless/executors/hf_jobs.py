@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from composer_serverless.config import DEFAULT_HF_JOBS_IMAGE, ConfigError, RunConfig
+from composer_serverless.config import DEFAULT_HF_JOBS_IMAGE, RunConfig
 from composer_serverless.config.hardware import HF_FLAVOR_PRICES
 from composer_serverless.executors.base import (
     LaunchPlan,
@@ -40,13 +40,13 @@ from composer_serverless.executors.base import (
     worker_argv,
 )
 from composer_serverless.executors.environment import (
-    check_reachable_by_cloud_replicas,
-    forwarded_settings,
+    check_cloud_plan,
+    cloud_env,
     present_secrets,
     secret_name_problems,
     secret_value,
 )
-from composer_serverless.executors.pricing import check_timeout_covers_work, estimate_cost
+from composer_serverless.executors.pricing import estimate_cost
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -80,15 +80,8 @@ class HFJobsExecutor:
     def plan(self, config: RunConfig, run_url: str) -> LaunchPlan:
         ex = config.executor
         replicas = config.diloco.replicas
-        check_reachable_by_cloud_replicas(config, "HF Jobs")
-        if replicas > ex.max_replicas:
-            raise ConfigError(
-                f"diloco.replicas ({replicas}) exceeds executor.max_replicas ({ex.max_replicas}): "
-                f"{replicas} {ex.flavor} jobs at once\n"
-                f"  fix: fewer replicas, or --set executor.max_replicas={replicas} to pay for them"
-            )
-        check_timeout_covers_work(config)
-        env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **forwarded_settings()}
+        check_cloud_plan(config, "HF Jobs", at_once=f"{replicas} {ex.flavor} jobs")
+        env = cloud_env()
         secrets = present_secrets(config, always=(HUB_TOKEN,))
         specs = tuple(
             ReplicaSpec(rank, _command(run_url, rank, ex.package), env, secrets) for rank in range(replicas)

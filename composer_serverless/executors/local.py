@@ -35,7 +35,7 @@ from composer_serverless.executors.base import (
     ReplicaStatus,
     worker_argv,
 )
-from composer_serverless.executors.environment import store_protocol
+from composer_serverless.executors.environment import REPLICA_ENV, store_protocol
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 
@@ -66,12 +66,7 @@ class LocalProcessExecutor:
             )
         threads = ex.threads_per_replica or max(1, (os.cpu_count() or 1) // replicas)
         # One BLAS/OpenMP pool per replica, sized so replicas share the cores instead of oversubscribing them.
-        env = {
-            "OMP_NUM_THREADS": str(threads),
-            "MKL_NUM_THREADS": str(threads),
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = {**REPLICA_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         specs = tuple(
             ReplicaSpec(rank, worker_argv(run_url, rank, sys.executable), env) for rank in range(replicas)
         )

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from composer_serverless.config import ConfigError, RunConfig
+from composer_serverless.config import RunConfig
 from composer_serverless.config.hardware import MODAL_GPU_PRICES
 from composer_serverless.executors.base import (
     LaunchPlan,
@@ -35,8 +35,8 @@ from composer_serverless.executors.base import (
     worker_argv,
 )
 from composer_serverless.executors.environment import (
-    check_reachable_by_cloud_replicas,
-    forwarded_settings,
+    check_cloud_plan,
+    cloud_env,
     present_secrets,
     secret_name_problems,
     secret_value,
@@ -47,7 +47,7 @@ from composer_serverless.executors.modal_image import (
     PYTHON_VERSION,
     RETRY_DELAY_S,
 )
-from composer_serverless.executors.pricing import check_timeout_covers_work, estimate_cost
+from composer_serverless.executors.pricing import estimate_cost
 
 
 @dataclass(frozen=True)
@@ -155,15 +155,8 @@ class ModalExecutor:
     def plan(self, config: RunConfig, run_url: str) -> LaunchPlan:
         ex = config.executor
         replicas = config.diloco.replicas
-        check_reachable_by_cloud_replicas(config, "Modal")
-        if replicas > ex.max_replicas:
-            raise ConfigError(
-                f"diloco.replicas ({replicas}) exceeds executor.max_replicas ({ex.max_replicas}): "
-                f"{replicas * ex.gpu_count} {ex.gpu} GPUs at once\n"
-                f"  fix: fewer replicas, or --set executor.max_replicas={replicas} to pay for them"
-            )
-        check_timeout_covers_work(config)
-        env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **forwarded_settings()}
+        check_cloud_plan(config, "Modal", at_once=f"{replicas * ex.gpu_count} {ex.gpu} GPUs")
+        env = cloud_env()
         secrets = present_secrets(config)
         specs = tuple(ReplicaSpec(rank, worker_argv(run_url, rank), env, secrets) for rank in range(replicas))
         gpu_price = ex.price_per_gpu_hour or MODAL_GPU_PRICES[ex.gpu]

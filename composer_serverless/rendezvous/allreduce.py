@@ -1,5 +1,8 @@
 """Reduce-scatter + all-gather of one flat fp32 tensor through the object store, with a quorum.
 
+(A little over 400 lines: the four phases below share one exchange's state, ``_Exchange``, and read best
+together; the pure parts are in ``sharding.py`` and ``workspace.py``.)
+
 The tensor is cut into N contiguous shards; shard s is owned by rank s. Per sync, under ``{prefix}/``:
 
 1. **Scatter.** Each replica uploads its N encoded shards as ``in/{rank}-{shard}`` (create-if-absent, so an
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +49,9 @@ from composer_serverless.rendezvous.codec import (
 )
 from composer_serverless.rendezvous.polling import poll_until
 from composer_serverless.rendezvous.replica_log import ReplicaLog
+from composer_serverless.rendezvous.sharding import complete_ranks, shard_bounds, substitute_for
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 
@@ -87,48 +91,6 @@ class ExchangeResult:
     waited_for_all_s: float | None = None
     upload_failed: bool = False
     rescued: list[int] = field(default_factory=list)
-
-
-class Workspace:
-    """The buffers an exchange reads payloads into and sums shards in, kept by the caller between syncs.
-
-    Fresh buffers of a model's size are fresh pages every sync (the allocator hands big blocks back to the
-    OS), and on a box where replicas share cores faulting them in was about a tenth of an exchange's CPU.
-    One exchange at a time may use a workspace; a second one at the same time is refused.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[object, torch.Tensor] = {}
-        self.busy = threading.Lock()
-
-    def bytes(self, slot: object, size: int) -> memoryview:
-        """A writable buffer of ``size`` bytes for ``slot``, grown if too small, not zero-filled."""
-        buffer = self._buffers.get(slot)
-        if buffer is None or buffer.numel() < size:
-            buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8)
-        return memoryview(buffer.numpy()).cast("B")[:size]
-
-    def floats(self, slot: object, numel: int) -> torch.Tensor:
-        """An fp32 tensor of ``numel`` values for ``slot``, not zero-filled."""
-        if numel == 0:
-            return torch.empty(0)
-        return torch.frombuffer(self.bytes(slot, 4 * numel), dtype=torch.float32)
-
-
-def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) ranges of ``shards`` near-equal shards of ``numel`` values (some may be empty)."""
-    return [(s * numel // shards, (s + 1) * numel // shards) for s in range(shards)]
-
-
-def complete_ranks(keys: set[str], replicas: int) -> list[int]:
-    """Ranks whose N input shards are all present among ``keys`` (relative to the sync prefix)."""
-    return [r for r in range(replicas) if all(layout.sync_input(r, s) in keys for s in range(replicas))]
-
-
-def substitute_for(shard: int, participants: list[int]) -> int:
-    """The participant that reduces ``shard`` when its owner is not a participant: a fixed function of the
-    quorum, so every replica names the same one and only it downloads the shard's inputs."""
-    return participants[shard % len(participants)]
 
 
 def allreduce(

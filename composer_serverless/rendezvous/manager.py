@@ -38,13 +38,13 @@ from composer_serverless.rendezvous.allreduce import (
     ExchangeResult,
     ExchangeSettings,
     StaleRoundError,
-    Workspace,
     allreduce,
 )
 from composer_serverless.rendezvous.deadline import ArrivalHistory, GraceSettings
 from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.replica_log import ReplicaLog
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 

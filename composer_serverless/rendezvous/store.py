@@ -6,13 +6,14 @@ Replicas coordinate only through objects, so these properties matter more than s
   filesystem we write a temporary file beside the target and ``os.replace`` it.
 * **Create-if-absent.** Objects two replicas could both write (quorums, reduced shards, ``run.json``) are
   created exactly once: ``os.link`` locally, ``If-None-Match: *`` on S3 (s3fs ``mode="create"``). Some
-  S3-compatible servers accept the header and overwrite anyway, so ``verify`` probes it at start-up.
+  S3-compatible servers accept the header and overwrite anyway, so ``ensure_root`` probes it at start-up.
 * **Fresh listings.** fsspec caches directory listings by default, which makes a barrier wait forever on
   stale data; every filesystem here is built with the listing cache off and its own instance.
 * **Bounded retries.** Transient failures (5xx, throttling, timeouts, dropped connections, S3's 409 on
   concurrent conditional writes) are retried with jittered exponential backoff, each retry logged; a
   missing object, a lost create race or a denied request is an answer, not a fault, and is never retried.
-  On S3 this is the only retry layer (botocore's and s3fs's are turned off), so attempts do not multiply.
+  On S3 this is the only retry layer (botocore's and s3fs's are turned off), so attempts do not multiply
+  (``retry.py``).
 * **Reads into a caller's buffer.** Large payloads stream into preallocated memory (local files and S3),
   so a reducer holds one copy of each shard, not the two or three ``cat_file`` makes.
 
@@ -27,19 +28,19 @@ import copy
 import errno
 import logging
 import os
-import random
 import re
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
+
+from composer_serverless.rendezvous.retry import RetryPolicy, is_transient
 
 logger = logging.getLogger(__name__)
 
@@ -48,33 +49,6 @@ _TMP_MARK = ".tmp-"
 _STREAM_CHUNK = 8 << 20
 T = TypeVar("T")
 
-# S3 error codes that mean "try again": throttling, server trouble, and the 409 S3 returns when two
-# conditional writes to one key race (the loser of the race gets 412 once the winner has landed).
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "RequestTimeoutException",
-        "InternalError",
-        "ServiceUnavailable",
-        "OperationAborted",
-        "ConditionalRequestConflict",
-    }
-)
-_TRANSIENT_ERRNOS = frozenset(
-    {
-        errno.EBUSY,
-        errno.EAGAIN,
-        errno.ETIMEDOUT,
-        errno.ECONNRESET,
-        errno.ECONNABORTED,
-        errno.EPIPE,
-        errno.EINTR,
-    }
-    | ({errno.EREMOTEIO} if hasattr(errno, "EREMOTEIO") else set())
-)
 # The memory filesystem is one dict per process and its create is check-then-write; a lock makes it atomic
 # for the threads of that process, which is the only place a memory:// store is visible.
 _MEMORY_CREATE_LOCK = threading.Lock()
@@ -94,70 +68,6 @@ def validate_key(key: str) -> str:
     if not _KEY.match(key) or any(part in (".", "..") for part in key.split("/")) or _TMP_MARK in key:
         raise ValueError(f"invalid store key {key!r}")
     return key
-
-
-def is_transient(error: BaseException) -> bool:
-    """True for failures a retry can fix: timeouts, dropped connections, 5xx, throttling, S3's 409.
-
-    s3fs turns botocore errors into OSErrors but keeps the original as ``__cause__``; the S3 error code
-    there is the reliable signal, so it is checked first. A missing object, an existing one (a lost
-    create race, 412) or a denied request (403) is an answer, not a fault.
-    """
-    if isinstance(
-        error, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
-    ):
-        return False
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        response = getattr(cause, "response", None)
-        if isinstance(response, dict) and "Error" in response:
-            code = str(response["Error"].get("Code", ""))
-            status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            return code in _TRANSIENT_CODES or status >= 500 or status == 429
-        # Only explicit causes (``raise ... from``, as s3fs does): an implicit __context__ is whatever was
-        # being handled when this error happened, not what this error is.
-        cause = cause.__cause__
-    if isinstance(error, (TimeoutError, ConnectionError, *_connection_errors())):
-        return True
-    return isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS
-
-
-def _connection_errors() -> tuple[type[BaseException], ...]:
-    """Failures below the HTTP layer (no response at all) in the S3 client stack, when it is installed:
-    endpoint unreachable, connection dropped, read timeouts, truncated bodies."""
-    errors: list[type[BaseException]] = []
-    try:
-        from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.exceptions import HTTPClientError
-
-        errors += [BotoConnectionError, HTTPClientError]
-    except ImportError:
-        pass
-    try:
-        from aiohttp import ClientConnectionError, ClientPayloadError
-
-        errors += [ClientConnectionError, ClientPayloadError]
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How often and how patiently to retry a transient failure.
-
-    AWS advises retrying small requests after about 2 s and then backing off; the jitter keeps N replicas
-    that failed together from retrying together.
-    """
-
-    attempts: int = 6
-    first_s: float = 0.25
-    cap_s: float = 8.0
-
-    def delay_s(self, attempt: int) -> float:
-        return min(self.cap_s, self.first_s * 2**attempt) * (0.5 + random.random())
 
 
 class ObjectStore:

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from composer_serverless.config import ComposerConfig, RunConfig
-from composer_serverless.losses.compose import LossBatch, LossSettings, RLBatch, three_channel_loss
+from composer_serverless.losses.batches import LossBatch, RLBatch
+from composer_serverless.losses.compose import LossSettings, three_channel_loss
 from composer_serverless.losses.grpo import GRPOSettings
 from composer_serverless.losses.logprobs import completion_logprobs
 from composer_serverless.losses.replay import ReplaySettings

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from composer_serverless.losses.compose import ReplayBatch
+from composer_serverless.losses.batches import ReplayBatch
 from composer_serverless.losses.logprobs import completion_logprobs
 from composer_serverless.replicas.records import Cycle, PreferencePair
 

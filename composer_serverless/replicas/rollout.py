@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer_serverless.losses.compose import HintBatch, RLBatch
+from composer_serverless.losses.batches import HintBatch, RLBatch
 from composer_serverless.losses.grpo import ScaleRewards, dynamic_sampling_keep, group_advantages
 from composer_serverless.replicas.hints import HintBuilder
 from composer_serverless.replicas.records import PromptRecord

@@ -117,36 +117,6 @@ class _RoundMeter:
         }
 
 
-class _RoundMeter:
-    """Train loss and metrics, time, blocking and traffic accumulated since the last round ended."""
-
-    def __init__(self, manager: ObjectStoreManager) -> None:
-        self._manager = manager
-        self.reset()
-
-    def reset(self) -> None:
-        self.losses: list[torch.Tensor] = []
-        self.metrics: list[dict[str, float]] = []
-        self.steps = 0
-        self._started = time.monotonic()
-        self._blocked = self._manager.blocked_s
-        self._up = self._manager.bytes_up
-        self._down = self._manager.bytes_down
-
-    def row(self, lr: float) -> dict[str, Any]:
-        return {
-            "train_loss": float(torch.stack(self.losses).float().mean()) if self.losses else None,
-            "train": mean_metrics(self.metrics),
-            "steps": self.steps,
-            "lr": lr,
-            "bytes_up": self._manager.bytes_up - self._up,
-            "bytes_down": self._manager.bytes_down - self._down,
-            "round_s": time.monotonic() - self._started,
-            "blocked_s": self._manager.blocked_s - self._blocked,
-            "time": time.time(),
-        }
-
-
 class Replica:
     """One replica's model, optimizers, data and DiLoCo, and the loop that runs them to the end of the run."""
 

@@ -6,14 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from composer_serverless.losses.compose import (
-    HintBatch,
-    LossBatch,
-    LossSettings,
-    ReplayBatch,
-    RLBatch,
-    three_channel_loss,
-)
+from composer_serverless.losses.batches import HintBatch, LossBatch, ReplayBatch, RLBatch
+from composer_serverless.losses.compose import LossSettings, three_channel_loss
 from composer_serverless.losses.grpo import GRPOSettings, group_advantages, grpo_loss
 from composer_serverless.losses.logprobs import completion_logprobs, hidden_states
 from composer_serverless.losses.replay import ReplaySettings, dpo_loss

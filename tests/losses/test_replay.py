@@ -11,7 +11,8 @@ from trl.experimental.cpo.cpo_trainer import CPOTrainer
 from trl.trainer.dpo_trainer import DPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
-from composer_serverless.losses.compose import LossBatch, LossSettings, ReplayBatch, three_channel_loss
+from composer_serverless.losses.batches import LossBatch, ReplayBatch
+from composer_serverless.losses.compose import LossSettings, three_channel_loss
 from composer_serverless.losses.replay import ReplaySettings, dpo_loss, replay_loss, simpo_loss
 
 

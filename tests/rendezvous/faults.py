@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from composer_serverless.rendezvous.store import ObjectStore, RetryPolicy
+from composer_serverless.rendezvous.retry import RetryPolicy
+from composer_serverless.rendezvous.store import ObjectStore
 
 T = TypeVar("T")
 _WRITES = ("put", "create")

@@ -20,15 +20,13 @@ from composer_serverless.rendezvous.allreduce import (
     ExchangeError,
     ExchangeResult,
     ExchangeSettings,
-    Workspace,
     allreduce,
-    complete_ranks,
-    shard_bounds,
-    substitute_for,
 )
 from composer_serverless.rendezvous.codec import CODECS, decode, encode, read_header
 from composer_serverless.rendezvous.deadline import GraceSettings, grace_s
+from composer_serverless.rendezvous.sharding import complete_ranks, shard_bounds, substitute_for
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.workspace import Workspace
 
 PREFIX = "rounds/1/0"
 IDENTITY = {"run_id": "run", "round": "1", "fragment": "0"}

@@ -19,7 +19,8 @@ from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.allreduce import ExchangeSettings, StaleRoundError
 from composer_serverless.rendezvous.deadline import GraceSettings
 from composer_serverless.rendezvous.manager import ObjectStoreManager
-from composer_serverless.rendezvous.store import ObjectStore, RetryPolicy
+from composer_serverless.rendezvous.retry import RetryPolicy
+from composer_serverless.rendezvous.store import ObjectStore
 
 
 def analytic_history(fragments: int, delay: int, alpha: float, steps: int) -> list[list[float]]:

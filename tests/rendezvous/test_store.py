@@ -10,7 +10,8 @@ import pytest
 from botocore.exceptions import ClientError
 from faults import FaultyStore, InjectedFault
 
-from composer_serverless.rendezvous.store import ObjectStore, RetryPolicy, StoreError, is_transient
+from composer_serverless.rendezvous.retry import RetryPolicy, is_transient
+from composer_serverless.rendezvous.store import ObjectStore, StoreError
 
 
 @pytest.fixture(params=["file", "memory", "s3"])

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from composer_serverless.config import HintConfig, RewardConfig
-from composer_serverless.losses.compose import LossBatch, LossSettings, three_channel_loss
+from composer_serverless.losses.batches import LossBatch
+from composer_serverless.losses.compose import LossSettings, three_channel_loss
 from composer_serverless.replicas.hints import HintBuilder
 from composer_serverless.replicas.records import PromptRecord
 from composer_serverless.replicas.rewards import RewardSet
