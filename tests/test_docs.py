@@ -1,0 +1,39 @@
+"""docs/architecture.md stays true to the code: its store layout is ``layout.describe()`` and its layers are
+the contract ``lint-imports`` holds."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from composer_serverless.rendezvous import layout
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
+
+
+def _code_block_after(heading: str) -> list[str]:
+    section = ARCHITECTURE[ARCHITECTURE.index(heading) :]
+    block = re.search(r"```\n(.*?)```", section, re.S)
+    assert block is not None, f"no code block under {heading!r}"
+    return block.group(1).splitlines()
+
+
+def test_the_store_layout_table_is_the_layout_module() -> None:
+    rows = []
+    for line in _code_block_after("## The store layout"):
+        key, meaning = re.split(r"\s{2,}", line.removeprefix("{store}/{run_id}/"), maxsplit=1)
+        rows.append((key, meaning))
+    assert rows == layout.describe()
+
+
+def test_the_layers_are_the_import_contract() -> None:
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    assert _code_block_after("## Layers") == layers
