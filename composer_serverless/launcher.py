@@ -12,7 +12,6 @@ every replica of an existing run whose replicas all died: they continue from its
 
 from __future__ import annotations
 
-import logging
 import secrets
 import tempfile
 import textwrap
@@ -36,8 +35,6 @@ from composer_serverless.replicas import inputs
 from composer_serverless.runs import STORE_HINT, absolute_store, open_created, open_store
 from composer_serverless.supervisor import Supervisor
 from composer_serverless.watch import Choice, Followed, ReplicaView, cancel_on_interrupt
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["Prepared", "prepare", "start", "launch", "resume", "follow", "create_run"]
 
