@@ -13,12 +13,14 @@ import contextlib
 import logging
 import string
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from composer_serverless.config import TinyModelConfig
+from composer_serverless.config import ModelConfig, TinyModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +132,115 @@ def _no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def load_pretrained(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
-    """Load a causal LM and its tokenizer from a hub id or a directory written by ``save_pretrained``."""
+@dataclass
+class Loaded:
+    """A model ready to train.
+
+    Attributes:
+        model: the Hugging Face causal LM the objective computes with (with LoRA layers injected, if any).
+        tokenizer: its tokenizer, with a pad token.
+        adapters: the peft wrapper when training LoRA adapters: it switches them off (the base model as
+            reference) and saves them; None for a full fine-tune.
+    """
+
+    model: nn.Module
+    tokenizer: Any
+    adapters: Any = None
+
+
+def hf_config(spec: ModelConfig, source: str | Path) -> Any:
+    """The checkpoint's config with the run's changes: overrides, the router loss, dropout off.
+
+    Modules copy config values when they are built, so these changes must reach the config before the model
+    is instantiated; editing ``model.config`` afterwards changes nothing.
+
+    Raises:
+        ValueError: an override names a key the config does not have, or the router loss is asked of a model
+            without a router.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(source), **_hub_options(spec))
+    text = config.get_text_config()
+    for key, value in spec.config_overrides.items():
+        target = config if hasattr(config, key) else text if hasattr(text, key) else None
+        if target is None:
+            raise ValueError(f"model.config_overrides: {type(config).__name__} has no {key!r}")
+        setattr(target, key, value)
+    if spec.router_aux_loss is not None:
+        if not hasattr(text, "output_router_logits"):
+            raise ValueError(
+                f"model.router_aux_loss: {type(text).__name__} has no router (output_router_logits); "
+                "it applies to mixture-of-experts models"
+            )
+        text.output_router_logits = True
+        text.router_aux_loss_coef = spec.router_aux_loss
+    if spec.dropout == "off":
+        zero_dropout(config)
+    return config
+
+
+def zero_dropout(config: Any) -> list[str]:
+    """Set every dropout and LayerDrop probability of ``config`` (and its sub-configs) to 0; the names set."""
+    zeroed = []
+    for name, value in vars(config).items():
+        if "drop" in name and isinstance(value, float) and not isinstance(value, bool) and value > 0:
+            setattr(config, name, 0.0)
+            zeroed.append(name)
+        elif hasattr(value, "to_dict") and hasattr(value, "get_text_config"):  # a sub-config
+            zeroed += [f"{name}.{sub}" for sub in zero_dropout(value)]
+    return zeroed
+
+
+def load_model(spec: ModelConfig, source: str | Path) -> Loaded:
+    """Load ``spec``'s model from ``source`` (a hub id or a save_pretrained directory) as it will train.
+
+    Trainable weights are kept in ``master_dtype``; with LoRA the frozen base is kept in ``dtype`` and the
+    adapters in ``master_dtype``.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    stored = spec.dtype if spec.lora is not None else spec.master_dtype
+    options: dict[str, Any] = {"dtype": DTYPES[stored], **_hub_options(spec)}
+    if spec.attn_implementation is not None:
+        options["attn_implementation"] = spec.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(str(source), config=hf_config(spec, source), **options)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), **_hub_options(spec))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    if spec.gradient_checkpointing:
+        # Non-reentrant: it needs no input that requires grad, so frozen embeddings (LoRA) are fine.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec.lora is None:
+        return Loaded(model, tokenizer)
+    adapters = _with_lora(model, spec)
+    return Loaded(adapters.get_base_model(), tokenizer, adapters)
+
+
+def _with_lora(model: nn.Module, spec: ModelConfig) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    lora = spec.lora
+    assert lora is not None
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    # Adapters in the masters' dtype; peft upcasts them to float32 unless told not to.
+    return get_peft_model(model, config, autocast_adapter_dtype=spec.master_dtype == "float32")
+
+
+def _hub_options(spec: ModelConfig) -> dict[str, Any]:
+    options: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code}
+    if spec.revision is not None:
+        options["revision"] = spec.revision
+    return options
+
+
+def load_pretrained(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
+    """A causal LM and its tokenizer from a hub id or a save_pretrained directory, weights in ``dtype``."""
+    loaded = load_model(ModelConfig(path=str(path), dtype=dtype, master_dtype=dtype), path)
+    return loaded.model, loaded.tokenizer

@@ -4,22 +4,19 @@ Every field is checked before anything is launched or written, so a typo or an i
 second, not a GPU-hour. The launcher resolves the tree to JSON (``run.json`` in the run) and replicas read
 exactly that: the replicas never see the TOML file or the command line.
 
-By job: ``run.py`` (the run's schema and ``RunConfig``), ``composer.py`` (the three-channel objective),
+By job: ``run.py`` (the run's schema and ``RunConfig``), ``model.py`` (the model, its loading, precision and
+LoRA), ``data.py`` (what the lm objective trains on), ``composer.py`` (the three-channel objective),
 ``executors.py`` (where replicas run), ``hardware.py`` (the GPU types and flavors, with list prices),
 ``loading.py`` (TOML, ``--set``, messages that say how to fix), ``base.py`` (what every table shares).
 """
 
 from composer_serverless.config.base import ConfigError
 from composer_serverless.config.composer import ComposerConfig, HintConfig, RewardConfig
+from composer_serverless.config.data import DataConfig
 from composer_serverless.config.executors import DEFAULT_HF_JOBS_IMAGE, EXECUTOR_TYPES
 from composer_serverless.config.loading import apply_override, load_config, select_executor, validate_config
-from composer_serverless.config.run import (
-    RUN_ID_PATTERN,
-    DiLoCoConfig,
-    RunConfig,
-    TinyModelConfig,
-    TrainConfig,
-)
+from composer_serverless.config.model import LoraConfig, ModelConfig, TinyModelConfig
+from composer_serverless.config.run import RUN_ID_PATTERN, DiLoCoConfig, RunConfig, TrainConfig
 
 __all__ = [
     "DEFAULT_HF_JOBS_IMAGE",
@@ -27,8 +24,11 @@ __all__ = [
     "RUN_ID_PATTERN",
     "ComposerConfig",
     "ConfigError",
+    "DataConfig",
     "DiLoCoConfig",
     "HintConfig",
+    "LoraConfig",
+    "ModelConfig",
     "RewardConfig",
     "RunConfig",
     "TinyModelConfig",

@@ -11,98 +11,11 @@ from pydantic import Field, field_validator, model_validator
 
 from composer_serverless.config.base import StrictModel
 from composer_serverless.config.composer import ComposerConfig
+from composer_serverless.config.data import DataConfig
 from composer_serverless.config.executors import ExecutorConfig, LocalExecutorConfig
+from composer_serverless.config.model import ModelConfig
 
 RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-
-
-class TinyModelConfig(StrictModel):
-    """A small Llama-family model and a byte-level BPE tokenizer built offline from the demo corpus."""
-
-    vocab_size: int = Field(
-        2048, ge=300, le=65536, description="BPE vocabulary size (256 bytes + merges + specials)"
-    )
-    hidden_size: int = Field(128, ge=16, description="width of the residual stream")
-    intermediate_size: int = Field(384, ge=16, description="width of the MLP")
-    num_layers: int = Field(2, ge=1, description="decoder layers")
-    num_heads: int = Field(4, ge=1, description="attention heads (also key/value heads)")
-    tokenizer_corpus_mb: float = Field(4.0, gt=0, description="MB of training text the tokenizer is fit on")
-    tokenizer: Literal["bpe", "chars"] = Field(
-        "bpe",
-        description="'bpe': byte-level BPE fit on the demo corpus; 'chars': one token per character of "
-        "alphabet, for tasks whose answers are a few characters",
-    )
-    alphabet: str | None = Field(
-        None,
-        description="'chars' only: the characters that get a token (others become <|unk|>); default "
-        "printable ASCII. A small alphabet gives a fresh model a real chance of sampling a right answer",
-    )
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> TinyModelConfig:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _chars_has_no_fitted_vocabulary(self) -> TinyModelConfig:
-        # Compared with the defaults, not with model_fields_set: the resolved run.json spells every field out.
-        fitted = [
-            name
-            for name in ("vocab_size", "tokenizer_corpus_mb")
-            if getattr(self, name) != type(self).model_fields[name].default
-        ]
-        if self.tokenizer == "chars" and fitted:
-            raise ValueError(
-                "tokenizer = 'chars' takes its vocabulary from alphabet and is not fit on a corpus; "
-                f"remove {', '.join(fitted)}"
-            )
-        if self.alphabet is not None:
-            if self.tokenizer != "chars":
-                raise ValueError("alphabet is the vocabulary of tokenizer = 'chars'; set that or remove it")
-            repeated = sorted({c for c in self.alphabet if self.alphabet.count(c) > 1})
-            if not self.alphabet or repeated:
-                raise ValueError(f"alphabet must be non-empty, each character once (repeated: {repeated})")
-        return self
-
-
-class ModelConfig(StrictModel):
-    """Which causal LM to train: a Hugging Face hub id or local path, or a tiny model built offline."""
-
-    path: str | None = Field(None, description="hub id or local directory loadable by from_pretrained")
-    tiny: TinyModelConfig | None = Field(None, description="build a tiny model from the demo corpus instead")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype on the replicas")
-
-    @model_validator(mode="after")
-    def _exactly_one_source(self) -> ModelConfig:
-        if (self.path is None) == (self.tiny is None):
-            raise ValueError("set exactly one of model.path (a hub id or directory) or [model.tiny]")
-        return self
-
-
-class DataConfig(StrictModel):
-    """The text the causal-LM objective trains on, split by file into train and held-out sets.
-
-    Each step reads a global batch of ``diloco.replicas * batch_size`` rows and replica r trains on its
-    ``batch_size`` of them, so runs with the same global batch (N = 4 x 4 rows, N = 1 x 16) see the same
-    tokens in the same order, and comparing them compares the method, not the data.
-    """
-
-    corpus: Literal["stdlib"] = Field(
-        "stdlib", description="'stdlib': the Python standard library source of the running interpreter"
-    )
-    seq_len: int = Field(128, ge=8, le=32768, description="tokens per training sequence")
-    batch_size: int = Field(8, ge=1, description="sequences per inner step on each replica")
-    streams_per_row: int = Field(
-        1,
-        ge=1,
-        le=64,
-        description="files each batch row takes its sequences from in turn; 1 reads one file at a time, so "
-        "for tens of steps a replica sees only batch_size files and replicas drift apart between syncs",
-    )
-    heldout_percent: float = Field(5.0, gt=0, lt=50, description="share of files held out for evaluation")
 
 
 class TrainConfig(StrictModel):

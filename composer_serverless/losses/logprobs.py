@@ -16,6 +16,8 @@ shift positions.
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -28,9 +30,10 @@ from torch.utils.checkpoint import checkpoint
 # Per-token divergence between (n, V) student logits and (n, V) teacher logits, returning (n,).
 Divergence = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-# Config attributes that rescale logits in ways `LMHead` does not reproduce; such models are refused, not
-# silently scored with wrong logits.
-_UNSUPPORTED_LOGIT_SCALING = ("logits_scaling", "output_multiplier", "lm_head_multiplier")
+# Config attributes by which some families rescale their logits after the head, multiplying (HyperCLOVA X) or
+# dividing (Granite) by one name; which of the two a model does is read off its own forward (`_probed_scale`).
+_LOGIT_SCALING = ("logits_scaling", "output_multiplier", "lm_head_multiplier")
+_probed: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -69,17 +72,44 @@ def lm_head_of(model: nn.Module) -> LMHead:
             f"{type(model).__name__}.get_output_embeddings() is {type(head).__name__}, not nn.Linear"
         )
     config = model.config.get_text_config()
-    for name in _UNSUPPORTED_LOGIT_SCALING:
-        if getattr(config, name, None) not in (None, 1, 1.0):
-            raise ValueError(
-                f"{type(model).__name__} rescales its logits by config.{name}, which is not supported"
-            )
     scale = getattr(config, "logit_scale", None)
-    return LMHead(
+    head_of = LMHead(
         head.weight,
         head.bias,
         1.0 if scale is None else float(scale),
         getattr(config, "final_logit_softcapping", None),
+    )
+    declared = [
+        (n, float(v)) for n in _LOGIT_SCALING if (v := getattr(config, n, None)) not in (None, 1, 1.0)
+    ]
+    if not declared:
+        return head_of
+    if model not in _probed:
+        _probed[model] = _probed_scale(model, head_of, *declared[0])
+    return dataclasses.replace(head_of, scale=head_of.scale * _probed[model])
+
+
+def _probed_scale(model: nn.Module, head: LMHead, name: str, value: float) -> float:
+    """Whether ``model`` multiplies or divides its logits by ``config.<name>``, read off one forward of its own.
+
+    Raises:
+        ValueError: neither reproduces the model's logits.
+    """
+    ids = torch.arange(4, device=head.weight.device).unsqueeze(0) % head.weight.shape[0]
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits[0].float()
+        hidden = hidden_states(model, ids, torch.ones_like(ids))[0]
+        for scale in (value, 1.0 / value):
+            if torch.allclose(
+                dataclasses.replace(head, scale=head.scale * scale).logits(hidden),
+                expected,
+                rtol=1e-3,
+                atol=1e-3,
+            ):
+                return scale
+    raise ValueError(
+        f"{type(model).__name__} rescales its logits by config.{name} = {value:g} in a way the loss cannot "
+        "reproduce (neither multiplying nor dividing by it gives the model's own logits)"
     )
 
 

@@ -11,10 +11,11 @@ that does not import is reported with its file and line, or its import path, at 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +72,35 @@ def loss_settings(config: ComposerConfig) -> LossSettings:
     )
 
 
+def same_function_twice(model: nn.Module, tokenizer: Any) -> None:
+    """Refuse a model whose training-mode forward is random: SDPO's teacher pass reuses the student's weights,
+    and with dropout the two passes would be two different networks.
+
+    Checked by running it twice on the same input, so dropout applied as a function (OPT's, Bloom's), LayerDrop
+    and any other training-time randomness are caught, not only ``nn.Dropout`` modules.
+
+    Raises:
+        ValueError: the two passes differ.
+    """
+    ids = torch.tensor([tokenizer("The same input, twice.")["input_ids"][:16] or [0]], device=_device(model))
+    was_training = model.training
+    model.train()
+    with torch.no_grad():
+        first, second = (model(input_ids=ids, use_cache=False).logits.float() for _ in range(2))
+    model.train(was_training)
+    gap = (first - second).abs().max().item()
+    if gap > 1e-4:
+        raise ValueError(
+            f"{type(model).__name__} computes a different function on every training-mode pass (logits differ "
+            f"by up to {gap:.3g} on one input: dropout or LayerDrop), so SDPO's teacher and student would be "
+            "different networks; set model.dropout = 'off'"
+        )
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def stratified(records: Sequence[PromptRecord], count: int) -> list[PromptRecord]:
     """Up to ``count`` records taking one of each task in turn (file order within a task), so any count is
     balanced over the tasks however the file is sorted."""
@@ -95,9 +125,13 @@ class ComposerObjective:
             `grpo.kl > 0`), so build the objective before the first step and before restoring a checkpoint.
         tokenizer: the run's tokenizer.
         rank: this replica's rank; it selects the data shard and seeds the data order.
+        adapters: the peft wrapper of a LoRA run: the KL term's reference is then the base model with the
+            adapters switched off, not a second copy of the model.
     """
 
-    def __init__(self, config: RunConfig, model: nn.Module, tokenizer: Any, rank: int) -> None:
+    def __init__(
+        self, config: RunConfig, model: nn.Module, tokenizer: Any, rank: int, adapters: Any = None
+    ) -> None:
         composer = inputs.composer_table(config)
         replicas = config.diloco.replicas
         self._tokenizer = tokenizer
@@ -119,7 +153,14 @@ class ComposerObjective:
             overlong_penalty=composer.rollout.overlong_penalty,
         )
         self._hints = HintBuilder(composer.hints) if composer.alpha > 0 else None
-        self._reference = copy.deepcopy(model).eval().requires_grad_(False) if composer.grpo.kl > 0 else None
+        if composer.alpha > 0:
+            same_function_twice(model, tokenizer)
+        self._reference: nn.Module | None = None
+        self._reference_mode: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        if composer.grpo.kl > 0 and adapters is not None:
+            self._reference, self._reference_mode = model, adapters.disable_adapter
+        elif composer.grpo.kl > 0:
+            self._reference = copy.deepcopy(model).eval().requires_grad_(False)
         self._pairs = None
         if composer.beta > 0:
             assert composer.data.pairs is not None  # the config validates this
@@ -144,7 +185,7 @@ class ComposerObjective:
     def _with_reference(self, rl: RLBatch) -> RLBatch:
         if self._reference is None:
             return rl
-        with torch.no_grad():
+        with torch.no_grad(), self._reference_mode():
             ref = completion_logprobs(
                 self._reference,
                 rl.prompt_ids,

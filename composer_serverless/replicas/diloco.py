@@ -23,27 +23,38 @@ from composer_serverless.rendezvous.manager import ObjectStoreManager
 
 
 def split_fragments(model: nn.Module, count: int) -> list[nn.Module]:
-    """Partition ``model``'s parameters into ``count`` modules, one per Streaming DiLoCo fragment.
+    """Partition ``model``'s trainable parameters into ``count`` modules, one per Streaming DiLoCo fragment.
 
     Decoder layers are dealt out strided (layer i to fragment i % count), the pattern Streaming DiLoCo found
     best; parameters outside the layers (embeddings, final norm, a tied head) join fragment 0. The fragments
     hold the model's own Parameter objects, so updates through a fragment are updates of the model.
+
+    Only trainable parameters: torchft exchanges and outer-steps every parameter of a fragment, so a frozen
+    one (a LoRA base weight) would travel as zeros and be left with a full-size gradient. Within a fragment
+    the widest dtype comes first: torchft packs a fragment into buckets of its first tensor's dtype, so a
+    float32 tensor behind a bfloat16 one would be rounded, while widest first every tensor travels at least
+    at its own precision (a model that keeps its router in float32, say).
     """
-    if count == 1:
-        return [model]
-    layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
-    if layers is None or len(layers) < count:
-        raise ValueError(
-            f"cannot split the model into {count} fragments: it has {len(layers or [])} decoder layers"
-        )
-    fragments = [nn.Module() for _ in range(count)]
-    in_layers: set[int] = set()
-    for i, layer in enumerate(layers):
-        fragments[i % count].add_module(f"layer{i}", layer)
-        in_layers.update(id(p) for p in layer.parameters())
+    layer_of: dict[int, int] = {}
+    if count > 1:
+        layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+        if layers is None or len(layers) < count:
+            raise ValueError(
+                f"cannot split the model into {count} fragments: it has {len(layers or [])} decoder layers"
+            )
+        layer_of = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
+    groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(count)]
     for name, param in model.named_parameters():
-        if id(param) not in in_layers:
-            fragments[0].register_parameter(name.replace(".", "__"), param)
+        if param.requires_grad:
+            groups[layer_of.get(id(param), 0) % count].append((name, param))
+    fragments = []
+    for i, group in enumerate(groups):
+        if not group:
+            raise ValueError(f"fragment {i} of {count} has no trainable parameter; use fewer fragments")
+        fragment = nn.Module()
+        for name, param in sorted(group, key=lambda item: -item[1].element_size()):  # stable: model order
+            fragment.register_parameter(name.replace(".", "__"), param)
+        fragments.append(fragment)
     return fragments
 
 
@@ -104,13 +115,13 @@ def make_diloco(
     outer: list[torch.optim.Optimizer],
     config: DiLoCoConfig,
 ) -> DiLoCo:
-    """torchft's DiLoCo with one bucket per fragment, so the store exchanges one object per replica and sync."""
-    dtypes = {p.dtype for f in fragments for p in f.parameters()}
-    if len(dtypes) != 1:
-        raise ValueError(
-            f"all parameters must share one dtype for the flat exchange, got {sorted(map(str, dtypes))}"
-        )
-    largest = max(sum(p.numel() * p.element_size() for p in f.parameters()) for f in fragments)
+    """torchft's DiLoCo with one bucket per fragment, so the store exchanges one object per replica and sync.
+
+    A bucket has its fragment's first (widest) dtype, so its size is every element at that width.
+    """
+    largest = max(
+        sum(p.numel() for p in f.parameters()) * next(f.parameters()).element_size() for f in fragments
+    )
     return DiLoCo(
         manager,
         fragments,

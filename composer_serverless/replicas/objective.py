@@ -101,14 +101,16 @@ def evaluate(objective: Objective, model: torch.nn.Module) -> dict[str, float]:
     return combine([objective.evaluate_part(model, 0, 1)])
 
 
-def make_objective(config: RunConfig, tokenizer: Any, rank: int, *, model: torch.nn.Module) -> Objective:
+def make_objective(
+    config: RunConfig, tokenizer: Any, rank: int, *, model: torch.nn.Module, adapters: Any = None
+) -> Objective:
     """The objective ``config.train.objective`` names.
 
     ``model`` must still hold the run's initial weights: objectives with a frozen reference (DPO, a KL term)
-    take it from the model they are built with.
+    take it from the model they are built with (with LoRA, the base model with ``adapters`` off).
     """
     if config.train.objective == "composer":
-        return ComposerObjective(config, model, tokenizer, rank)
+        return ComposerObjective(config, model, tokenizer, rank, adapters)
     return LMObjective(config, tokenizer, rank)
 
 

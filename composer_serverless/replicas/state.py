@@ -53,7 +53,8 @@ def apply_global(
     params = global_parameters(manager, names)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(params[name])
+            if name in params:  # frozen weights are not part of the global state
+                p.copy_(params[name])
 
 
 def own_state(
@@ -72,11 +73,12 @@ def own_state(
         "objective": objective.state_dict(),
         "rng": rng,
         # Between syncs a fragment's local parameters run ahead of its global ones (fragments other than
-        # the last synced, or alpha > 0); only those differ and need saving.
+        # the last synced, or alpha > 0); only those differ and need saving. Frozen weights have no global
+        # copy and never change.
         "local_parameters": {
             name: p
             for name, p in model.named_parameters()
-            if not torch.equal(p.detach(), global_params[name])
+            if name in global_params and not torch.equal(p.detach(), global_params[name])
         },
     }
 

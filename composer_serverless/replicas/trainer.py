@@ -34,7 +34,7 @@ from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutco
 from composer_serverless.rendezvous.replica_log import ReplicaLog
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter, mean_metrics
-from composer_serverless.replicas import catchup, evaluation, state
+from composer_serverless.replicas import catchup, evaluation, precision, state
 from composer_serverless.replicas.diloco import (
     exchange_settings,
     global_parameters,
@@ -82,9 +82,10 @@ def _train(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter) -
         # One seed for loading, so weights a checkpoint lacks are initialised alike on every replica;
         # a seed per rank for training, so replicas sample differently.
         torch.manual_seed(config.seed)
-        model, tokenizer = load_run_model(run, config, Path(cache))
+        loaded = load_run_model(run, config, Path(cache))
         torch.manual_seed(config.seed + rank)
-        Replica(run, config, rank, reporter, model.to(device).train(), tokenizer).run()
+        model = loaded.model.to(device).train()
+        Replica(run, config, rank, reporter, model, loaded.tokenizer, adapters=loaded.adapters).run()
 
 
 class _RoundMeter:
@@ -128,6 +129,8 @@ class Replica:
         reporter: Reporter,
         model: nn.Module,
         tokenizer: Any,
+        *,
+        adapters: Any = None,
     ) -> None:
         dl = config.diloco
         self.run_store = run
@@ -137,10 +140,20 @@ class Replica:
         self.log = ReplicaLog(logger, rank)
         self.model = model
         self.tokenizer = tokenizer
+        self.adapters = adapters
+        self.device = next(model.parameters()).device
         self.fragments_count = dl.fragments
         self.total_steps = dl.rounds * dl.sync_every
-        self.objective: Objective = make_objective(config, tokenizer, rank, model=model)
+        with self._compute():  # a reference the objective scores now is scored as training will score
+            self.objective: Objective = make_objective(
+                config, tokenizer, rank, model=model, adapters=adapters
+            )
         self.inner = make_inner_optimizer(model, config.train)
+        # Registered before DiLoCo's own hook, so it runs first: the inner gradients are spent once the step
+        # is taken, and freeing them here keeps them from sitting in memory through the sync DiLoCo runs next.
+        self.inner.register_step_post_hook(
+            lambda optimizer, args, kwargs: optimizer.zero_grad(set_to_none=True)
+        )
         self.schedule = make_schedule(self.inner, config.train, self.total_steps)
         self.fragments = split_fragments(model, dl.fragments)
         self.names = model_names(model, self.fragments)
@@ -204,15 +217,18 @@ class Replica:
             if self._align(late=outcome.late):
                 self.meter.reset()
 
+    def _compute(self) -> contextlib.AbstractContextManager[object]:
+        return precision.compute(self.config.model, self.device)
+
     def _inner_step(self) -> torch.Tensor:
-        loss, metrics = self.objective.loss(self.model)
+        with self._compute():
+            loss, metrics = self.objective.loss(self.model)
         self.meter.metrics.append({name: float(value) for name, value in metrics.items()})
         loss.backward()
         if self.config.train.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
-        self.inner.step()  # DiLoCo's hooks run the fragment syncs inside this call
+        self.inner.step()  # DiLoCo's hooks run the fragment syncs inside this call; ours frees the gradients
         self.schedule.step()
-        self.inner.zero_grad(set_to_none=True)
         self.meter.steps += 1
         dl = self.config.diloco
         self.reporter.beat(
@@ -261,7 +277,7 @@ class Replica:
 
         def score(part: int, parts: int) -> evaluation.EvalPart:
             holding = contextlib.nullcontext() if params is None else swapped_in(self.model, params)
-            with holding:
+            with holding, self._compute():
                 return self.objective.evaluate_part(self.model, part, parts)
 
         return evaluation.evaluate_round(
@@ -269,8 +285,10 @@ class Replica:
         )
 
     def _upload_final(self, params: dict[str, torch.Tensor]) -> None:
+        """The global model in Hugging Face format: the whole model, or with LoRA the adapters (``export``
+        merges them into the base model)."""
         with swapped_in(self.model, params), tempfile.TemporaryDirectory() as out:
-            self.model.save_pretrained(out)
+            (self.adapters or self.model).save_pretrained(out)
             self.tokenizer.save_pretrained(out)
             self.run_store.upload_dir(Path(out), layout.FINAL)
 

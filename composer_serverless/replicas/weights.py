@@ -8,13 +8,12 @@ import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from composer_serverless.config import RunConfig
-from composer_serverless.models import load_pretrained
+from composer_serverless.models import Loaded, load_model
 from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous.store import ObjectStore
 
@@ -23,12 +22,12 @@ class InitialWeightsError(RuntimeError):
     """This replica loaded weights that differ from another replica's, so the run cannot be DiLoCo."""
 
 
-def load_run_model(run: ObjectStore, config: RunConfig, cache: Path) -> tuple[Any, Any]:
-    """Load the run's model: the tiny model stored in the run, or the configured hub id / path."""
+def load_run_model(run: ObjectStore, config: RunConfig, cache: Path) -> Loaded:
+    """Load the run's model as it trains: the tiny model stored in the run, or the configured hub id / path."""
     if config.model.path is not None:
-        return load_pretrained(config.model.path, config.model.dtype)
+        return load_model(config.model, config.model.path)
     local = run.local_dir(layout.MODEL) or run.download_dir(layout.MODEL, cache / layout.MODEL)
-    return load_pretrained(local, config.model.dtype)
+    return load_model(config.model, local)
 
 
 def digest(params: dict[str, torch.Tensor]) -> str:

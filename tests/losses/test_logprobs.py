@@ -206,10 +206,19 @@ def test_logit_softcap_and_scale_families_equal_full_logits(config_cls, model_cl
         )
 
 
-def test_unsupported_logit_scaling_is_refused():
+def test_granite_logits_scaling_is_read_off_the_model_and_equals_full_logits():
+    """Granite divides its logits by config.logits_scaling; the head reproduces that, checked against the
+    model's own forward."""
     model = _tiny(GraniteConfig, GraniteForCausalLM, logits_scaling=4.0)
-    with pytest.raises(ValueError, match="logits_scaling"):
-        lm_head_of(model)
+    assert lm_head_of(model).scale == 0.25
+    inputs = _inputs(64)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            completion_logprobs(model, *inputs, chunk_tokens=4),
+            _naive_logprobs(model, *inputs),
+            rtol=0,
+            atol=1e-5,
+        )
 
 
 def test_hidden_states_needs_a_backbone():
