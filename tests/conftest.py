@@ -140,3 +140,50 @@ def _replica_processes_only_in_slow_tests(
         popen_init(self, args, *rest, **options)  # type: ignore[arg-type]
 
     monkeypatch.setattr(subprocess.Popen, "__init__", checked)
+
+
+# A ChatML template without {% generation %} markers (as most published ones), and one with them.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHATML_MARKED = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny model with a ChatML chat template on its tokenizer, as a chat model is published."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tiny-chat-model")
+    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def arithmetic_chats(count: int, seed: int) -> list[dict]:
+    """Conversations a tiny model can learn in a few steps: a question, then its answer."""
+    import random
+
+    rng = random.Random(seed)
+    chats = []
+    for _ in range(count):
+        a, b = rng.randrange(10), rng.randrange(10)
+        chats.append(
+            {
+                "messages": [
+                    {"role": "system", "content": "Answer with the number only."},
+                    {"role": "user", "content": f"What is {a} plus {b}?"},
+                    {"role": "assistant", "content": str(a + b)},
+                ]
+            }
+        )
+    return chats

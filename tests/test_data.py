@@ -29,12 +29,12 @@ def test_stream_resumes_exactly(corpus, tiny_model_dir):
     files = shuffled(corpus.train, seed=0)[::50]
     stream = TokenStream(corpus, files, tokenizer, 64, seed=3)
     for _ in range(40):
-        stream.next_sequence()
+        stream.next_sequence()[0]
     state = stream.state_dict()
-    expected = [stream.next_sequence() for _ in range(30)]
+    expected = [stream.next_sequence()[0] for _ in range(30)]
     resumed = TokenStream(corpus, files, tokenizer, 64, seed=3)
     resumed.load_state_dict(state)
-    assert [resumed.next_sequence() for _ in range(30)] == expected
+    assert [resumed.next_sequence()[0] for _ in range(30)] == expected
     assert all(len(s) == 64 for s in expected)
 
 
@@ -43,7 +43,7 @@ def test_stream_wraps_into_a_reshuffled_epoch(corpus, tiny_model_dir):
     files = corpus.heldout[:2]
     stream = TokenStream(corpus, files, tokenizer, 256, seed=0)
     while stream.state_dict()["epoch"] == 0:
-        stream.next_sequence()
+        stream.next_sequence()[0]
     assert stream.state_dict()["epoch"] == 1
 
 
@@ -51,14 +51,14 @@ def test_batches_mix_files_and_resume(corpus, tiny_model_dir):
     _, tokenizer = load_pretrained(tiny_model_dir)
     files = shuffled(corpus.train, seed=0)[::10]
     batches = Batches(corpus, files, tokenizer, 32, 4, seed=0)
-    first = batches.next()
+    first = batches.next()[0]
     assert first.shape == (4, 32)
     assert len({tuple(row.tolist()) for row in first}) == 4
     state = batches.state_dict()
-    expected = batches.next()
+    expected = batches.next()[0]
     again = Batches(corpus, files, tokenizer, 32, 4, seed=0)
     again.load_state_dict(state)
-    assert again.next().equal(expected)
+    assert again.next()[0].equal(expected)
 
 
 def test_one_stream_per_row_reads_each_rows_files_in_order(corpus, tiny_model_dir):
@@ -68,7 +68,7 @@ def test_one_stream_per_row_reads_each_rows_files_in_order(corpus, tiny_model_di
     batches = Batches(corpus, files, tokenizer, 32, 4, seed=5)
     rows = [TokenStream(corpus, files[r::4], tokenizer, 32, seed=5 * 7919 + r) for r in range(4)]
     for _ in range(3):
-        assert batches.next().tolist() == [row.next_sequence() for row in rows]
+        assert batches.next()[0].tolist() == [row.next_sequence()[0] for row in rows]
 
 
 def test_rows_take_turns_over_their_streams_and_resume_mid_cycle(corpus, tiny_model_dir):
@@ -77,12 +77,12 @@ def test_rows_take_turns_over_their_streams_and_resume_mid_cycle(corpus, tiny_mo
     batches = Batches(corpus, files, tokenizer, 32, 2, seed=5, streams_per_row=3)
     streams = [TokenStream(corpus, files[i::6], tokenizer, 32, seed=5 * 7919 + i) for i in range(6)]
     # Steps 0, 1, 2 read streams (0, 1), (2, 3), (4, 5): six files; step 3 goes back to streams 0 and 1.
-    expected = [[streams[2 * (t % 3) + r].next_sequence() for r in range(2)] for t in range(5)]
-    got = [batches.next().tolist() for _ in range(2)]
+    expected = [[streams[2 * (t % 3) + r].next_sequence()[0] for r in range(2)] for t in range(5)]
+    got = [batches.next()[0].tolist() for _ in range(2)]
     state = batches.state_dict()
     resumed = Batches(corpus, files, tokenizer, 32, 2, seed=5, streams_per_row=3)
     resumed.load_state_dict(state)
-    got += [resumed.next().tolist() for _ in range(3)]
+    got += [resumed.next()[0].tolist() for _ in range(3)]
     assert got == expected
     assert len({tuple(row) for step in got[:3] for row in step}) == 6
 
@@ -99,10 +99,10 @@ def test_replicas_rows_together_are_the_single_process_batch(corpus, tiny_model_
         for r in range(3)
     ]
     for _ in range(5):
-        union = torch.cat([replica.next() for replica in replicas])
-        assert union.equal(single.next())
+        union = torch.cat([replica.next()[0] for replica in replicas])
+        assert union.equal(single.next()[0])
     # The replicas' rows differ from one another: no two replicas train on the same sequence.
-    rows = [tuple(row.tolist()) for replica in replicas for row in replica.next()]
+    rows = [tuple(row.tolist()) for replica in replicas for row in replica.next()[0]]
     assert len(set(rows)) == 6
 
 

@@ -10,7 +10,7 @@ library, so the launcher's checks cost no torch import.
 from __future__ import annotations
 
 from composer_serverless.config import ComposerConfig, ConfigError, RunConfig
-from composer_serverless.replicas.corpus import stdlib_corpus
+from composer_serverless.replicas.corpus import documents
 from composer_serverless.replicas.records import PromptRecord, read_pairs, read_prompts, shard_records
 from composer_serverless.replicas.rewards import RewardSet
 
@@ -45,20 +45,30 @@ def check_composer(config: RunConfig) -> None:
 
 
 def check_text(config: RunConfig) -> None:
-    """Refuse a global batch the corpus cannot feed: each of its streams reads files of its own
-    (``data.Batches``), so a replica would otherwise fail only once it is running.
+    """Read the lm objective's documents and refuse what would fail only once replicas run: a record without
+    its field, and a global batch the documents cannot feed (each of its streams reads documents of its own,
+    ``data.Batches``), or no held-out document to evaluate on.
 
     Raises:
-        ConfigError: fewer train files than streams.
+        ConfigError: naming the record, or the numbers and the fix.
     """
     data = config.data
+    try:
+        corpus = documents(data)
+    except (OSError, ValueError) as e:  # RecordError is a ValueError
+        raise ConfigError(f"data: {e}") from e
     streams = config.diloco.replicas * data.batch_size * data.streams_per_row
-    files = len(stdlib_corpus(data.heldout_percent).train)
-    if streams > files:
+    train = len(corpus.train)
+    if streams > train:
         raise ConfigError(
             f"data: {config.diloco.replicas} replicas x batch_size {data.batch_size} x streams_per_row "
-            f"{data.streams_per_row} = {streams} streams, but the {data.corpus} corpus has {files} train files "
-            "and each stream needs at least one\n  fix: lower data.batch_size or data.streams_per_row"
+            f"{data.streams_per_row} = {streams} streams, but the {data.corpus} corpus has {train} train "
+            "documents and each stream needs at least one\n  fix: lower data.batch_size or data.streams_per_row"
+        )
+    if not corpus.heldout:
+        raise ConfigError(
+            f"data: none of the {train} documents of {data.corpus} is held out for evaluation\n"
+            "  fix: set data.heldout to files of held-out records, or raise data.heldout_percent"
         )
 
 

@@ -13,8 +13,8 @@ import torch
 
 from composer_serverless.config import RunConfig
 from composer_serverless.replicas.composer import ComposerObjective
-from composer_serverless.replicas.corpus import shuffled, stdlib_corpus
-from composer_serverless.replicas.data import Batches
+from composer_serverless.replicas.corpus import documents, shuffled
+from composer_serverless.replicas.data import IGNORE, Batches
 from composer_serverless.replicas.evaluation import EvalPart, combine, share
 
 # Held-out sequences are drawn from this many interleaved file streams, independent of the training batch size.
@@ -41,10 +41,11 @@ class Objective(Protocol):
 
 
 class LMObjective:
-    """Causal-LM cross-entropy on this replica's rows of the global batch; evaluation on the held-out files."""
+    """Causal-LM cross-entropy on this replica's rows of the global batch (on the trained tokens only: a chat
+    record's assistant turns); evaluation on the held-out documents, the same way."""
 
     def __init__(self, config: RunConfig, tokenizer: Any, rank: int) -> None:
-        corpus = stdlib_corpus(config.data.heldout_percent)
+        corpus = documents(config.data)
         seq_len, batch_size = config.data.seq_len, config.data.batch_size
         self._train = Batches(
             corpus,
@@ -58,42 +59,55 @@ class LMObjective:
             rank=rank,
         )
         # Fixed seed and stream count: every replica, and any run with another batch size, scores the same
-        # held-out sequences.
-        self._heldout = Batches(corpus, corpus.heldout, tokenizer, seq_len, EVAL_STREAMS, seed=0)
+        # held-out sequences (fewer streams only when there are fewer held-out documents).
+        self._eval_streams = min(EVAL_STREAMS, len(corpus.heldout))
+        self._heldout = Batches(corpus, corpus.heldout, tokenizer, seq_len, self._eval_streams, seed=0)
         self._eval_sequences = config.eval.sequences
         self._batch_size = batch_size
-        self._eval_set: list[torch.Tensor] | None = None
+        self._eval_set: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def loss(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
-        batch = self._train.next().to(_device_of(model))
-        loss = model(input_ids=batch, labels=batch).loss
-        return loss, {"lm/loss": loss.detach()}
+        device = _device_of(model)
+        ids, labels = (t.to(device) for t in self._train.next())
+        out = model(input_ids=ids, labels=labels, use_cache=False)
+        if not _targets(labels):  # every token of the batch is masked: nothing to learn, and no NaN either
+            return out.logits.sum() * 0.0, {}
+        return out.loss, {"lm/loss": out.loss.detach()}
 
     @torch.no_grad()
     def evaluate_part(self, model: torch.nn.Module, part: int, parts: int) -> EvalPart:
         if self._eval_set is None:
-            rows = torch.cat([self._heldout.next() for _ in range(-(-self._eval_sequences // EVAL_STREAMS))])
-            self._eval_set = rows[: self._eval_sequences]
-        mine = share(list(self._eval_set), part, parts)
-        if not mine:
+            batches = [self._heldout.next() for _ in range(-(-self._eval_sequences // self._eval_streams))]
+            ids, labels = (torch.cat(column)[: self._eval_sequences] for column in zip(*batches, strict=True))
+            self._eval_set = ids, labels
+        rows = share(list(range(len(self._eval_set[0]))), part, parts)
+        if not rows:
             return {}
         was_training = model.training
         model.eval()
         device = _device_of(model)
-        # Rows all have the same length, so weighting each batch's mean by its rows gives the token mean.
-        total = 0.0
-        for batch in torch.stack(mine).split(self._batch_size):
-            total += model(input_ids=batch.to(device), labels=batch.to(device)).loss.float().item() * len(
-                batch
-            )
+        # The model's loss is a mean over a batch's trained tokens; weighted by their count, the shares add up
+        # to the mean over every held-out token.
+        total, tokens = 0.0, 0
+        for index in torch.tensor(rows).split(self._batch_size):
+            ids, labels = (t[index].to(device) for t in self._eval_set)
+            if count := _targets(labels):
+                out = model(input_ids=ids, labels=labels, use_cache=False)
+                total += out.loss.float().item() * count
+                tokens += count
         model.train(was_training)
-        return {"eval/loss": (total, len(mine))}
+        return {"eval/loss": (total, tokens)} if tokens else {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"train": self._train.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._train.load_state_dict(state["train"])
+
+
+def _targets(labels: torch.Tensor) -> int:
+    """How many tokens of a batch are predicted and trained on (a row's first token is never predicted)."""
+    return int((labels[:, 1:] != IGNORE).sum())
 
 
 def evaluate(objective: Objective, model: torch.nn.Module) -> dict[str, float]:

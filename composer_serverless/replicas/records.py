@@ -8,7 +8,10 @@ every file before any replica starts; nothing here needs a tensor library).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import gzip
+import io
 import json
 import math
 import random
@@ -66,18 +69,19 @@ class PreferencePair:
 
 
 def read_prompts(url: str) -> list[PromptRecord]:
-    """Every prompt record of the JSONL file(s) at ``url`` (a path, an fsspec URL or a glob), in file order.
+    """Every prompt record of the file(s) at ``url`` (JSONL or Parquet; a path, an fsspec URL or a glob), in
+    file order.
 
     Raises:
         RecordError: a line is not a JSON object, a key is unknown or a value has the wrong type.
         FileNotFoundError: nothing matches ``url``.
     """
-    return [_prompt_record(obj, where) for obj, where in _jsonl(url)]
+    return [_prompt_record(obj, where) for obj, where in read_rows(url)]
 
 
 def read_pairs(url: str) -> list[PreferencePair]:
     """Every preference pair of the JSONL file(s) at ``url``; errors as ``read_prompts``."""
-    return [_pair_record(obj, where) for obj, where in _jsonl(url)]
+    return [_pair_record(obj, where) for obj, where in read_rows(url)]
 
 
 def shard_records(records: list[Any], rank: int, replicas: int) -> list[Any]:
@@ -87,32 +91,54 @@ def shard_records(records: list[Any], rank: int, replicas: int) -> list[Any]:
     return records[rank::replicas]
 
 
-def _jsonl(url: str) -> Iterator[tuple[dict[str, Any], str]]:
+def read_rows(url: str) -> Iterator[tuple[dict[str, Any], str]]:
+    """Every row of the file(s) at ``url`` (a path, an fsspec URL or a glob) as (row, ``file:line``), in file
+    order: JSON lines (gzipped ones too: the compression is inferred from the name) or Parquet (``file:row``,
+    1-based, as a line number would be).
+
+    Raises:
+        FileNotFoundError: nothing matches ``url``.
+        RecordError: a line is not a JSON object, or the files hold no rows.
+    """
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
 
-    files = fsspec.open_files(url, mode="rt", encoding="utf-8")
+    # A filesystem of its own, as the store's: a cached one may hold an endpoint or credentials of the past.
+    files = fsspec.open_files(url, mode="rb", skip_instance_cache=True)
     if not files:
         raise FileNotFoundError(f"no file matches {url}")
     count = 0
     for file in files:
         # Local files by their path, remote ones by their URL (s3://bucket/key), as the user wrote them.
         name = file.path if isinstance(file.fs, LocalFileSystem) else file.fs.unstrip_protocol(file.path)
-        with file as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{name}:{number}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise RecordError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(obj, dict):
-                    raise RecordError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-                count += 1
-                yield obj, where
+        rows = _parquet_rows(file) if name.endswith(".parquet") else _json_lines(file, name)
+        for number, obj in rows:
+            count += 1
+            yield obj, f"{name}:{number}"
     if not count:
         raise RecordError(f"{url}: no records")
+
+
+def _json_lines(file: Any, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    with file as raw, gzip.open(raw) if name.endswith(".gz") else contextlib.nullcontext(raw) as binary:
+        for number, line in enumerate(io.TextIOWrapper(binary, encoding="utf-8"), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RecordError(f"{name}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise RecordError(f"{name}:{number}: expected a JSON object, got {type(obj).__name__}")
+            yield number, obj
+
+
+def _parquet_rows(file: Any) -> Iterator[tuple[int, dict[str, Any]]]:
+    import pyarrow.parquet as pq
+
+    with file as f:
+        table = pq.read_table(f)
+    yield from enumerate(table.to_pylist(), start=1)
 
 
 def _check_keys(obj: dict[str, Any], known: tuple[str, ...], where: str) -> None:

@@ -1,0 +1,76 @@
+"""Chat records rendered with the tokenizer's own chat template, and which of their tokens are trained on.
+
+Only the assistant's tokens are learned (the turns' text and their end-of-turn token), as TRL's
+``assistant_only_loss`` does: the model is taught to answer, not to write the user's messages. The mask comes
+from the template's ``{% generation %}`` markers when it has them; most published templates do not, and then
+each assistant turn is located by rendering the conversation up to it: the tokens between "everything before,
+with the assistant's header" and "everything through this turn" are that turn's. A template that renders a
+conversation's start differently once more turns follow (one that drops earlier reasoning, say) cannot be
+masked this way and is refused with the fix, rather than trained on wrongly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+Messages = Sequence[dict[str, Any]]
+
+
+def render_chat(tokenizer: Any, messages: Messages) -> tuple[list[int], list[bool]]:
+    """The conversation's token ids and, per token, whether it is an assistant token (trained on).
+
+    Raises:
+        ValueError: the tokenizer has no chat template, the conversation has no assistant turn, or the
+            template cannot be masked (see the module docstring).
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no chat template, so chat records cannot be rendered; use a chat "
+            "model's tokenizer, or data.format = 'text' with the text already rendered"
+        )
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise ValueError("the conversation has no assistant turn, so nothing in it would be trained on")
+    marked = tokenizer.apply_chat_template(
+        list(messages),
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask="generation" in tokenizer.chat_template,
+    )
+    ids = list(marked["input_ids"])
+    if any(marked.get("assistant_masks") or ()):
+        return ids, [bool(m) for m in marked["assistant_masks"]]
+    mask = [False] * len(ids)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = _ids(tokenizer, messages[:i], add_generation_prompt=True)
+        through = _ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if through[: len(before)] != before or ids[: len(through)] != through:
+            raise ValueError(
+                "the chat template renders a conversation's start differently once more turns follow, so its "
+                "assistant turns cannot be located; use a template with {% generation %} markers "
+                "(tokenizer.chat_template), or data.format = 'text'"
+            )
+        mask[len(before) : len(through)] = [True] * (len(through) - len(before))
+    return ids, mask
+
+
+def chat_prompt(tokenizer: Any, text: str) -> str:
+    """``text`` as the user's turn of a conversation, rendered up to where the assistant's answer begins."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no chat template; set composer.chat_template = false"
+        )
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def _ids(tokenizer: Any, messages: Messages, *, add_generation_prompt: bool) -> list[int]:
+    if not messages:
+        return []
+    out = tokenizer.apply_chat_template(
+        list(messages), tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+    )
+    return list(out["input_ids"])
