@@ -200,6 +200,11 @@ class ComposerConfig(StrictModel):
     )
     hints: HintConfig = Field(HintConfig(), description="the SDPO teacher's hint, built from reward feedback")
     chunk_tokens: int = Field(256, ge=1, description="tokens per LM-head chunk in the loss")
+    chat_template: bool = Field(
+        False,
+        description="render every prompt (and the SDPO teacher's hinted prompt) as a user turn with the "
+        "tokenizer's chat template, as an instruct model expects; false: the prompt text as it is",
+    )
 
     @model_validator(mode="after")
     def _replay_has_pairs(self) -> ComposerConfig:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,12 +30,13 @@ from composer_serverless.losses.logprobs import completion_logprobs
 from composer_serverless.losses.replay import ReplaySettings
 from composer_serverless.losses.sdpo import SDPOSettings
 from composer_serverless.replicas import inputs
+from composer_serverless.replicas.chat import chat_prompt
 from composer_serverless.replicas.evaluation import EvalPart, share
 from composer_serverless.replicas.hints import HintBuilder
 from composer_serverless.replicas.pairs import ReplayPairs
 from composer_serverless.replicas.records import Cycle, PromptRecord, read_pairs, shard_records
 from composer_serverless.replicas.rewards import RewardSet
-from composer_serverless.replicas.rollout import RolloutSettings, generate, rollout
+from composer_serverless.replicas.rollout import RolloutSettings, as_is, generate, rollout
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +153,10 @@ class ComposerObjective:
             max_draws=composer.rollout.max_draws,
             overlong_buffer=composer.rollout.overlong_buffer,
             overlong_penalty=composer.rollout.overlong_penalty,
+            render=functools.partial(chat_prompt, tokenizer) if composer.chat_template else as_is,
         )
-        self._hints = HintBuilder(composer.hints) if composer.alpha > 0 else None
+        self._rollout.render("")  # a tokenizer without a chat template fails here, not at the first step
+        self._hints = HintBuilder(composer.hints, self._rollout.render) if composer.alpha > 0 else None
         if composer.alpha > 0:
             same_function_twice(model, tokenizer)
         self._reference: nn.Module | None = None
@@ -171,6 +175,7 @@ class ComposerObjective:
                 seed=config.seed * 7919 + rank,
                 reference=model if composer.replay.kind == "dpo" else None,
                 chunk_tokens=composer.chunk_tokens,
+                render=self._rollout.render,
             )
         logger.info(
             "composer objective: %d prompts, %d pairs on this replica; %d held-out prompts",
@@ -217,7 +222,7 @@ class ComposerObjective:
             texts += generate(
                 model,
                 self._tokenizer,
-                [r.prompt for r in chunk],
+                [self._rollout.render(r.prompt) for r in chunk],
                 max_new_tokens=self._rollout.max_new_tokens,
                 temperature=None,
             ).texts

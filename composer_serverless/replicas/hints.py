@@ -15,7 +15,7 @@ the hint and the original prompt filled in; the teacher then scores the student'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from composer_serverless.config import HintConfig
 from composer_serverless.replicas.records import PromptRecord
@@ -24,8 +24,9 @@ from composer_serverless.replicas.records import PromptRecord
 class HintBuilder:
     """Turns records, completions and reward feedback into teacher prompts (None where there is no hint)."""
 
-    def __init__(self, config: HintConfig) -> None:
+    def __init__(self, config: HintConfig, render: Callable[[str], str] = lambda text: text) -> None:
         self._config = config
+        self._render = render  # the teacher's prompt as the model reads it (a chat template's user turn)
 
     def hint(self, record: PromptRecord, feedback: str | None, solution: str | None) -> str | None:
         """The hint text for one rollout, or None."""
@@ -37,7 +38,7 @@ class HintBuilder:
         return "\n".join(parts) if parts else None
 
     def teacher_prompt(self, record: PromptRecord, hint: str) -> str:
-        return self._config.template.format(hint=hint, prompt=record.prompt)
+        return self._render(self._config.template.format(hint=hint, prompt=record.prompt))
 
     def group_hints(
         self,

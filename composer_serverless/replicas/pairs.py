@@ -13,7 +13,7 @@ SimPO needs no reference, and nothing is computed for it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,6 +53,7 @@ class ReplayPairs:
         seed: order of the passes over the pairs.
         reference: the initial model, to compute missing reference log-probs; None for SimPO (none needed).
         chunk_tokens: LM-head chunk size for that computation.
+        render: how a pair's prompt text becomes the model's input (a chat template's user turn, or as is).
     """
 
     def __init__(
@@ -64,9 +65,10 @@ class ReplayPairs:
         seed: int,
         reference: nn.Module | None,
         chunk_tokens: int,
+        render: Callable[[str], str] = lambda text: text,
     ) -> None:
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-        self._prompts = [tokenizer(p.prompt)["input_ids"] for p in pairs]
+        self._prompts = [tokenizer(render(p.prompt))["input_ids"] for p in pairs]
         self._chosen = [tokenizer(p.chosen, add_special_tokens=False)["input_ids"] + [eos] for p in pairs]
         self._rejected = [tokenizer(p.rejected, add_special_tokens=False)["input_ids"] + [eos] for p in pairs]
         empty = next((p for p, ids in zip(pairs, self._prompts, strict=True) if not ids), None)

@@ -160,6 +160,10 @@ def generate(
     return Samples(prompt_ids, prompt_mask, completion_ids, mask, texts, ~is_eos.any(dim=1))
 
 
+def as_is(text: str) -> str:
+    return text
+
+
 @dataclass(frozen=True)
 class RolloutSettings:
     """How one inner step's rollouts are drawn and turned into advantages (see `config.RolloutConfig`)."""
@@ -173,6 +177,8 @@ class RolloutSettings:
     max_draws: int = 1
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    # How a record's prompt text becomes the model's input (a chat template's user turn, or as it is).
+    render: Callable[[str], str] = as_is
 
 
 def overlong_punishment(
@@ -256,7 +262,7 @@ def _draw(
     samples = generate(
         model,
         tokenizer,
-        [r.prompt for r in records],
+        [settings.render(r.prompt) for r in records],
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
         repeats=settings.group_size,
@@ -339,7 +345,7 @@ def rollout(
         teacher = hints.group_hints(
             batch.records, samples.texts, batch.scored.totals, batch.scored.feedback, g
         )
-        hint = _hint_batch(tokenizer, batch.records, teacher, rl)
+        hint = _hint_batch(tokenizer, [settings.render(r.prompt) for r in batch.records], teacher, rl)
     metrics = _metrics(_concat_scored([d.scored for d in draws]), samples, hint, g)
     if settings.dynamic_sampling:
         metrics["rollout/draws"] = float(len(draws))
@@ -348,14 +354,14 @@ def rollout(
 
 
 def _hint_batch(
-    tokenizer: Any, records: Sequence[PromptRecord], teacher: Sequence[str | None], rl: RLBatch
+    tokenizer: Any, student: Sequence[str], teacher: Sequence[str | None], rl: RLBatch
 ) -> HintBatch | None:
-    """The teacher's sequences `[hinted prompt, completion]`; rows without a hint keep their prompt and are
-    not distilled."""
+    """The teacher's sequences `[hinted prompt, completion]`; rows without a hint keep the student's prompt
+    and are not distilled."""
     hinted = torch.tensor([p is not None for p in teacher], device=rl.completion_ids.device)
     if not hinted.any():
         return None
-    prompts = [p if p is not None else r.prompt for p, r in zip(teacher, records, strict=True)]
+    prompts = [t if t is not None else s for t, s in zip(teacher, student, strict=True)]
     ids, mask = encode_prompts(tokenizer, prompts, rl.completion_ids.device)
     return HintBatch.from_hinted_prompts(
         ids, mask, rl, distill_mask=rl.completion_mask * hinted[:, None].long()

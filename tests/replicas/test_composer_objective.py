@@ -129,3 +129,30 @@ def test_shares_of_the_evaluation_add_up_to_the_whole(raw, model, tokenizer):
     assert combined.keys() == whole.keys()
     for name, value in whole.items():
         assert combined[name] == pytest.approx(value, abs=1e-12), name
+
+
+def test_prompts_are_rendered_with_the_chat_template_when_asked(raw, model, tokenizer, monkeypatch):
+    from composer_serverless.replicas import rollout
+
+    tokenizer.chat_template = (
+        "{% for m in messages %}T:{{ m['content'] }}.{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    )
+    seen: list[str] = []
+    encode = rollout.encode_prompts
+    monkeypatch.setattr(
+        rollout,
+        "encode_prompts",
+        lambda tok, prompts, device: seen.extend(prompts) or encode(tok, prompts, device),
+    )
+    objective = make_objective(validate_config(raw(chat_template=True)), tokenizer, 0, model=model)
+    objective.loss(model)
+    students = [p for p in seen if p.startswith("T:add")]
+    assert students and all(p.endswith("=.A:") for p in students)
+    # The teacher's hint goes inside the user's turn, before the original prompt.
+    teachers = [p for p in seen if not p.startswith("T:add")]
+    assert teachers and all(p.startswith("T:") and p.endswith("=.A:") and "add" in p for p in teachers)
+
+
+def test_the_chat_switch_needs_a_chat_template(raw, model, tokenizer):
+    with pytest.raises(ValueError, match="has no chat template"):
+        make_objective(validate_config(raw(chat_template=True)), tokenizer, 0, model=model)
