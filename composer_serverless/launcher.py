@@ -12,7 +12,11 @@ every replica of an existing run whose replicas all died: they continue from its
 
 from __future__ import annotations
 
+import functools
+import json
 import secrets
+import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -35,6 +39,9 @@ from composer_serverless.replicas import inputs
 from composer_serverless.runs import STORE_HINT, absolute_store, open_created, open_store
 from composer_serverless.supervisor import Supervisor
 from composer_serverless.watch import Choice, Followed, ReplicaView, cancel_on_interrupt
+
+# Loading a config and a tokenizer from the Hub and building the model on the meta device: seconds to a minute.
+MODEL_CHECK_TIMEOUT_S = 300.0
 
 __all__ = ["Prepared", "prepare", "start", "launch", "resume", "follow", "create_run"]
 
@@ -114,8 +121,50 @@ def start(prepared: Prepared, console: Console) -> Supervisor:
     """Create the run in the store and start its replicas; nothing is written if a check fails first."""
     if prepared.problems:
         raise ConfigError("cannot launch:\n" + "\n".join(textwrap.indent(p, "  ") for p in prepared.problems))
+    if prepared.config.model.path is not None:
+        with console.status("checking the model (config, tokenizer, a meta-device instance)"):
+            check_model(prepared.config)
     run, _ = create_run(prepared.config, prepared.source, console)
     return _start_replicas(run, prepared.executor, prepared.plan)
+
+
+def check_model(config: RunConfig) -> None:
+    """Run the model check (``replicas/model_check.py``) in a child process, so this one never imports torch.
+
+    Raises:
+        ConfigError: every problem found, each with its fix; or the check could not run at all.
+    """
+    found = _model_problems(json.dumps({k: json.loads(config.resolved_json())[k] for k in _CHECKED}))
+    if found:
+        raise ConfigError(
+            "the model cannot be trained as configured:\n"
+            + "\n".join(textwrap.indent(p, "  ") for p in found)
+        )
+
+
+# What the model check reads of a run; a sweep's cells that agree on these are checked once.
+_CHECKED = ("model", "data", "train", "composer", "diloco")
+
+
+@functools.lru_cache(maxsize=8)
+def _model_problems(checked: str) -> tuple[str, ...]:
+    raw = json.loads(checked)
+    config = validate_config({**raw, "executor": {"type": "local"}}, source="the model check")
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "composer_serverless.replicas.model_check"],
+            input=config.resolved_json(),
+            capture_output=True,
+            text=True,
+            timeout=MODEL_CHECK_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"the model check did not finish in {MODEL_CHECK_TIMEOUT_S:.0f}s") from None
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        tail = "\n".join(result.stderr.strip().splitlines()[-8:])
+        raise ConfigError(f"the model check could not run (exit {result.returncode}):\n{tail}")
+    return tuple(json.loads(lines[-1]))
 
 
 def _start_replicas(run: ObjectStore, executor: ServerlessExecutor, plan: LaunchPlan) -> Supervisor:

@@ -25,6 +25,14 @@ def check(config: RunConfig) -> None:
         check_composer(config)
     else:
         check_text(config)
+    chat = (config.data.format == "chat" and not config.data.is_stdlib) or (
+        config.composer is not None and config.composer.chat_template
+    )
+    if chat and config.model.tiny is not None:
+        raise ConfigError(
+            "the tiny model's tokenizer has no chat template, so chat records or chat prompts cannot be "
+            "rendered\n  fix: model.path = a chat model, or data.format = 'text' / composer.chat_template = false"
+        )
 
 
 def check_composer(config: RunConfig) -> None:

@@ -1,0 +1,168 @@
+"""The model check the launcher runs before any replica is paid for: ``python -m
+composer_serverless.replicas.model_check`` with the resolved run config (JSON) on stdin, one JSON list of
+problems on stdout.
+
+Everything that would otherwise fail only once every replica has started (and restarted, ``max_restarts``
+times): the checkpoint's config, remote code, the overrides, the tokenizer, the model built on the meta device
+(no weights are read or allocated), its vocabulary against the tokenizer's, the pad token, what the objective
+needs of the model (a backbone, a linear head, no dropout for SDPO), the chat template and the first chat
+records, LoRA's target modules, gradient checkpointing. Each problem says what to change.
+
+It runs in a child process so that the launcher itself never imports torch or transformers, and so that a
+checkpoint's remote code, when the user allows it, runs in a process that exits right after.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from typing import Any
+
+# Chat records rendered at launch, to find a template that cannot be masked before any replica starts.
+CHAT_RECORDS_CHECKED = 8
+
+
+def problems(config: Any) -> list[str]:
+    """What stops ``config``'s model from training as configured; empty when nothing does."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from composer_serverless.models import hf_config
+
+    spec = config.model
+    hub = {
+        "trust_remote_code": spec.trust_remote_code,
+        **({"revision": spec.revision} if spec.revision else {}),
+    }
+    try:
+        hf = hf_config(spec, spec.path)
+        tokenizer = AutoTokenizer.from_pretrained(spec.path, **hub)
+    except Exception as e:  # every failure to load means one thing to the user: this model will not do
+        return [_loading_problem(spec, e)]
+    try:
+        with torch.device("meta"):
+            extra = {"attn_implementation": spec.attn_implementation} if spec.attn_implementation else {}
+            model = AutoModelForCausalLM.from_config(hf, trust_remote_code=spec.trust_remote_code, **extra)
+    except Exception as e:  # an architecture, kernel or remote code that cannot be built
+        return [
+            f"model.path {spec.path!r}: the model cannot be built from its config: {type(e).__name__}: {e}"
+        ]
+    found = _vocabulary(model, tokenizer) + _objective(config, model, hf) + _chat(config, tokenizer)
+    return found + _lora(spec, model) + _checkpointing(spec, model)
+
+
+def _loading_problem(spec: Any, error: Exception) -> str:
+    text = f"{type(error).__name__}: {error}"
+    if "trust_remote_code" in text and not spec.trust_remote_code:
+        return (
+            f"model.path {spec.path!r} ships its own Python code (its config's auto_map), which runs only "
+            "with your consent\n  fix: --set model.trust_remote_code=true, if you trust that repository"
+        )
+    return f"model.path {spec.path!r} cannot be loaded: {text}"
+
+
+def _vocabulary(model: Any, tokenizer: Any) -> list[str]:
+    found = []
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        found.append(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {rows} rows, so some "
+            "token ids would index past it\n  fix: use the tokenizer published with the model"
+        )
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        found.append("the tokenizer has neither a pad nor an end-of-text token; batches cannot be padded")
+    return found
+
+
+def _objective(config: Any, model: Any, hf: Any) -> list[str]:
+    if config.train.objective != "composer":
+        return []
+    import torch
+
+    found = []
+    if model.base_model is model:
+        found.append(
+            f"{type(model).__name__} has no separate backbone (base_model), which the composer losses need"
+        )
+    if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
+        found.append(
+            f"{type(model).__name__}'s output head is not a linear layer, which the composer losses need"
+        )
+    if config.model.router_aux_loss is not None:
+        found.append("model.router_aux_loss applies to the lm objective only\n  fix: unset it")
+    if config.composer.alpha > 0:
+        dropping = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        dropping += [
+            n for n, v in vars(hf.get_text_config()).items() if "drop" in n and isinstance(v, float) and v > 0
+        ]
+        lora = config.model.lora
+        if lora is not None and lora.dropout > 0:
+            dropping.append("model.lora.dropout")
+        if dropping:
+            found.append(
+                f"SDPO's teacher pass reuses the student's weights, but this model drops units in training "
+                f"({', '.join(dropping[:4])}{', ...' if len(dropping) > 4 else ''}), so the two passes would be "
+                "different networks\n  fix: --set model.dropout=off (and model.lora.dropout=0)"
+            )
+    return found
+
+
+def _chat(config: Any, tokenizer: Any) -> list[str]:
+    from composer_serverless.replicas.chat import render_chat
+    from composer_serverless.replicas.records import read_rows
+
+    chat_data = not config.data.is_stdlib and config.data.format == "chat" and config.train.objective == "lm"
+    chat_prompts = config.composer is not None and config.composer.chat_template
+    if not (chat_data or chat_prompts):
+        return []
+    if getattr(tokenizer, "chat_template", None) is None:
+        return [
+            "the tokenizer has no chat template, so "
+            + ("data.format = 'chat' records" if chat_data else "composer.chat_template prompts")
+            + " cannot be rendered\n  fix: use a chat model's tokenizer, or render the text yourself"
+        ]
+    if not chat_data:
+        return []
+    field = config.data.messages_field
+    for row, where in itertools.islice(read_rows(config.data.corpus), CHAT_RECORDS_CHECKED):
+        try:
+            render_chat(tokenizer, row.get(field) or [])
+        except ValueError as e:
+            return [f"{where}: {e}"]
+    return []
+
+
+def _lora(spec: Any, model: Any) -> list[str]:
+    if spec.lora is None or spec.lora.target_modules == "all-linear":
+        return []
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in spec.lora.target_modules if t not in names]
+    if not missing:
+        return []
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ == "Linear"})
+    return [
+        f"model.lora.target_modules {missing} name no module of {type(model).__name__}; its linear layers are "
+        f"{linear}\n  fix: pick from those, or 'all-linear'"
+    ]
+
+
+def _checkpointing(spec: Any, model: Any) -> list[str]:
+    if spec.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
+        return [f"{type(model).__name__} does not support gradient checkpointing\n  fix: unset it"]
+    return []
+
+
+def main() -> int:
+    from transformers.utils import logging as hf_logging
+
+    from composer_serverless.config import RunConfig
+
+    hf_logging.set_verbosity_error()
+    config = RunConfig.model_validate_json(sys.stdin.read())
+    print(json.dumps(problems(config)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

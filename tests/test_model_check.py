@@ -1,0 +1,118 @@
+"""The model check before launch: a model that cannot train as configured exits 2 with the fix before the run
+is created or any replica started. The check runs in a child process; the launcher imports no torch."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from composer_serverless.cli import app
+from composer_serverless.config import ModelConfig
+from composer_serverless.models import load_model
+from composer_serverless.replicas.composer import same_function_twice
+from tests.archs import build
+
+TASKS = Path(__file__).resolve().parents[1] / "deploy" / "data" / "composer-tasks"
+
+
+@pytest.fixture(scope="module")
+def archs(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("archs")
+    return {family: build(family, tiny_model_dir, root / family) for family in ("llama", "opt", "gpt2")}
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def _launch(tmp_path: Path, model: dict, *extra: str, composer: bool = False) -> tuple[int, str, Path]:
+    store = tmp_path / "store"
+    lines = [f'store = "{store}"', "[model]", *(f"{k} = {_toml(v)}" for k, v in model.items())]
+    lines += ["[diloco]", "replicas = 1", "sync_every = 1", "rounds = 1"]
+    if composer:
+        lines += [
+            "[train]",
+            'objective = "composer"',
+            "[composer]",
+            f'data = {{ prompts = "{TASKS / "train.jsonl"}", heldout = "{TASKS / "heldout.jsonl"}" }}',
+            'rewards = [{ fn = "exact_match" }]',
+        ]
+    config = tmp_path / "run.toml"
+    config.write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(app, ["launch", str(config), *extra])
+    return result.exit_code, result.output, store
+
+
+@pytest.mark.parametrize(
+    ("family", "model", "message"),
+    [
+        ("llama", {"config_overrides": {"no_such_key": 1}}, "LlamaConfig has no 'no_such_key'"),
+        (
+            "llama",
+            {"lora": {"target_modules": ["qkv"]}},
+            r"name no module of LlamaForCausalLM; its linear layers are \[",
+        ),
+        ("llama", {"attn_implementation": "no_such_kernel"}, "cannot be built from its config"),
+    ],
+)
+def test_a_model_that_cannot_train_exits_2_before_anything_is_written(
+    tmp_path: Path, archs: dict, family: str, model: dict, message: str
+) -> None:
+    code, output, store = _launch(tmp_path, {"path": str(archs[family]), **model})
+    assert code == 2, output
+    assert "the model cannot be trained as configured" in output
+    assert re.search(message, output), output
+    assert not store.exists() or not any(store.iterdir())
+
+
+def test_published_dropout_is_refused_for_sdpo_with_the_fix(tmp_path: Path, archs: dict) -> None:
+    code, output, store = _launch(
+        tmp_path, {"path": str(archs["gpt2"]), "dropout": "as_published"}, composer=True
+    )
+    assert code == 2 and "SDPO" in output and "--set model.dropout=off" in output, output
+    assert not store.exists() or not any(store.iterdir())
+
+
+def test_remote_code_needs_consent(tmp_path: Path, archs: dict) -> None:
+    import shutil
+
+    remote = tmp_path / "remote"
+    shutil.copytree(archs["llama"], remote)
+    config = json.loads((remote / "config.json").read_text())
+    config["model_type"] = "mine"  # no code in transformers for it: only the repository's own would do
+    config["auto_map"] = {
+        "AutoConfig": "configuration_mine.MineConfig",
+        "AutoModelForCausalLM": "modeling_mine.MineForCausalLM",
+    }
+    (remote / "config.json").write_text(json.dumps(config))
+    code, output, _ = _launch(tmp_path, {"path": str(remote)})
+    assert code == 2 and "--set model.trust_remote_code=true" in output, output
+
+
+def test_chat_records_need_a_chat_template(tmp_path: Path, archs: dict) -> None:
+    chat = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    )
+    (tmp_path / "train.jsonl").write_text(chat + "\n")
+    (tmp_path / "heldout.jsonl").write_text(chat + "\n")
+    data = {"corpus": tmp_path / "train.jsonl", "heldout": tmp_path / "heldout.jsonl", "format": "chat"}
+    options = [f"--set=data.{key}={value}" for key, value in data.items()]
+    code, output, _ = _launch(tmp_path, {"path": str(archs["llama"])}, *options, "--set=data.batch_size=1")
+    assert code == 2 and "no chat template" in output, output
+
+
+def test_a_training_pass_with_dropout_is_caught_even_when_functional(archs: dict) -> None:
+    """OPT applies dropout and LayerDrop as functions, with no nn.Dropout module to find: two passes differ."""
+    published = load_model(ModelConfig(path=str(archs["opt"]), dropout="as_published"), archs["opt"])
+    with pytest.raises(ValueError, match="set model.dropout = 'off'"):
+        same_function_twice(published.model, published.tokenizer)
+    off = load_model(ModelConfig(path=str(archs["opt"])), archs["opt"])
+    same_function_twice(off.model, off.tokenizer)
