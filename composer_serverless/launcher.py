@@ -33,7 +33,7 @@ from composer_serverless.config import ConfigError, RunConfig, validate_config
 from composer_serverless.executors import make_executor
 from composer_serverless.executors.base import LaunchPlan, LaunchRecord, ServerlessExecutor
 from composer_serverless.rendezvous import layout
-from composer_serverless.rendezvous.latest import latest_round
+from composer_serverless.rendezvous.latest import roll_back
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas import inputs
 from composer_serverless.runs import STORE_HINT, absolute_store, open_created, open_store
@@ -201,8 +201,9 @@ def resume(
 ) -> dict[str, Any] | None:
     """Restart every replica of the run at ``run_url`` and watch it to its end, as ``launch`` does.
 
-    The replicas continue from the run's ``state/LATEST`` and their own saved state, with the configuration
-    the run was created with (``run.json`` is write-once). The launch record starts afresh: the attempts of
+    The run is rolled back to its newest checkpoint (``latest.roll_back``) and the replicas continue from it
+    and their own states saved with it, with the configuration the run was created with (``run.json`` is
+    write-once): the rounds after the checkpoint are redone. The launch record starts afresh: the attempts of
     the replicas that died are of no use to ``status``, ``logs`` or ``cancel`` any more.
 
     Raises:
@@ -217,7 +218,10 @@ def resume(
     if problems:
         raise ConfigError("cannot resume:\n" + "\n".join(textwrap.indent(p, "  ") for p in problems))
     run.ensure_root()
-    console.print(f"resuming run [bold]{config.run_id}[/] after round {latest_round(run)}", highlight=False)
+    checkpoint = roll_back(run)
+    console.print(
+        f"resuming run [bold]{config.run_id}[/] from its checkpoint of round {checkpoint}", highlight=False
+    )
     return follow(_start_replicas(run, executor, plan), config, console, on_interrupt)
 
 

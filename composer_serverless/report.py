@@ -75,6 +75,8 @@ def _final(curve: Curve) -> float | None:
 def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, Any]:
     """The run's headline numbers. Evaluations are of the global model; bytes are totals over replicas.
 
+    ``bytes_uploaded`` and ``bytes_downloaded`` are the exchange's; ``checkpoint_bytes_uploaded`` is what the
+    checkpoints (global and own states, and global states published for a replica that fell behind) wrote.
     ``sync_blocked_fraction`` is the time replicas spent waiting for an exchange in ``work.wait()`` over the
     time their rounds took; rows of rounds a replica skipped by loading a published state carry neither.
     """
@@ -113,6 +115,9 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
         "replicas_bit_identical": bool(digests) and all(len(d) == 1 for d in digests.values()),
         "bytes_uploaded": sum(r.get("bytes_up", 0) for rows in trained.values() for r in rows),
         "bytes_downloaded": sum(r.get("bytes_down", 0) for rows in trained.values() for r in rows),
+        "checkpoint_bytes_uploaded": sum(
+            r.get("checkpoint_bytes_up", 0) for rows in trained.values() for r in rows
+        ),
         "sync_blocked_fraction": blocked / busy if busy else None,
         "wall_s": round(wall_s, 2),
     }

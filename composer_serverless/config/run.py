@@ -66,6 +66,12 @@ class DiLoCoConfig(StrictModel):
     sync_timeout_s: float = Field(
         600.0, gt=0, description="seconds one sync may take before this replica gives it up and rolls back"
     )
+    checkpoint_every: int = Field(
+        10,
+        ge=1,
+        description="rounds between checkpoints (the global state and every replica's own state, where a "
+        "resume starts; also the last round); they cost about 2/checkpoint_every of the fp32 exchange's bytes",
+    )
     verify_global: bool = Field(
         True, description="record a digest of the global parameters after every round"
     )

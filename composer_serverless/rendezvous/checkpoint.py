@@ -24,7 +24,6 @@ import safetensors.torch
 import torch
 
 from composer_serverless.rendezvous import latest, layout
-from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -96,8 +95,9 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 # --- snapshots -----------------------------------------------------------------------------------------
 
 
-def write_snapshot(store: ObjectStore, prefix: str, tree: Any) -> None:
-    """Write ``tree`` under ``prefix/``; the manifest goes last, so its presence means the snapshot is whole."""
+def write_snapshot(store: ObjectStore, prefix: str, tree: Any) -> int:
+    """Write ``tree`` under ``prefix/``; the manifest goes last, so its presence means the snapshot is whole.
+    Returns the bytes written."""
     skeleton, tensors = flatten(tree)
     files = {
         layout.SNAPSHOT_TENSORS: safetensors.torch.save(tensors),
@@ -108,10 +108,9 @@ def write_snapshot(store: ObjectStore, prefix: str, tree: Any) -> None:
     manifest = {
         name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()
     }
-    store.put(
-        layout.snapshot_file(prefix, layout.SNAPSHOT_MANIFEST),
-        json.dumps({"files": manifest}, indent=1).encode(),
-    )
+    manifest_bytes = json.dumps({"files": manifest}, indent=1).encode()
+    store.put(layout.snapshot_file(prefix, layout.SNAPSHOT_MANIFEST), manifest_bytes)
+    return sum(len(data) for data in files.values()) + len(manifest_bytes)
 
 
 def read_snapshot(store: ObjectStore, prefix: str) -> Any:
@@ -163,15 +162,21 @@ def initial_weights(store: ObjectStore) -> str:
     return str(json.loads(store.get(layout.INITIAL_WEIGHTS))["sha256"])
 
 
-def write_global(store: ObjectStore, round_index: int, tree: Any) -> None:
-    """Write the global state after ``round_index``; ``advance_latest`` then makes it the one to resume from."""
-    write_snapshot(store, layout.global_state(round_index), tree)
+def publish_global(store: ObjectStore, round_index: int, tree: Any, *, checkpoint: bool) -> int:
+    """Write the global state after ``round_index`` and point LATEST (and, for a checkpoint, CHECKPOINT) at
+    it; then drop older states, but the newest checkpoint, which a resume may need. Returns bytes written."""
+    written = write_snapshot(store, layout.global_state(round_index), tree)
+    latest.advance(store, round_index, checkpoint=checkpoint)
+    keep_from, kept = latest.latest_round(store) - KEEP_STATES + 1, latest.checkpoint_round(store)
+    for name in store.list(layout.STATE):
+        if name.isdigit() and int(name) < keep_from and int(name) != kept:
+            store.delete(f"{layout.STATE}/{name}")
+    return written
 
 
-def advance_latest(store: ObjectStore, round_index: int) -> None:
-    """Point LATEST at ``round_index`` (already written), then prune old states and exchange objects."""
-    latest.advance(store, round_index)
-    _prune_numbered(store, layout.STATE, keep_from=round_index - KEEP_STATES + 1)
+def prune_exchanges(store: ObjectStore, round_index: int) -> None:
+    """Drop the exchange objects and evaluation shares of rounds before the last ``KEEP_ROUNDS``: a replica
+    that is further behind catches up from a published state instead."""
     _prune_numbered(store, layout.ROUNDS, keep_from=round_index - KEEP_ROUNDS + 1)
     _prune_numbered(store, layout.EVALS, keep_from=round_index - KEEP_ROUNDS + 1)
 
@@ -183,11 +188,13 @@ def load_global(store: ObjectStore, round_index: int) -> Any:
 # --- per-replica state ---------------------------------------------------------------------------------
 
 
-def save_replica(store: ObjectStore, rank: int, round_index: int, tree: Any) -> None:
-    """Save replica ``rank``'s own state after ``round_index``; drop its states older than LATEST, which no
-    resume can need."""
-    write_snapshot(store, layout.replica_state(rank, round_index), tree)
-    _prune_numbered(store, layout.replica_states(rank), keep_from=min(round_index, latest_round(store)))
+def save_replica(store: ObjectStore, rank: int, round_index: int, tree: Any) -> int:
+    """Save replica ``rank``'s own state after ``round_index``; drop its states older than the newest
+    checkpoint, which no resume can need. Returns the bytes written."""
+    written = write_snapshot(store, layout.replica_state(rank, round_index), tree)
+    keep_from = min(round_index, latest.checkpoint_round(store))
+    _prune_numbered(store, layout.replica_states(rank), keep_from=keep_from)
+    return written
 
 
 def load_replica(store: ObjectStore, rank: int, round_index: int) -> tuple[int, Any] | None:

@@ -36,6 +36,10 @@ ROUNDS = "rounds"
 EVALS = "evals"
 STATE = "state"
 LATEST = f"{STATE}/LATEST"
+CHECKPOINT = f"{STATE}/CHECKPOINT"
+"""The newest checkpoint: a global state published with every replica's own state, where a resume starts."""
+HEAL = "heal"
+"""Requests for the global state of a round, from replicas that fell behind (``heal/{rank}.json``)."""
 INITIAL_WEIGHTS = f"{STATE}/initial.json"
 REPLICAS = "replicas"
 FINAL = "final"
@@ -55,6 +59,11 @@ SNAPSHOT_MANIFEST = "manifest.json"
 def heartbeat(rank: int) -> str:
     """Replica ``rank``'s heartbeat, overwritten in place (object stores cannot append)."""
     return f"{MEMBERS}/{rank}.json"
+
+
+def heal_request(rank: int) -> str:
+    """Replica ``rank``'s request that the global state of a round be published (it fell behind)."""
+    return f"{HEAL}/{rank}.json"
 
 
 def metrics_dir(rank: int) -> str:
@@ -134,6 +143,8 @@ def describe() -> list[tuple[str, str]]:
         (INITIAL_WEIGHTS, "sha256 of the initial weights, created once"),
         (f"{global_state(k)}/", "global params + outer optimizer state + manifest"),
         (LATEST, "the newest complete state"),
+        (CHECKPOINT, "the newest checkpoint (every checkpoint_every rounds): where a resume starts"),
+        (heal_request(rank), "a lagging replica's request that the round it waits for be published"),
         (f"{replica_state(rank, k)}/", "inner optimizer, schedule, RNG, data position"),
         (f"{FINAL}/", "the final global model and tokenizer (Hugging Face format)"),
         (SUMMARY, "the report's figures, written at the end"),

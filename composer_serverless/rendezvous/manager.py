@@ -41,7 +41,7 @@ from composer_serverless.rendezvous.allreduce import (
     allreduce,
 )
 from composer_serverless.rendezvous.deadline import ArrivalHistory, GraceSettings
-from composer_serverless.rendezvous.latest import latest_round
+from composer_serverless.rendezvous.latest import latest_round, newest_round
 from composer_serverless.rendezvous.replica_log import ReplicaLog
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.workspace import Workspace
@@ -260,7 +260,10 @@ class ObjectStoreManager:
                 rank=self._rank,
                 settings=self._settings,
                 grace_s=grace_s,
-                is_stale=lambda: latest_round(self._store) >= outcome.round,
+                # Completed already: published, or the run has moved past it (its objects may be pruned).
+                is_stale=lambda: (
+                    latest_round(self._store) >= outcome.round or newest_round(self._store) > outcome.round
+                ),
                 out=values,  # the average replaces the pseudo-gradient, as an all-reduce does
                 workspace=self._workspace,
             )

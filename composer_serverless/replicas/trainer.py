@@ -254,12 +254,24 @@ class Replica:
             scored = self._evaluate(round_index, outcome.participants, params)
             if scored is not None:
                 row["eval"] = scored
+        # A checkpoint every checkpoint_every rounds and at the last: the global state and every replica's own.
+        # Between checkpoints the global state is published only when a replica that fell behind asks for it.
+        is_checkpoint = last or round_index % self.config.diloco.checkpoint_every == 0
+        written = 0
         if outcome.participants[0] == self.rank:
-            checkpoint.write_global(self.run_store, round_index, state.global_state(self.manager))
+            if is_checkpoint or catchup.heal_requested(self.run_store, round_index):
+                global_state = state.global_state(self.manager)
+                written += checkpoint.publish_global(
+                    self.run_store, round_index, global_state, checkpoint=is_checkpoint
+                )
             if last:
                 self._upload_final(params)
-            checkpoint.advance_latest(self.run_store, round_index)
-        checkpoint.save_replica(self.run_store, self.rank, round_index, self._own_state(params))
+            checkpoint.prune_exchanges(self.run_store, round_index)
+        if is_checkpoint:
+            written += checkpoint.save_replica(
+                self.run_store, self.rank, round_index, self._own_state(params)
+            )
+        row["checkpoint_bytes_up"] = written
         self.reporter.round(round_index, row)
         self.log.info(
             "round %d/%d: train loss %s, participants %s",
@@ -297,11 +309,11 @@ class Replica:
     def _align(self, *, late: bool) -> bool:
         """Catch up with the store if this replica is behind it; True if it loaded a published state.
 
-        A replica a whole round (or more) behind loads LATEST. At a round boundary, a replica that arrived
-        after the quorum of its last sync (``late``), or whose next round already has a quorum without it,
-        is behind by more than the straggler grace and would stay so, healing every sync without
-        contributing: it waits for the round in progress to be published and starts the next one with
-        everyone else.
+        A replica a whole round (or more) behind LATEST loads it. At a round boundary, a replica that arrived
+        after the quorum of its last sync (``late``), whose next round already has a quorum without it, or
+        that finds the run rounds ahead of it (restarted from an older checkpoint), is behind by more than the
+        straggler grace and would stay so: it asks for the round in progress to be published, waits for it,
+        and starts the next one with everyone else.
         """
         dl = self.config.diloco
         step = self.manager.current_step()
@@ -312,16 +324,17 @@ class Replica:
         if step % dl.fragments or self.completed_rounds >= dl.rounds:
             return False
         upcoming = self.completed_rounds + 1
-        if not (late or catchup.left_out_of(self.run_store, upcoming, self.rank)):
+        target = catchup.behind(self.run_store, upcoming)
+        if not (late or target > upcoming or catchup.left_out_of(self.run_store, upcoming, self.rank)):
             return False
-        self.log.info("late for round %d: waiting for it to be published", upcoming)
+        self.log.info("behind the run: waiting for round %d to be published", target)
 
         def waiting() -> None:
-            self.reporter.beat(state="waiting", round=upcoming, rounds=dl.rounds, step=0, steps=dl.sync_every)
+            self.reporter.beat(state="waiting", round=target, rounds=dl.rounds, step=0, steps=dl.sync_every)
 
-        reached = catchup.wait_for_round(self.run_store, upcoming, dl.sync_timeout_s, waiting)
+        reached = catchup.wait_for_round(self.run_store, target, self.rank, dl.sync_timeout_s, waiting)
         if reached is None:
-            self.log.warning("round %d was not published in time; training it and healing", upcoming)
+            self.log.warning("round %d was not published in time; training it and healing", target)
             return False
         self._jump(reached)
         return True
@@ -334,12 +347,10 @@ class Replica:
         )
         dl = self.config.diloco
         self.schedule = self._schedule_at(self.completed_rounds)
-        params = global_parameters(self.manager, self.names)
         # The inner steps run since the last row are discarded by the jump; counted, so goodput can be.
         row: dict[str, Any] = {"caught_up_from": was, "steps": self.meter.steps, "time": time.time()}
         if dl.verify_global:
-            row["global_sha256"] = digest(params)
-        checkpoint.save_replica(self.run_store, self.rank, self.completed_rounds, self._own_state(params))
+            row["global_sha256"] = digest(global_parameters(self.manager, self.names))
         self.reporter.round(self.completed_rounds, row)
         self.log.warning(
             "loaded the global state of round %d from the store (was at round %d)", self.completed_rounds, was

@@ -18,8 +18,9 @@ from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 
 # Two fragments with overlap and alpha: between rounds the local parameters differ from the global ones,
-# which makes resuming (and any fault) exercise every piece of per-replica state.
+# which makes resuming (and any fault) exercise every piece of per-replica state. A checkpoint every round.
 REFERENCE_SETTINGS: dict[str, Any] = {
+    "checkpoint_every": 1,
     "rounds": 5,
     "min_replicas": 2,
     "fragments": 2,

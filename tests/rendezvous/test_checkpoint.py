@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_serverless.rendezvous import checkpoint
+from composer_serverless.rendezvous import checkpoint, latest
 from composer_serverless.rendezvous.checkpoint import CheckpointError, flatten, unflatten
 from composer_serverless.rendezvous.store import ObjectStore
 
@@ -88,18 +88,32 @@ def test_snapshots_are_checked_against_their_manifest(store: ObjectStore) -> Non
         checkpoint.read_snapshot(store, "absent")
 
 
-def test_latest_moves_forward_only_and_old_rounds_are_pruned(store: ObjectStore) -> None:
-    assert checkpoint.latest_round(store) == 0
+def test_latest_moves_forward_only_and_old_states_are_pruned_but_the_checkpoint(store: ObjectStore) -> None:
+    assert latest.latest_round(store) == 0 and latest.checkpoint_round(store) == 0
+    for k in range(1, 7):
+        store.put(f"rounds/{k}/0/quorum.json", b"{}")
+        written = checkpoint.publish_global(store, k, {"step": k}, checkpoint=k == 2)
+        checkpoint.prune_exchanges(store, k)
+        assert written == sum(store.size(f"state/{k}/{name}") for name in store.list(f"state/{k}"))
+    assert (latest.latest_round(store), latest.checkpoint_round(store)) == (6, 2)
+    checkpoint.publish_global(store, 3, {"step": 3}, checkpoint=True)  # a slow publisher of an older round
+    assert (latest.latest_round(store), latest.checkpoint_round(store)) == (6, 3)
+    # The newest checkpoint (3, rewritten late) and the last two states are kept; exchanges: the last two.
+    assert sorted(store.list("state")) == ["3", "5", "6", "CHECKPOINT", "LATEST"]
+    assert sorted(store.list("rounds")) == ["5", "6"]
+    assert checkpoint.load_global(store, 6) == {"step": 6}
+
+
+def test_a_resume_rolls_the_run_back_to_its_checkpoint(store: ObjectStore) -> None:
     for k in range(1, 6):
         store.put(f"rounds/{k}/0/quorum.json", b"{}")
-        checkpoint.write_global(store, k, {"step": k})
-        checkpoint.advance_latest(store, k)
-    assert checkpoint.latest_round(store) == 5
-    checkpoint.advance_latest(store, 3)  # a slow publisher of an older round
-    assert checkpoint.latest_round(store) == 5
-    assert sorted(store.list("state")) == ["4", "5", "LATEST"]
-    assert sorted(store.list("rounds")) == ["4", "5"]
-    assert checkpoint.load_global(store, 5) == {"step": 5}
+        store.put(f"evals/{k}/0-of-1.json", b"{}")
+        checkpoint.publish_global(store, k, {"step": k}, checkpoint=k % 2 == 0)
+    store.put("heal/1.json", b'{"rank": 1, "round": 5}')
+    assert latest.roll_back(store) == 4
+    assert latest.latest_round(store) == 4 and latest.newest_round(store) == 4
+    assert sorted(store.list("state")) == ["4", "CHECKPOINT", "LATEST"]
+    assert "5" not in store.list("evals") and store.list("heal") == []
 
 
 def test_a_replica_falls_back_to_its_newest_readable_state(store: ObjectStore) -> None:

@@ -51,6 +51,7 @@ def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
         min_replicas=2,
         quorum_grace_min_s=2.0,
         quorum_grace_max_s=30.0,
+        checkpoint_every=1,
     )
     run = create(config)
     logs = tmp_path / "logs"
@@ -125,3 +126,45 @@ def test_transient_store_faults_change_nothing(
     under_faults = digests(faulty)
     assert set(under_faults) == {1, 2, 3, 4, 5}
     assert under_faults == reference_run.digests
+
+
+@pytest.mark.slow
+def test_a_restarted_replica_asks_for_the_state_it_needs_between_checkpoints(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """No checkpoint yet when replica 2 is killed in round 3 and restarted: it finds the run rounds ahead,
+    asks for the round in progress to be published (a heal request), loads it and rejoins in step. The
+    survivors are held before round 5 until its request is there, so that this is an order of events."""
+    rounds, killed_in, held_at = 6, 3, 5
+    config = make_config(
+        f"file://{tmp_path}/runs",
+        "heal",
+        tiny_model_dir,
+        replicas=3,
+        rounds=rounds,
+        min_replicas=2,
+        quorum_grace_min_s=2.0,
+        quorum_grace_max_s=30.0,
+    )
+    assert config.diloco.checkpoint_every > rounds - 1  # only the last round is a checkpoint
+    run = create(config)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    release = tmp_path / "release"
+    hold = json.dumps({"hold": {f"rounds/{held_at}/": str(release)}})
+    kill = json.dumps({"kill_on": f"rounds/{killed_in}/0/in/2-"})
+    procs = [start_replica(run, r, logs / f"rank-{r}.log", kill if r == 2 else hold) for r in range(3)]
+    wait_until(lambda: procs[2].poll() is not None, "replica 2 to die")
+    wait_until(lambda: run.exists(layout.metrics(0, killed_in)), f"round {killed_in} to commit")
+    assert latest_round(run) == 0  # nothing published: no checkpoint, nobody asked
+    restarted = start_replica(run, 2, logs / "rank-2.log")
+    wait_until(lambda: run.exists(layout.heal_request(2)), "replica 2 to ask for the state it needs")
+    release.touch()
+    assert wait_all([procs[0], procs[1], restarted]) == [0, 0, 0], logs_of(logs)
+
+    by_rank = rows(run)
+    caught_up = [k for k, row in by_rank[2].items() if "caught_up_from" in row]
+    assert caught_up and 2 in by_rank[0][rounds]["participants"], by_rank[2]
+    per_round = digests(run)
+    assert all(len(d) == 1 for d in per_round.values()), per_round
+    assert latest_round(run) == rounds and not run.list(layout.HEAL)

@@ -94,3 +94,37 @@ def test_resume_refuses_what_it_cannot_honour(tmp_path: Path) -> None:
     code, output = run("launch")
     assert code == 2 and "missing CONFIG" in output
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_a_resume_from_an_older_checkpoint_redoes_the_later_rounds_bit_identically(
+    tmp_path: Path, tiny_model_dir: Path, reference_run: ReferenceRun
+) -> None:
+    """Checkpoints every 2 rounds: killed in round 4, the run resumes from its checkpoint of round 2, redoes
+    rounds 3 to 5 and ends as the uninterrupted run (which checkpointed every round) did."""
+    settings = {**REFERENCE_SETTINGS, "checkpoint_every": 2}
+    interrupted = create(make_config(f"file://{tmp_path}/runs", "sparse", tiny_model_dir, **settings))
+    kill = {r: json.dumps({"kill_on": "rounds/4/0/in/"}) for r in range(2)}
+    assert run_replicas(interrupted, tmp_path / "logs", 2, kill) == [-signal.SIGKILL] * 2
+    assert latest_round(interrupted) == 2 and interrupted.exists("rounds/3/0/quorum.json")
+
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from composer_serverless.cli import main; main()",
+            "launch",
+            "--resume",
+            interrupted.url,
+        ],
+        env=subprocess_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr + logs_of(tmp_path / "logs")
+    assert "from its checkpoint of round 2" in cli.stdout
+    assert logs_of(interrupted.local_dir("logs")).count("resumed from round 2 (own state of round 2)") == 2
+    assert digests(interrupted) == reference_run.digests
+    assert final_eval(interrupted) == final_eval(reference_run.run)
