@@ -233,6 +233,20 @@ def _with_lora(model: nn.Module, spec: ModelConfig) -> Any:
     return get_peft_model(model, config, autocast_adapter_dtype=spec.master_dtype == "float32")
 
 
+def merge_adapters(spec: ModelConfig, base: str | Path, adapters: Path, out: Path) -> None:
+    """Save into ``out`` the base model with the LoRA ``adapters`` (a peft directory) merged into its weights,
+    and the tokenizer: a plain Hugging Face model that needs neither peft nor the adapters to load."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_model = AutoModelForCausalLM.from_pretrained(
+        str(base), config=hf_config(spec, base), dtype=DTYPES[spec.dtype], **_hub_options(spec)
+    )
+    merged = PeftModel.from_pretrained(base_model, str(adapters)).merge_and_unload(progressbar=False)
+    merged.save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(adapters)).save_pretrained(out)
+
+
 def _hub_options(spec: ModelConfig) -> dict[str, Any]:
     options: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code}
     if spec.revision is not None:

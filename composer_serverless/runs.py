@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -195,12 +196,31 @@ def cancel(url: str) -> list[ReplicaStatus]:
     return _as_cancelled(run, run.executor.status(handles))
 
 
+def _export_merged(run: OpenRun, out: Path) -> None:
+    """The base model with the run's final adapters merged in, into ``out``; the adapters in ``out/adapter``."""
+    import tempfile
+
+    from composer_serverless.models import merge_adapters
+
+    with tempfile.TemporaryDirectory(prefix="composer-serverless-export-") as scratch:
+        adapters = run.store.download_dir(layout.FINAL, Path(scratch) / "adapter")
+        base = run.config.model.path
+        if base is None:  # the tiny model the launcher built is in the run
+            base = str(run.store.download_dir(layout.MODEL, Path(scratch) / "base"))
+        merge_adapters(run.config.model, base, adapters, out)
+        shutil.copytree(adapters, out / "adapter")
+
+
 def export(url: str, out: Path, push_to_hub: str | None = None) -> str | None:
     """Copy the run's final model (``final/``, Hugging Face format) to ``out``; optionally push it to the Hub.
 
+    A LoRA run's ``final/`` holds the adapters: ``out`` then gets the base model with the adapters merged in
+    (loadable by ``AutoModelForCausalLM`` alone) and the adapters themselves in ``out/adapter``.
+
     Returns the commit URL when pushed. Everything that can be wrong is checked before anything is written.
     """
-    store = open_run(url).store
+    opened = open_run(url)
+    store = opened.store
     if not store.list(layout.FINAL):
         raise ConfigError(
             f"{url} has no final model yet (rank 0 writes {layout.FINAL}/ when the run completes)\n"
@@ -223,7 +243,10 @@ def export(url: str, out: Path, push_to_hub: str | None = None) -> str | None:
             raise ConfigError(
                 "--push-to-hub needs a Hugging Face token\n  fix: export HF_TOKEN=... or run `hf auth login`"
             )
-    store.download_dir(layout.FINAL, out)
+    if opened.config.model.lora is None:
+        store.download_dir(layout.FINAL, out)
+    else:
+        _export_merged(opened, out)
     if push_to_hub is None:
         return None
     from huggingface_hub import HfApi

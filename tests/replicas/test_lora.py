@@ -1,0 +1,120 @@
+"""LoRA through peft: only the adapters train, travel and are checkpointed; export merges them into the base
+model, which then loads with AutoModelForCausalLM alone and computes what the adapted model computes."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from composer_serverless.config import LoraConfig, ModelConfig, validate_config
+from composer_serverless.models import load_model
+from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.runs import export
+
+
+def test_at_rank_8_a_100m_model_exchanges_at_least_50_times_fewer_values() -> None:
+    """A Llama of about 100M parameters (GPT-2 small's shape) on the meta device: no weights are made."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        tie_word_embeddings=True,
+    )
+    with torch.device("meta"):
+        model = get_peft_model(LlamaForCausalLM(config), PeftLoraConfig(r=8, target_modules="all-linear"))
+    total = sum(p.numel() for p in model.parameters())
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 90e6 < total < 130e6
+    assert total / adapters >= 50, (total, adapters)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tiny_model_dir):
+    store = tmp_path_factory.mktemp("lora")
+    config = validate_config(
+        {
+            "run_id": "lora",
+            "store": str(store),
+            "model": {"path": str(tiny_model_dir), "lora": {"r": 4}},
+            "data": {"seq_len": 32, "batch_size": 4},
+            "train": {"lr": 1e-2},
+            "diloco": {"replicas": 2, "sync_every": 3, "rounds": 2, "checkpoint_every": 1},
+            "eval": {"sequences": 8},
+            "executor": {"threads_per_replica": 1},
+        }
+    )
+    from composer_serverless.launcher import launch
+
+    summary = launch(config, "lora", Console(file=io.StringIO()))
+    return ObjectStore(str(store)).child("lora"), config, summary
+
+
+@pytest.mark.slow
+def test_only_the_adapters_travel_and_are_checkpointed(lora_run, tiny_model_dir) -> None:
+    run, config, summary = lora_run
+    assert summary["rounds_committed"] == 2 and summary["replicas_bit_identical"]
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    loaded = load_model(config.model, tiny_model_dir)
+    adapters = sum(p.numel() for p in loaded.model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in loaded.model.parameters() if not p.requires_grad)
+    assert 0 < adapters < frozen
+    # Per replica and round: its N shards plus the reduced shard it owns, (1 + 1/N) x the adapters' fp32 bytes.
+    per_replica_round = summary["bytes_uploaded"] / (2 * 2)
+    assert per_replica_round == pytest.approx((1 + 1 / 2) * 4 * adapters, rel=0.05)
+    global_state = load_file(run.local_dir("state/2") / "tensors.safetensors")
+    assert sum(t.numel() for t in global_state.values()) == 2 * adapters  # parameters and outer momentum
+    own = load_file(run.local_dir("replicas/0/2") / "tensors.safetensors")
+    # AdamW's two moments and its step counts; the RNG states are the uint8 tensors.
+    floats = sum(t.numel() for t in own.values() if t.is_floating_point())
+    assert 2 * adapters <= floats <= 2 * adapters + len(own)
+    assert (run.local_dir("final") / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_export_merges_the_adapters_into_a_plain_model_with_the_same_logits(
+    lora_run, tiny_model_dir, tmp_path
+) -> None:
+    from peft import PeftModel
+
+    run, config, _ = lora_run
+    out = tmp_path / "merged"
+    export(run.url, out)
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(out / "adapter")
+    )
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        merged_logits = merged(input_ids=ids).logits
+        torch.testing.assert_close(merged_logits, adapted(input_ids=ids).logits, rtol=0, atol=1e-5)
+        assert not torch.allclose(
+            merged_logits, base(input_ids=ids).logits, atol=1e-4
+        )  # training did something
+
+
+def test_lora_adapters_are_the_only_trainable_weights_and_start_alike(tiny_model_dir) -> None:
+    spec = ModelConfig(path=str(tiny_model_dir), lora=LoraConfig(r=4))
+    torch.manual_seed(0)
+    first = load_model(spec, tiny_model_dir)
+    torch.manual_seed(0)
+    second = load_model(spec, tiny_model_dir)
+    trainable = {n: p for n, p in first.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    again = dict(second.model.named_parameters())
+    assert all(torch.equal(p, again[n]) for n, p in trainable.items())
+    assert first.adapters is not None and first.adapters.get_base_model() is first.model
