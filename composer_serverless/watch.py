@@ -122,7 +122,8 @@ def print_report(run: Followed, console: Console) -> None:
         console.print(line, highlight=False)
     console.print(
         f"replicas bit-identical after every sync: {summary['replicas_bit_identical']}; "
-        f"moved {summary['bytes_uploaded'] / 1e6:.1f} MB up, {summary['bytes_downloaded'] / 1e6:.1f} MB down"
+        f"moved {summary['bytes_uploaded'] / 1e6:.1f} MB up, {summary['bytes_downloaded'] / 1e6:.1f} MB down; "
+        f"checkpoints wrote {summary['checkpoint_bytes_uploaded'] / 1e6:.1f} MB"
     )
     store = run.supervisor.run
     for what, key in report_files(summary):
