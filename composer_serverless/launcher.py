@@ -12,6 +12,7 @@ every replica of an existing run whose replicas all died: they continue from its
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import secrets
@@ -31,7 +32,7 @@ from rich.console import Console
 from composer_serverless import watch
 from composer_serverless.config import ConfigError, RunConfig, validate_config
 from composer_serverless.executors import make_executor
-from composer_serverless.executors.base import LaunchPlan, LaunchRecord, ServerlessExecutor
+from composer_serverless.executors.base import LaunchPlan, LaunchRecord, ServerlessExecutor, model_plan
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import roll_back
 from composer_serverless.rendezvous.store import ObjectStore
@@ -113,8 +114,12 @@ def prepare(config: RunConfig, source: str) -> Prepared:
     inputs.check(resolved)  # reads every data file and resolves every reward: bad records fail here
     run = open_store(store, fix=STORE_HINT).child(run_id)
     executor = make_executor(resolved, run)
-    plan = executor.plan(resolved, run.url)
+    plan = _plan(executor, resolved, run)
     return Prepared(resolved, source, run, executor, plan, executor.preflight(plan))
+
+
+def _plan(executor: ServerlessExecutor, config: RunConfig, run: ObjectStore) -> LaunchPlan:
+    return dataclasses.replace(executor.plan(config, run.url), model=model_plan(config))
 
 
 def start(prepared: Prepared, console: Console) -> Supervisor:
@@ -213,7 +218,7 @@ def resume(
     """
     run, config = open_created(run_url)
     executor = make_executor(config, run)
-    plan = executor.plan(config, run.url)
+    plan = _plan(executor, config, run)
     problems = executor.preflight(plan)
     if problems:
         raise ConfigError("cannot resume:\n" + "\n".join(textwrap.indent(p, "  ") for p in problems))

@@ -78,7 +78,8 @@ class LaunchPlan:
     """Everything an executor will start for a run, decided before anything is started.
 
     ``launcher_restarts`` is how often the launcher may start a dead replica again; backends that retry by
-    themselves (Modal) get 0 here and their retries in ``resources``.
+    themselves (Modal) get 0 here and their retries in ``resources``. ``model`` says what the replicas load,
+    with the opt-ins that matter before paying for them (``trust_remote_code`` runs the checkpoint's code).
     """
 
     executor: str
@@ -88,6 +89,7 @@ class LaunchPlan:
     cost: CostEstimate
     resources: dict[str, Any] = field(default_factory=dict)
     launcher_restarts: int = 0
+    model: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -106,11 +108,25 @@ class LaunchPlan:
             cost=CostEstimate(**data["cost"]),
             resources=data["resources"],
             launcher_restarts=data["launcher_restarts"],
+            model=data.get("model", {}),
         )
 
     def only(self, rank: int) -> LaunchPlan:
         """The same plan restricted to one replica: what a relaunch of ``rank`` starts."""
         return dataclasses.replace(self, replicas=tuple(s for s in self.replicas if s.rank == rank))
+
+
+def model_plan(config: RunConfig) -> dict[str, Any]:
+    """What the replicas will load and how: the part of a plan a user checks before paying for it."""
+    spec = config.model
+    return {
+        "path": spec.path or "the tiny model, built by the launcher",
+        "revision": spec.revision,
+        "trust_remote_code": spec.trust_remote_code,
+        "dtype": spec.dtype,
+        "master_dtype": spec.master_dtype,
+        "lora": None if spec.lora is None else spec.lora.model_dump(),
+    }
 
 
 @dataclass(frozen=True)

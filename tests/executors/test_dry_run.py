@@ -55,6 +55,8 @@ def test_dry_run_prints_plan_and_cost_without_network(executor, tmp_path):
     plan = json.loads(result.stdout)
     assert plan["executor"] == executor and len(plan["replicas"]) == 4 and plan["run_id"] == "dry"
     assert "estimated cost:" in result.stderr
+    # The plan says what the replicas load, and that no checkpoint code will run without consent.
+    assert plan["model"]["trust_remote_code"] is False and plan["model"]["dtype"] == "float32"
     if executor == "local":
         assert plan["cost"]["max_usd"] == 0 and "$0 (local processes" in result.stderr
         return
