@@ -207,7 +207,7 @@ class Killer(threading.Thread):
 
     def _uploaded(self, round_index: int) -> set[int]:
         """Ranks with a pseudo-gradient shard of ``round_index`` in the store."""
-        inputs = f"{layout.sync(round_index, 0)}/{layout.SYNC_INPUTS}"
+        inputs = f"{layout.sync(round_index, 0)}/{layout.sync_inputs(0)}"
         return {int(name.split("-")[0]) for name in self.run_store.list(inputs)}
 
     def _choose(self, i: int, round_index: int) -> tuple[int, int] | None:

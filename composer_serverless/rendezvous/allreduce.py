@@ -68,16 +68,22 @@ class StaleRoundError(ExchangeError):
 
 @dataclass(frozen=True)
 class ExchangeSettings:
-    """What every replica of a run agrees on for its exchanges."""
+    """What every replica of a run agrees on for its exchanges, and which local rank of its replica this
+    exchange is for: with G ranks per replica, local rank l averages its part of the model with the l-th
+    ranks of the others, and a replica takes part only once all G of its parts have arrived."""
 
     replicas: int
     min_replicas: int
     codec: CodecName
     timeout_s: float
+    local_rank: int = 0
+    local_ranks: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must be in [1, replicas={self.replicas}]")
+        if not 0 <= self.local_rank < self.local_ranks:
+            raise ValueError(f"local_rank ({self.local_rank}) must be in [0, local_ranks={self.local_ranks})")
 
 
 @dataclass
@@ -163,6 +169,7 @@ class _Exchange:
         self.values = values.detach().reshape(-1).to(torch.float32)
         self.identity = identity
         self.rank = rank
+        self.local = settings.local_rank
         self.log = ReplicaLog(logger, rank)
         self.settings = settings
         self.n = settings.replicas
@@ -224,7 +231,7 @@ class _Exchange:
                 start, end = self.bounds[shard]
                 identity = self._input_identity(self.rank, shard)
                 parts = encode_parts(self.values[start:end], identity, self.settings.codec)
-                if self.store.create(layout.sync_input(self.rank, shard), parts):
+                if self.store.create(layout.sync_input(self.rank, shard, self.local), parts):
                     self.result.bytes_up += sum(len(p) for p in parts)
                     self.mine[shard] = parts
                 else:
@@ -232,7 +239,7 @@ class _Exchange:
                     # input; inputs are immutable, so the stored bytes are the ones that count.
                     self.log.info(
                         "input %s exists from an earlier attempt; using the stored one",
-                        layout.sync_input(self.rank, shard),
+                        layout.sync_input(self.rank, shard, self.local),
                     )
         except (
             Exception
@@ -253,7 +260,7 @@ class _Exchange:
         def quorum() -> list[int] | None:
             nonlocal present
             keys = set(self.store.list_tree(""))
-            present = complete_ranks(keys, self.n)
+            present = complete_ranks(keys, self.n, self.settings.local_ranks)
             now = time.monotonic()
             # Observed before looking for the quorum: the last replica to arrive usually finds it fixed
             # already, and its near-zero wait belongs in its history as much as the first one's long wait.
@@ -315,10 +322,10 @@ class _Exchange:
             if (
                 peer != self.rank
                 and (peer, self.rank) not in self.fetched
-                and layout.sync_input(peer, self.rank) in keys
+                and layout.sync_input(peer, self.rank, self.local) in keys
             ):
                 self.fetched[(peer, self.rank)] = self._fetch(
-                    layout.sync_input(peer, self.rank), self.rank, slot=peer
+                    layout.sync_input(peer, self.rank, self.local), self.rank, slot=peer
                 )
 
     # --- phase 3: reduce ---------------------------------------------------------------------------
@@ -337,7 +344,7 @@ class _Exchange:
                 self.log.warning(
                     "rejected %s/%s: %s",
                     self.store.url,
-                    layout.sync_input(peer, shard),
+                    layout.sync_input(peer, shard, self.local),
                     e,
                 )
                 continue
@@ -346,11 +353,11 @@ class _Exchange:
             raise ExchangeError(f"{self.store.url}: no valid input for shard {shard}")
         identity = {**self._reduced_identity(shard), "summed": ",".join(map(str, summed))}
         parts = encode_parts(total.div_(len(summed)), identity, self.settings.codec)
-        if self.store.create(layout.sync_output(shard), parts):
+        if self.store.create(layout.sync_output(shard, self.local), parts):
             self.result.bytes_up += sum(len(p) for p in parts)
             self._place(shard, parts, verify=False)
         else:
-            self._place(shard, self._fetch(layout.sync_output(shard), shard))
+            self._place(shard, self._fetch(layout.sync_output(shard, self.local), shard))
 
     def _input(self, peer: int, shard: int) -> tuple[Payload, bool]:
         """The payload of ``peer``'s input for ``shard``, and whether it must be verified (it came from the
@@ -358,7 +365,7 @@ class _Exchange:
         if peer == self.rank and shard in self.mine:
             return self.mine.pop(shard), False
         if (peer, shard) not in self.fetched:
-            self.fetched[(peer, shard)] = self._fetch(layout.sync_input(peer, shard), shard)
+            self.fetched[(peer, shard)] = self._fetch(layout.sync_input(peer, shard, self.local), shard)
         return self.fetched.pop((peer, shard)), True
 
     # --- phase 4: gather ---------------------------------------------------------------------------
@@ -367,9 +374,11 @@ class _Exchange:
         pending = set(range(self.n)) - done
 
         def all_placed() -> bool | None:
-            available = {int(name) for name in self.store.list(layout.SYNC_OUTPUTS) if name.isdigit()}
+            available = {
+                int(name) for name in self.store.list(layout.sync_outputs(self.local)) if name.isdigit()
+            }
             for shard in sorted(pending & available):
-                self._place(shard, self._fetch(layout.sync_output(shard), shard))
+                self._place(shard, self._fetch(layout.sync_output(shard, self.local), shard))
                 pending.discard(shard)
             return None if pending else True
 
@@ -388,7 +397,7 @@ class _Exchange:
             self.log.warning(
                 "%s/%s missing %.1fs after the quorum; reducing it here",
                 self.store.url,
-                layout.sync_output(shard),
+                layout.sync_output(shard, self.local),
                 time.monotonic() - self.started,
             )
             self._reduce(shard, participants)
@@ -414,7 +423,7 @@ class _Exchange:
         return buffer[:size]
 
     def _input_identity(self, rank: int, shard: int) -> dict[str, str]:
-        return {**self.identity, "rank": str(rank), "shard": str(shard)}
+        return {**self.identity, "local": str(self.local), "rank": str(rank), "shard": str(shard)}
 
     def _reduced_identity(self, shard: int) -> dict[str, str]:
-        return {**self.identity, "rank": REDUCED, "shard": str(shard)}
+        return {**self.identity, "local": str(self.local), "rank": REDUCED, "shard": str(shard)}

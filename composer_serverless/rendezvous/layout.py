@@ -7,7 +7,10 @@ and a change of layout (a local-rank level for replicas that span several GPUs, 
 test holds the two together.
 
 Inside a sync's prefix (``sync(k, fragment)``) the exchange works on a store rooted there, so its keys
-(``SYNC_INPUTS``, ``sync_input``, ``QUORUM``, ``sync_output``) are relative to that prefix.
+(``sync_input``, ``QUORUM``, ``sync_output``) are relative to that prefix. A replica of G ranks (FSDP inside
+the replica) exchanges per local rank: local rank l of every replica averages its shard of the model with
+local rank l of the others, under ``{l}/``; the quorum is one for all of them. States are kept per local rank
+the same way. A replica of one rank has local rank 0 only.
 """
 
 from __future__ import annotations
@@ -80,14 +83,23 @@ def sync(round_index: int, fragment: int) -> str:
     return f"{ROUNDS}/{round_index}/{fragment}"
 
 
-def sync_input(rank: int, shard: int) -> str:
-    """Relative to a sync's prefix: replica ``rank``'s pseudo-gradient shard ``shard``."""
-    return f"{SYNC_INPUTS}/{rank}-{shard}"
+def sync_inputs(local: int = 0) -> str:
+    return f"{local}/{SYNC_INPUTS}"
 
 
-def sync_output(shard: int) -> str:
-    """Relative to a sync's prefix: the reduced (averaged) shard ``shard``."""
-    return f"{SYNC_OUTPUTS}/{shard}"
+def sync_input(rank: int, shard: int, local: int = 0) -> str:
+    """Relative to a sync's prefix: replica ``rank``'s pseudo-gradient shard ``shard`` of local rank
+    ``local``'s part of the model."""
+    return f"{sync_inputs(local)}/{rank}-{shard}"
+
+
+def sync_outputs(local: int = 0) -> str:
+    return f"{local}/{SYNC_OUTPUTS}"
+
+
+def sync_output(shard: int, local: int = 0) -> str:
+    """Relative to a sync's prefix: the reduced (averaged) shard ``shard`` of local rank ``local``'s part."""
+    return f"{sync_outputs(local)}/{shard}"
 
 
 def quorum(round_index: int, fragment: int) -> str:
@@ -100,18 +112,19 @@ def eval_share(round_index: int, part: int, parts: int) -> str:
     return f"{EVALS}/{round_index}/{part}-of-{parts}.json"
 
 
-def global_state(round_index: int) -> str:
-    """The snapshot of the global parameters and outer optimizer after round ``round_index``."""
-    return f"{STATE}/{round_index}"
+def global_state(round_index: int, local: int = 0) -> str:
+    """The snapshot of local rank ``local``'s part of the global parameters and outer optimizer after round
+    ``round_index``."""
+    return f"{STATE}/{round_index}/{local}"
 
 
 def replica_states(rank: int) -> str:
     return f"{REPLICAS}/{rank}"
 
 
-def replica_state(rank: int, round_index: int) -> str:
-    """The snapshot of replica ``rank``'s own state after round ``round_index``."""
-    return f"{replica_states(rank)}/{round_index}"
+def replica_state(rank: int, round_index: int, local: int = 0) -> str:
+    """The snapshot of local rank ``local`` of replica ``rank``: its own state after round ``round_index``."""
+    return f"{replica_states(rank)}/{round_index}/{local}"
 
 
 def snapshot_file(prefix: str, name: str) -> str:
@@ -128,7 +141,9 @@ class _Placeholder(str):
 def describe() -> list[tuple[str, str]]:
     """The layout as (key pattern, what it holds), for the documentation; prefixes end in ``/``."""
     placeholder: Any = _Placeholder  # stands in for the int arguments
-    rank, k, frag, shard, part, parts = map(placeholder, ("rank", "k", "frag", "s", "part", "parts"))
+    rank, k, frag, shard, part, parts, local = map(
+        placeholder, ("rank", "k", "frag", "s", "part", "parts", "local")
+    )
     in_sync = f"{sync(k, frag)}/"
     return [
         (RUN_CONFIG, "resolved config, written once by the launcher"),
@@ -136,16 +151,19 @@ def describe() -> list[tuple[str, str]]:
         (f"{MODEL}/", "the tiny model the launcher builds for offline runs"),
         (heartbeat(rank), "heartbeat: state, round, step, last loss"),
         (metrics(rank, k), "one row per round (object stores cannot append)"),
-        (in_sync + sync_input(rank, shard), "pseudo-gradient shards (wire format)"),
+        (in_sync + sync_input(rank, shard, local), "pseudo-gradient shards of local rank {local}'s part"),
         (in_sync + QUORUM, "participants of the sync, created once"),
-        (in_sync + sync_output(shard), "reduced shards, created once"),
+        (in_sync + sync_output(shard, local), "reduced shards, created once"),
         (eval_share(k, part, parts), "a participant's share of round k's evaluation"),
         (INITIAL_WEIGHTS, "sha256 of the initial weights, created once"),
-        (f"{global_state(k)}/", "global params + outer optimizer state + manifest"),
+        (f"{global_state(k, local)}/", "global params + outer optimizer state + manifest, per local rank"),
         (LATEST, "the newest complete state"),
         (CHECKPOINT, "the newest checkpoint (every checkpoint_every rounds): where a resume starts"),
         (heal_request(rank), "a lagging replica's request that the round it waits for be published"),
-        (f"{replica_state(rank, k)}/", "inner optimizer, schedule, RNG, data position"),
+        (
+            f"{replica_state(rank, k, local)}/",
+            "inner optimizer, schedule, RNG, data position, per local rank",
+        ),
         (f"{FINAL}/", "the final global model and tokenizer (Hugging Face format)"),
         (SUMMARY, "the report's figures, written at the end"),
         (LOSS_PLOT, "held-out and training loss per round"),

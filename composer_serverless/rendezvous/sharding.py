@@ -11,9 +11,16 @@ def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
     return [(s * numel // shards, (s + 1) * numel // shards) for s in range(shards)]
 
 
-def complete_ranks(keys: set[str], replicas: int) -> list[int]:
-    """Ranks whose N input shards are all present among ``keys`` (relative to the sync prefix)."""
-    return [r for r in range(replicas) if all(layout.sync_input(r, s) in keys for s in range(replicas))]
+def complete_ranks(keys: set[str], replicas: int, local_ranks: int = 1) -> list[int]:
+    """Replicas whose N input shards are all present among ``keys`` (relative to the sync prefix), for every
+    one of their ``local_ranks`` parts: a replica takes part in a sync whole or not at all."""
+    return [
+        r
+        for r in range(replicas)
+        if all(
+            layout.sync_input(r, s, local) in keys for s in range(replicas) for local in range(local_ranks)
+        )
+    ]
 
 
 def substitute_for(shard: int, participants: list[int]) -> int:

@@ -171,7 +171,7 @@ def test_a_dead_shard_owner_does_not_stall_the_round(tmp_path: Path) -> None:
     for s, (start, end) in enumerate(shard_bounds(NUMEL, 3)):
         store.create(
             layout.sync_input(2, s),
-            encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, "int8"),
+            encode(values[2][start:end], {**IDENTITY, "local": "0", "rank": "2", "shard": str(s)}, "int8"),
         )
     settings = ExchangeSettings(replicas=3, min_replicas=3, codec="int8", timeout_s=60)
     results = exchange(url, {0: values[0], 1: values[1]}, settings, grace=0.05)
@@ -193,7 +193,7 @@ def test_the_average_can_overwrite_the_values_it_averages(tmp_path: Path, codec:
     for s, (start, end) in enumerate(shard_bounds(NUMEL, 4)):
         store.create(
             layout.sync_input(2, s),
-            encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, codec),
+            encode(values[2][start:end], {**IDENTITY, "local": "0", "rank": "2", "shard": str(s)}, codec),
         )
     settings = ExchangeSettings(replicas=4, min_replicas=3, codec=codec, timeout_s=60)
     results = exchange(url, {0: values[0], 1: values[1]}, settings, grace=0.05, in_place=True)
@@ -270,7 +270,7 @@ def test_a_rejected_input_is_left_out_and_never_executed(tmp_path: Path) -> None
         start, end = bounds[s]
         store.create(
             layout.sync_input(2, s),
-            encode(values[2][start:end], {**IDENTITY, "rank": "2", "shard": str(s)}, "fp32"),
+            encode(values[2][start:end], {**IDENTITY, "local": "0", "rank": "2", "shard": str(s)}, "fp32"),
         )
     results = exchange(url, {0: values[0], 1: values[1]}, ExchangeSettings(3, 3, "fp32", 60), grace=0.05)
     full = expected_average(values, [0, 1, 2], "fp32", 3)
@@ -345,7 +345,7 @@ def test_the_last_replica_to_arrive_observes_the_arrival_of_all(tmp_path: Path) 
     store = ObjectStore(url).child(PREFIX)
     for peer in (0, 1):
         for s, (start, end) in enumerate(shard_bounds(NUMEL, 3)):
-            identity = {**IDENTITY, "rank": str(peer), "shard": str(s)}
+            identity = {**IDENTITY, "local": "0", "rank": str(peer), "shard": str(s)}
             store.create(layout.sync_input(peer, s), encode(values[peer][start:end], identity, "fp32"))
 
     class QuorumFixedByAPeer(ObjectStore):

@@ -94,7 +94,7 @@ def test_latest_moves_forward_only_and_old_states_are_pruned_but_the_checkpoint(
         store.put(f"rounds/{k}/0/quorum.json", b"{}")
         written = checkpoint.publish_global(store, k, {"step": k}, checkpoint=k == 2)
         checkpoint.prune_exchanges(store, k)
-        assert written == sum(store.size(f"state/{k}/{name}") for name in store.list(f"state/{k}"))
+        assert written == sum(store.size(f"state/{k}/0/{name}") for name in store.list(f"state/{k}/0"))
     assert (latest.latest_round(store), latest.checkpoint_round(store)) == (6, 2)
     checkpoint.publish_global(store, 3, {"step": 3}, checkpoint=True)  # a slow publisher of an older round
     assert (latest.latest_round(store), latest.checkpoint_round(store)) == (6, 3)
@@ -121,8 +121,8 @@ def test_a_replica_falls_back_to_its_newest_readable_state(store: ObjectStore) -
         checkpoint.save_replica(store, 0, k, {"round": k})
     assert checkpoint.load_replica(store, 0, 3) == (3, {"round": 3})
     assert checkpoint.load_replica(store, 0, 2) == (2, {"round": 2})
-    store.delete("replicas/0/3/manifest.json")  # died while writing round 3
+    store.delete("replicas/0/3/0/manifest.json")  # died while writing round 3
     assert checkpoint.load_replica(store, 0, 3) == (2, {"round": 2})
-    store.put("replicas/0/2/state.json", b"{}")  # corrupt
+    store.put("replicas/0/2/0/state.json", b"{}")  # corrupt
     assert checkpoint.load_replica(store, 0, 3) == (1, {"round": 1})
     assert checkpoint.load_replica(store, 1, 3) is None

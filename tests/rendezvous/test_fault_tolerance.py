@@ -58,7 +58,7 @@ def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
     logs.mkdir()
     release = tmp_path / "release"
     hold = json.dumps({"hold": {f"rounds/{held_at}/": str(release)}})
-    kill = json.dumps({"kill_on": f"rounds/{killed_in}/0/in/2-"})
+    kill = json.dumps({"kill_on": f"rounds/{killed_in}/0/0/in/2-"})
     procs = [start_replica(run, r, logs / f"rank-{r}.log", kill if r == 2 else hold) for r in range(3)]
 
     wait_until(lambda: procs[2].poll() is not None, "replica 2 to die")
@@ -94,7 +94,7 @@ def test_a_late_replica_heals_then_realigns_with_the_next_round(tmp_path: Path, 
     logs = tmp_path / "logs"
     logs.mkdir()
     gate = tmp_path / "release"
-    hold = json.dumps({"hold": {"rounds/2/0/in/1-": str(gate)}})
+    hold = json.dumps({"hold": {"rounds/2/0/0/in/1-": str(gate)}})
     procs = [start_replica(run, 0, logs / "rank-0.log"), start_replica(run, 1, logs / "rank-1.log", hold)]
     wait_until(lambda: run.exists(layout.metrics(0, 2)), "replica 0 to commit round 2")
     gate.touch()
@@ -152,7 +152,7 @@ def test_a_restarted_replica_asks_for_the_state_it_needs_between_checkpoints(
     logs.mkdir()
     release = tmp_path / "release"
     hold = json.dumps({"hold": {f"rounds/{held_at}/": str(release)}})
-    kill = json.dumps({"kill_on": f"rounds/{killed_in}/0/in/2-"})
+    kill = json.dumps({"kill_on": f"rounds/{killed_in}/0/0/in/2-"})
     procs = [start_replica(run, r, logs / f"rank-{r}.log", kill if r == 2 else hold) for r in range(3)]
     wait_until(lambda: procs[2].poll() is not None, "replica 2 to die")
     wait_until(lambda: run.exists(layout.metrics(0, killed_in)), f"round {killed_in} to commit")

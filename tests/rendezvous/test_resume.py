@@ -35,7 +35,7 @@ def test_interrupted_and_resumed_run_is_bit_identical(
         make_config(f"file://{tmp_path}/runs", "interrupted", tiny_model_dir, **REFERENCE_SETTINGS)
     )
     # Both replicas SIGKILL themselves when they start uploading in round 4, one inner step into it.
-    kill = {r: json.dumps({"kill_on": "rounds/4/0/in/"}) for r in range(2)}
+    kill = {r: json.dumps({"kill_on": "rounds/4/0/0/in/"}) for r in range(2)}
     assert run_replicas(interrupted, tmp_path / "logs", 2, kill) == [-signal.SIGKILL] * 2
     assert latest_round(interrupted) == 3
 
@@ -104,7 +104,7 @@ def test_a_resume_from_an_older_checkpoint_redoes_the_later_rounds_bit_identical
     rounds 3 to 5 and ends as the uninterrupted run (which checkpointed every round) did."""
     settings = {**REFERENCE_SETTINGS, "checkpoint_every": 2}
     interrupted = create(make_config(f"file://{tmp_path}/runs", "sparse", tiny_model_dir, **settings))
-    kill = {r: json.dumps({"kill_on": "rounds/4/0/in/"}) for r in range(2)}
+    kill = {r: json.dumps({"kill_on": "rounds/4/0/0/in/"}) for r in range(2)}
     assert run_replicas(interrupted, tmp_path / "logs", 2, kill) == [-signal.SIGKILL] * 2
     assert latest_round(interrupted) == 2 and interrupted.exists("rounds/3/0/quorum.json")
 

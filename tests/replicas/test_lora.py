@@ -73,9 +73,9 @@ def test_only_the_adapters_travel_and_are_checkpointed(lora_run, tiny_model_dir)
     # Per replica and round: its N shards plus the reduced shard it owns, (1 + 1/N) x the adapters' fp32 bytes.
     per_replica_round = summary["bytes_uploaded"] / (2 * 2)
     assert per_replica_round == pytest.approx((1 + 1 / 2) * 4 * adapters, rel=0.05)
-    global_state = load_file(run.local_dir("state/2") / "tensors.safetensors")
+    global_state = load_file(run.local_dir("state/2/0") / "tensors.safetensors")
     assert sum(t.numel() for t in global_state.values()) == 2 * adapters  # parameters and outer momentum
-    own = load_file(run.local_dir("replicas/0/2") / "tensors.safetensors")
+    own = load_file(run.local_dir("replicas/0/2/0") / "tensors.safetensors")
     # AdamW's two moments and its step counts; the RNG states are the uint8 tensors.
     floats = sum(t.numel() for t in own.values() if t.is_floating_point())
     assert 2 * adapters <= floats <= 2 * adapters + len(own)
