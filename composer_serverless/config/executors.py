@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator
 
 from composer_serverless.config.base import StrictModel
-from composer_serverless.config.hardware import HF_FLAVOR_PRICES, MODAL_GPU_PRICES
+from composer_serverless.config.hardware import HF_FLAVOR_PRICES, MODAL_GPU_PRICES, flavor_gpus
 
 ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MODAL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,63}$")
@@ -38,6 +38,13 @@ class LocalExecutorConfig(StrictModel):
         le=10,
         description="times the launcher starts a dead replica again; 0 fails the run at the first death, "
         "which is what a local bug usually wants",
+    )
+    ranks_per_replica: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="processes per replica, sharding the model with FSDP2: one GPU each when the machine has "
+        "GPUs (every replica pinned to its own), else CPU processes over gloo",
     )
 
 
@@ -154,6 +161,10 @@ class HFJobsExecutorConfig(_CloudExecutorConfig):
     price_per_hour: float | None = Field(
         None, gt=0, description="USD per job-hour for the cost estimate; default is the flavor's list price"
     )
+
+    @property
+    def gpus(self) -> int:
+        return flavor_gpus(self.flavor)
 
     @field_validator("flavor")
     @classmethod

@@ -63,3 +63,11 @@ HF_FLAVOR_PRICES: dict[str, float] = {
     "rtx-pro-6000x8": 22.00,
 }
 """USD per job-hour on Hugging Face Jobs, by flavor (the whole machine, all its GPUs)."""
+
+
+def flavor_gpus(flavor: str) -> int:
+    """GPUs of an HF Jobs flavor, from its name: ``cpu-*`` none, ``...x4`` four, any other one."""
+    if flavor.startswith("cpu-"):
+        return 0
+    count = flavor.rsplit("x", 1)[-1]
+    return int(count) if count.isdigit() else 1

@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from composer_serverless.config.base import StrictModel
 from composer_serverless.config.composer import ComposerConfig
 from composer_serverless.config.data import DataConfig
-from composer_serverless.config.executors import ExecutorConfig, LocalExecutorConfig
+from composer_serverless.config.executors import ExecutorConfig, HFJobsExecutorConfig, LocalExecutorConfig
 from composer_serverless.config.model import ModelConfig
 
 RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -182,6 +182,39 @@ class RunConfig(StrictModel):
                 raise ValueError(
                     f"diloco.fragments ({self.diloco.fragments}) exceeds model.tiny.num_layers ({layers})"
                 )
+        return self
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """G, the processes of one replica that shard the model (FSDP2): ``ranks_per_replica`` locally, every
+        GPU of a replica's container or job in the cloud, so no GPU that is paid for sits idle."""
+        executor = self.executor
+        if isinstance(executor, LocalExecutorConfig):
+            return executor.ranks_per_replica
+        if isinstance(executor, HFJobsExecutorConfig):
+            return max(1, executor.gpus)
+        return executor.gpu_count
+
+    @model_validator(mode="after")
+    def _ranks_fit_the_objective(self) -> RunConfig:
+        ranks = self.ranks_per_replica
+        if ranks == 1:
+            return self
+        where = (
+            "executor.ranks_per_replica"
+            if isinstance(self.executor, LocalExecutorConfig)
+            else "the GPUs per replica (executor.gpu_count, or the flavor's GPUs)"
+        )
+        if self.train.objective == "composer":
+            raise ValueError(
+                f"train.objective = 'composer' runs one process per replica, but {where} gives {ranks}: "
+                "sampling under FSDP is not supported yet. Use one GPU per replica and more replicas"
+            )
+        if self.data.batch_size % ranks:
+            raise ValueError(
+                f"data.batch_size ({self.data.batch_size}) must be a multiple of the {ranks} ranks per replica "
+                f"({where}): each rank takes an equal share of the replica's batch"
+            )
         return self
 
     def resolved_json(self) -> str:

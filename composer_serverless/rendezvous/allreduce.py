@@ -170,7 +170,7 @@ class _Exchange:
         self.identity = identity
         self.rank = rank
         self.local = settings.local_rank
-        self.log = ReplicaLog(logger, rank)
+        self.log = ReplicaLog(logger, rank, settings.local_rank if settings.local_ranks > 1 else None)
         self.settings = settings
         self.n = settings.replicas
         self.grace_s = grace_s

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import safetensors.torch
@@ -162,16 +163,20 @@ def initial_weights(store: ObjectStore) -> str:
     return str(json.loads(store.get(layout.INITIAL_WEIGHTS))["sha256"])
 
 
-def publish_global(store: ObjectStore, round_index: int, tree: Any, *, checkpoint: bool) -> int:
-    """Write the global state after ``round_index`` and point LATEST (and, for a checkpoint, CHECKPOINT) at
-    it; then drop older states, but the newest checkpoint, which a resume may need. Returns bytes written."""
-    written = write_snapshot(store, layout.global_state(round_index), tree)
+def write_global(store: ObjectStore, round_index: int, tree: Any, local: int = 0) -> int:
+    """Write local rank ``local``'s part of the global state after ``round_index``; nothing points at it
+    until ``advance``, once every part is written. Returns bytes written."""
+    return write_snapshot(store, layout.global_state(round_index, local), tree)
+
+
+def advance(store: ObjectStore, round_index: int, *, checkpoint: bool) -> None:
+    """Point LATEST (and, for a checkpoint, CHECKPOINT) at the state of ``round_index``, every part of which
+    is written; then drop older states, but the newest checkpoint, which a resume may need."""
     latest.advance(store, round_index, checkpoint=checkpoint)
     keep_from, kept = latest.latest_round(store) - KEEP_STATES + 1, latest.checkpoint_round(store)
     for name in store.list(layout.STATE):
         if name.isdigit() and int(name) < keep_from and int(name) != kept:
             store.delete(f"{layout.STATE}/{name}")
-    return written
 
 
 def prune_exchanges(store: ObjectStore, round_index: int) -> None:
@@ -181,32 +186,51 @@ def prune_exchanges(store: ObjectStore, round_index: int) -> None:
     _prune_numbered(store, layout.EVALS, keep_from=round_index - KEEP_ROUNDS + 1)
 
 
-def load_global(store: ObjectStore, round_index: int) -> Any:
-    return read_snapshot(store, layout.global_state(round_index))
+def load_global(store: ObjectStore, round_index: int, local: int = 0) -> Any:
+    return read_snapshot(store, layout.global_state(round_index, local))
 
 
 # --- per-replica state ---------------------------------------------------------------------------------
 
 
-def save_replica(store: ObjectStore, rank: int, round_index: int, tree: Any) -> int:
-    """Save replica ``rank``'s own state after ``round_index``; drop its states older than the newest
-    checkpoint, which no resume can need. Returns the bytes written."""
-    written = write_snapshot(store, layout.replica_state(rank, round_index), tree)
-    keep_from = min(round_index, latest.checkpoint_round(store))
-    _prune_numbered(store, layout.replica_states(rank), keep_from=keep_from)
+def save_replica(
+    store: ObjectStore, rank: int, round_index: int, tree: Any, local: int = 0, *, prune: bool = True
+) -> int:
+    """Save local rank ``local`` of replica ``rank``: its own state after ``round_index``; with ``prune`` (one
+    rank of the replica, once all have saved), drop the replica's states older than the newest checkpoint,
+    which no resume can need. Returns the bytes written."""
+    written = write_snapshot(store, layout.replica_state(rank, round_index, local), tree)
+    if prune:
+        prune_replica(store, rank, round_index)
     return written
 
 
-def load_replica(store: ObjectStore, rank: int, round_index: int) -> tuple[int, Any] | None:
-    """Replica ``rank``'s newest complete state at or before ``round_index``, as (round, state), or None."""
+def prune_replica(store: ObjectStore, rank: int, round_index: int) -> None:
+    keep_from = min(round_index, latest.checkpoint_round(store))
+    _prune_numbered(store, layout.replica_states(rank), keep_from=keep_from)
+
+
+def load_replica(
+    store: ObjectStore,
+    rank: int,
+    round_index: int,
+    local: int = 0,
+    agree: Callable[[bool], bool] = lambda readable: readable,
+) -> tuple[int, Any] | None:
+    """Local rank ``local`` of replica ``rank``: its newest complete state at or before ``round_index``, as
+    (round, state), or None. ``agree`` (whether this rank could read a round's state -> whether every rank of
+    the replica could) keeps the ranks of one replica on the same round."""
     saved = sorted((int(n) for n in store.list(layout.replica_states(rank)) if n.isdigit()), reverse=True)
     for k in (k for k in saved if k <= round_index):
+        state = None
         try:
-            return k, read_snapshot(store, layout.replica_state(rank, k))
+            state = read_snapshot(store, layout.replica_state(rank, k, local))
         except FileNotFoundError:
-            continue  # written partly when the replica died: its manifest is missing
+            pass  # written partly when the replica died: its manifest is missing
         except CheckpointError as e:
             logger.warning("replica %d: skipping its unreadable state of round %d: %s", rank, k, e)
+        if agree(state is not None):
+            return k, state
     return None
 
 

@@ -105,6 +105,9 @@ class ObjectStoreManager:
         fragments: number of DiLoCo fragments; sync ``s`` carries fragment ``s % fragments``.
         settings: replicas, min_replicas, codec and timeout of every exchange.
         grace: bounds of the adaptive wait for stragglers.
+        agree: for a replica of several ranks (``settings.local_ranks``), called by ``should_commit`` on every
+            rank with whether its own part committed; returns whether all did. A replica commits a sync on all
+            of its ranks or on none, as torchft's Manager decides for a replica group.
     """
 
     # DiLoCo refuses an asynchronous quorum; ours is decided inside each exchange.
@@ -119,13 +122,15 @@ class ObjectStoreManager:
         fragments: int,
         settings: ExchangeSettings,
         grace: GraceSettings,
+        agree: Callable[[bool], bool] = lambda committed: committed,
     ) -> None:
         if not 0 <= rank < settings.replicas:
             raise ValueError(f"rank {rank} is outside [0, {settings.replicas})")
         self._store = store
         self._run_id = run_id
         self._rank = rank
-        self._log = ReplicaLog(logger, rank)
+        self._log = ReplicaLog(logger, rank, settings.local_rank if settings.local_ranks > 1 else None)
+        self._agree = agree
         self._fragments = fragments
         self._settings = settings
         self._arrivals = ArrivalHistory(grace)
@@ -186,7 +191,10 @@ class ObjectStoreManager:
         if sync.thread is not None:
             sync.thread.join()
         outcome = sync.outcome
-        outcome.committed = sync.exchanged and outcome.error is None
+        mine = sync.exchanged and outcome.error is None
+        outcome.committed = self._agree(mine)
+        if mine and not outcome.committed:
+            outcome.error = RuntimeError("another rank of this replica failed its part of the sync")
         if outcome.committed:
             self._step += 1
         self.syncs_attempted += 1

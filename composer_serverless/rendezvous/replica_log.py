@@ -14,10 +14,11 @@ from typing import Any
 
 
 class ReplicaLog(logging.LoggerAdapter):
-    """``logger``'s records, each message prefixed with ``[replica {rank}]``."""
+    """``logger``'s records, each message prefixed with ``[replica {rank}]``, or ``[replica {rank}.{local}]``
+    in a replica of several ranks (whose ranks share its log)."""
 
-    def __init__(self, logger: logging.Logger, rank: int) -> None:
-        super().__init__(logger, {"replica": rank})
+    def __init__(self, logger: logging.Logger, rank: int, local: int | None = None) -> None:
+        super().__init__(logger, {"replica": rank if local is None else f"{rank}.{local}"})
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
         assert self.extra is not None

@@ -24,23 +24,28 @@ class Reporter:
     A beat that changes the replica's state or round is always written: the launcher's progress, and
     anything that watches for a replica to enter a round, see the change at once rather than up to
     ``HEARTBEAT_EVERY_S`` later (a short round could otherwise pass without ever being announced).
+
+    A replica of several ranks speaks through its lead: the other ranks' reporters are ``silent``.
     """
 
-    def __init__(self, run: ObjectStore, rank: int) -> None:
+    def __init__(self, run: ObjectStore, rank: int, *, silent: bool = False) -> None:
         self._run = run
         self._rank = rank
+        self._silent = silent
         self._last_beat = 0.0
         self._last_phase: tuple[Any, Any] | None = None
 
     def beat(self, **fields: Any) -> None:
         now = time.time()
         phase = (fields.get("state"), fields.get("round"))
-        if phase == self._last_phase and now - self._last_beat < HEARTBEAT_EVERY_S:
+        if self._silent or phase == self._last_phase and now - self._last_beat < HEARTBEAT_EVERY_S:
             return
         self._last_beat, self._last_phase = now, phase
         self._run.put(layout.heartbeat(self._rank), _dumps({"rank": self._rank, "time": now, **fields}))
 
     def round(self, round_index: int, metrics: dict[str, Any]) -> None:
+        if self._silent:
+            return
         row = {"rank": self._rank, "round": round_index, **metrics}
         self._run.put(layout.metrics(self._rank, round_index), _dumps(row))
 

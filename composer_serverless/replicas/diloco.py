@@ -145,12 +145,14 @@ def global_parameters(manager: ObjectStoreManager, names: list[dict[str, str]]) 
     return params
 
 
-def exchange_settings(config: DiLoCoConfig) -> ExchangeSettings:
+def exchange_settings(config: DiLoCoConfig, local_rank: int = 0, local_ranks: int = 1) -> ExchangeSettings:
     return ExchangeSettings(
         replicas=config.replicas,
         min_replicas=config.min_replicas,
         codec=config.codec,
         timeout_s=config.sync_timeout_s,
+        local_rank=local_rank,
+        local_ranks=local_ranks,
     )
 
 

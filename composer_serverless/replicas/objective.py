@@ -16,6 +16,7 @@ from composer_serverless.replicas.composer import ComposerObjective
 from composer_serverless.replicas.corpus import documents, shuffled
 from composer_serverless.replicas.data import IGNORE, Batches
 from composer_serverless.replicas.evaluation import EvalPart, combine, share
+from composer_serverless.replicas.node import SOLO, Node
 
 # Held-out sequences are drawn from this many interleaved file streams, independent of the training batch size.
 EVAL_STREAMS = 8
@@ -42,9 +43,14 @@ class Objective(Protocol):
 
 class LMObjective:
     """Causal-LM cross-entropy on this replica's rows of the global batch (on the trained tokens only: a chat
-    record's assistant turns); evaluation on the held-out documents, the same way."""
+    record's assistant turns); evaluation on the held-out documents, the same way.
 
-    def __init__(self, config: RunConfig, tokenizer: Any, rank: int) -> None:
+    In a replica of G ranks, local rank l takes the l-th of G equal slices of the replica's rows, and its loss
+    is its tokens' summed loss over the replica's mean tokens per rank: FSDP averages the ranks' gradients, so
+    the step is that of the mean over every trained token of the replica's batch, as with one rank, whatever
+    share of the trained tokens each slice holds."""
+
+    def __init__(self, config: RunConfig, tokenizer: Any, rank: int, node: Node = SOLO) -> None:
         corpus = documents(config.data)
         seq_len, batch_size = config.data.seq_len, config.data.batch_size
         self._train = Batches(
@@ -64,13 +70,25 @@ class LMObjective:
         self._heldout = Batches(corpus, corpus.heldout, tokenizer, seq_len, self._eval_streams, seed=0)
         self._eval_sequences = config.eval.sequences
         self._batch_size = batch_size
+        self._node = node
         self._eval_set: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def loss(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
         device = _device_of(model)
-        ids, labels = (t.to(device) for t in self._train.next())
-        out = model(input_ids=ids, labels=labels, use_cache=False)
-        if not _targets(labels):  # every token of the batch is masked: nothing to learn, and no NaN either
+        node = self._node
+        rows = self._batch_size // node.size
+        ids, labels = (
+            t[node.local_rank * rows : (node.local_rank + 1) * rows].to(device) for t in self._train.next()
+        )
+        if node.size == 1:
+            out = model(input_ids=ids, labels=labels, use_cache=False)
+            trained = _targets(labels)
+        else:
+            trained = int(node.sum([_targets(labels)])[0])
+            out = model(
+                input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=max(1, trained) / node.size
+            )
+        if not trained:  # every token of the batch is masked: nothing to learn, and no NaN either
             return out.logits.sum() * 0.0, {}
         return out.loss, {"lm/loss": out.loss.detach()}
 
@@ -116,16 +134,22 @@ def evaluate(objective: Objective, model: torch.nn.Module) -> dict[str, float]:
 
 
 def make_objective(
-    config: RunConfig, tokenizer: Any, rank: int, *, model: torch.nn.Module, adapters: Any = None
+    config: RunConfig,
+    tokenizer: Any,
+    rank: int,
+    *,
+    model: torch.nn.Module,
+    adapters: Any = None,
+    node: Node = SOLO,
 ) -> Objective:
     """The objective ``config.train.objective`` names.
 
     ``model`` must still hold the run's initial weights: objectives with a frozen reference (DPO, a KL term)
     take it from the model they are built with (with LoRA, the base model with ``adapters`` off).
     """
-    if config.train.objective == "composer":
+    if config.train.objective == "composer":  # one rank per replica (RunConfig refuses more)
         return ComposerObjective(config, model, tokenizer, rank, adapters)
-    return LMObjective(config, tokenizer, rank)
+    return LMObjective(config, tokenizer, rank, node)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -4,10 +4,14 @@ a restarted replica (or a run whose replicas all died) continues exactly where i
 The global state is what DiLoCo registered with the manager (per fragment, the global parameters and the
 outer optimizer state) plus the sync step. A replica's own state is its inner optimizer, learning-rate
 schedule, data position, RNG, and the local parameters that ran ahead of the global ones.
+
+In a replica of several ranks (FSDP2) each rank keeps its own shards of both: a snapshot holds local tensors,
+and the DTensors of the optimizers' state are rebuilt around them when it is loaded (``shards.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Any
 
@@ -20,27 +24,39 @@ from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.manager import ObjectStoreManager
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.diloco import global_parameters
+from composer_serverless.replicas.node import SOLO, Node
 from composer_serverless.replicas.objective import Objective
+from composer_serverless.replicas.shards import local, local_tree, reshard_optimizer_state
 
 
 def global_state(manager: ObjectStoreManager) -> dict[str, Any]:
-    return {"step": manager.current_step(), "user": manager.user_state_dict()}
+    """What a replica publishes: this rank's shards of the global parameters and outer optimizer state."""
+    return {"step": manager.current_step(), "user": local_tree(manager.user_state_dict())}
 
 
-def load_global(store: ObjectStore, round_index: int) -> dict[str, Any]:
-    """The published state of ``round_index``, or of a newer round if that one was pruned meanwhile."""
+def load_global(store: ObjectStore, round_index: int, node: Node = SOLO) -> dict[str, Any]:
+    """This rank's part of the published state of ``round_index``, or of a newer round if that one was pruned
+    meanwhile; every rank of the replica loads the same round (the lead's choice)."""
     for _ in range(3):
-        try:
-            return checkpoint.load_global(store, round_index)
-        except FileNotFoundError:
-            round_index = latest_round(store)
+        round_index = node.broadcast(round_index)
+        tree = None
+        with contextlib.suppress(FileNotFoundError):
+            tree = checkpoint.load_global(store, round_index, node.local_rank)
+        if node.all_true(tree is not None):
+            return tree
+        round_index = latest_round(store)
     raise CheckpointError(f"cannot read the global state of round {round_index} from {store.url}")
 
 
 def apply_global(
-    manager: ObjectStoreManager, names: list[dict[str, str]], model: nn.Module, state: dict[str, Any]
+    manager: ObjectStoreManager,
+    names: list[dict[str, str]],
+    model: nn.Module,
+    outer: list[torch.optim.Optimizer],
+    state: dict[str, Any],
 ) -> None:
-    """Load a published global state into DiLoCo's fragments and the model, and move the manager's step."""
+    """Load a published global state into DiLoCo's fragments, their outer optimizers and the model, and move
+    the manager's step."""
     user = state["user"]
     for i, mapping in enumerate(names):
         saved = set(user.get(f"StreamingDiLoCoFragment_{i}", {}).get("original_parameters", {}))
@@ -49,12 +65,14 @@ def apply_global(
                 f"fragment {i} of the published state does not match this model's parameters"
             )
     manager.load_user_state_dict(user)
+    for optimizer in outer:
+        reshard_optimizer_state(optimizer)
     manager.set_step(int(state["step"]))
     params = global_parameters(manager, names)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in params:  # frozen weights are not part of the global state
-                p.copy_(params[name])
+                local(p).copy_(params[name])
 
 
 def own_state(
@@ -68,7 +86,7 @@ def own_state(
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return {
-        "inner_optimizer": inner.state_dict(),
+        "inner_optimizer": local_tree(inner.state_dict()),
         "schedule": schedule.state_dict(),
         "objective": objective.state_dict(),
         "rng": rng,
@@ -76,9 +94,9 @@ def own_state(
         # the last synced, or alpha > 0); only those differ and need saving. Frozen weights have no global
         # copy and never change.
         "local_parameters": {
-            name: p
+            name: local(p)
             for name, p in model.named_parameters()
-            if name in global_params and not torch.equal(p.detach(), global_params[name])
+            if name in global_params and not torch.equal(local(p).detach(), global_params[name])
         },
     }
 
@@ -94,6 +112,7 @@ def restore_own(
     """Load a replica's own saved state: inner optimizer, data position and RNG; with ``schedule`` (the state
     is of the round being resumed, not an older one), also the schedule and the local parameters."""
     inner.load_state_dict(state["inner_optimizer"])
+    reshard_optimizer_state(inner)
     objective.load_state_dict(state["objective"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
@@ -105,4 +124,4 @@ def restore_own(
     current = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in state["local_parameters"].items():
-            current[name].copy_(value)
+            local(current[name]).copy_(value)

@@ -12,6 +12,10 @@ Around DiLoCo the replica keeps the run going through failures:
   store (``catchup.py``): a replica that is a whole round behind (restarted, or failing) loads LATEST; one
   that arrived after the quorum was fixed waits for the round in progress to be published and joins the
   next one in step with the others.
+
+A replica of G ranks (``node.py``) runs this on every rank, with the model sharded by FSDP2 (``shards.py``):
+each rank trains on its share of the batch and syncs its shards, and what the replica decides from the store
+(the round to load, whether it is behind, whether to publish) the lead decides and the others follow.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ from composer_serverless.replicas.diloco import (
     model_names,
     split_fragments,
 )
+from composer_serverless.replicas.node import SOLO, Node
 from composer_serverless.replicas.objective import Objective, make_objective
+from composer_serverless.replicas.shards import full_state_dict, reshard, shard_model
 from composer_serverless.replicas.weights import check_initial_weights, digest, load_run_model, swapped_in
 
 logger = logging.getLogger(__name__)
@@ -56,8 +62,9 @@ class SyncError(RuntimeError):
     """A replica's syncs failed ``max_failed_syncs`` times in a row; its restart resumes from the store."""
 
 
-def run_replica(run: ObjectStore, rank: int) -> None:
-    """Train replica ``rank`` of the run at ``run`` to the end, reporting through the store.
+def run_replica(run: ObjectStore, rank: int, node: Node = SOLO) -> None:
+    """Train replica ``rank`` of the run at ``run`` (on this process as local rank ``node.local_rank`` of
+    its ``node.size``) to the end, reporting through the store.
 
     The same call starts a fresh replica, restarts one that died, and resumes a run whose replicas all
     died: the replica continues from the store's latest published state and its own saved state.
@@ -65,18 +72,22 @@ def run_replica(run: ObjectStore, rank: int) -> None:
     config = RunConfig.model_validate_json(run.get(layout.RUN_CONFIG))
     if not 0 <= rank < config.diloco.replicas:
         raise ValueError(f"rank {rank} is outside [0, {config.diloco.replicas})")
-    reporter = Reporter(run, rank)
+    if node.size != config.ranks_per_replica:
+        raise ValueError(f"the run has {config.ranks_per_replica} ranks per replica, this node {node.size}")
+    reporter = Reporter(run, rank, silent=not node.lead)
     reporter.beat(state="starting")
     try:
         run.ensure_root()
-        _train(run, config, rank, reporter)
+        _train(run, config, rank, reporter, node)
     except BaseException as e:
         reporter.beat(state="failed", error=f"{type(e).__name__}: {e}")
         raise
 
 
-def _train(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter) -> None:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def _train(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter, node: Node) -> None:
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", node.local_rank)
     # The download cache lives as long as training: weights may stay memory-mapped from its files.
     with tempfile.TemporaryDirectory(prefix="composer-serverless-") as cache:
         # One seed for loading, so weights a checkpoint lacks are initialised alike on every replica;
@@ -85,7 +96,11 @@ def _train(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter) -
         loaded = load_run_model(run, config, Path(cache))
         torch.manual_seed(config.seed + rank)
         model = loaded.model.to(device).train()
-        Replica(run, config, rank, reporter, model, loaded.tokenizer, adapters=loaded.adapters).run()
+        if node.size > 1:
+            shard_model(model, node.size, device)
+        Replica(
+            run, config, rank, reporter, model, loaded.tokenizer, adapters=loaded.adapters, node=node
+        ).run()
 
 
 class _RoundMeter:
@@ -131,13 +146,15 @@ class Replica:
         tokenizer: Any,
         *,
         adapters: Any = None,
+        node: Node = SOLO,
     ) -> None:
         dl = config.diloco
         self.run_store = run
         self.config = config
         self.rank = rank
+        self.node = node
         self.reporter = reporter
-        self.log = ReplicaLog(logger, rank)
+        self.log = ReplicaLog(logger, rank, node.local_rank if node.size > 1 else None)
         self.model = model
         self.tokenizer = tokenizer
         self.adapters = adapters
@@ -146,7 +163,7 @@ class Replica:
         self.total_steps = dl.rounds * dl.sync_every
         with self._compute():  # a reference the objective scores now is scored as training will score
             self.objective: Objective = make_objective(
-                config, tokenizer, rank, model=model, adapters=adapters
+                config, tokenizer, rank, model=model, adapters=adapters, node=node
             )
         self.inner = make_inner_optimizer(model, config.train)
         # Registered before DiLoCo's own hook, so it runs first: the inner gradients are spent once the step
@@ -163,8 +180,9 @@ class Replica:
             run_id=config.run_id or "",
             rank=rank,
             fragments=dl.fragments,
-            settings=exchange_settings(dl),
+            settings=exchange_settings(dl, node.local_rank, node.size),
             grace=grace_settings(dl),
+            agree=node.all_true,
         )
         self.meter = _RoundMeter(self.manager)
 
@@ -176,7 +194,7 @@ class Replica:
         dl = self.config.diloco
         with make_diloco(self.manager, self.fragments, self.inner, self.outer, dl):
             if self._restore() == 0:
-                check_initial_weights(self.run_store, self.model, self.rank)
+                check_initial_weights(self.run_store, self.model, self.rank, self.node)
                 initial = self._evaluate(0, list(range(dl.replicas)))
                 if initial is not None:
                     self.reporter.round(0, {"eval": initial, "time": time.time()})
@@ -206,7 +224,8 @@ class Replica:
             seen = self.manager.syncs_attempted
             outcome = self.manager.last_sync
             assert outcome is not None
-            if outcome.committed or isinstance(outcome.error, StaleRoundError):
+            # Agreed: a sync that was stale on one rank and failed on another counts as failed on both.
+            if self.node.all_true(outcome.committed or isinstance(outcome.error, StaleRoundError)):
                 failures = 0
             else:
                 failures += 1
@@ -244,11 +263,14 @@ class Replica:
     def _finish_round(self, outcome: SyncOutcome) -> None:
         """Record the round; its participants evaluate it together and the lowest-rank one publishes it."""
         round_index = self.completed_rounds
+        node = self.node
         row = {**self.meter.row(self.schedule.get_last_lr()[0]), "participants": outcome.participants}
         self.meter.reset()
+        if node.size > 1:
+            row.update(self._replica_totals(row))
         params = global_parameters(self.manager, self.names)
         if self.config.diloco.verify_global:
-            row["global_sha256"] = digest(params)
+            row["global_sha256"] = digest(params, node)
         last = round_index == self.config.diloco.rounds
         if last or round_index % self.config.eval.every_rounds == 0:
             scored = self._evaluate(round_index, outcome.participants, params)
@@ -259,48 +281,97 @@ class Replica:
         is_checkpoint = last or round_index % self.config.diloco.checkpoint_every == 0
         written = 0
         if outcome.participants[0] == self.rank:
-            if is_checkpoint or catchup.heal_requested(self.run_store, round_index):
-                global_state = state.global_state(self.manager)
-                written += checkpoint.publish_global(
-                    self.run_store, round_index, global_state, checkpoint=is_checkpoint
+            healing = node.lead and catchup.heal_requested(self.run_store, round_index)
+            if is_checkpoint or node.broadcast(healing):
+                written += checkpoint.write_global(
+                    self.run_store, round_index, state.global_state(self.manager), node.local_rank
                 )
+                node.barrier()  # LATEST names a state only once every rank's part of it is written
+                if node.lead:
+                    checkpoint.advance(self.run_store, round_index, checkpoint=is_checkpoint)
             if last:
                 self._upload_final(params)
-            checkpoint.prune_exchanges(self.run_store, round_index)
+            if node.lead:
+                checkpoint.prune_exchanges(self.run_store, round_index)
         if is_checkpoint:
             written += checkpoint.save_replica(
-                self.run_store, self.rank, round_index, self._own_state(params)
+                self.run_store,
+                self.rank,
+                round_index,
+                self._own_state(params),
+                node.local_rank,
+                prune=node.size == 1,
             )
-        row["checkpoint_bytes_up"] = written
+            if node.size > 1:
+                node.barrier()
+                if node.lead:
+                    checkpoint.prune_replica(self.run_store, self.rank, round_index)
+        row["checkpoint_bytes_up"] = int(node.sum([written])[0])
         self.reporter.round(round_index, row)
-        self.log.info(
-            "round %d/%d: train loss %s, participants %s",
-            round_index,
-            self.config.diloco.rounds,
-            row["train_loss"],
-            outcome.participants,
-        )
+        if node.lead:
+            self.log.info(
+                "round %d/%d: train loss %s, participants %s",
+                round_index,
+                self.config.diloco.rounds,
+                row["train_loss"],
+                outcome.participants,
+            )
+
+    def _replica_totals(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A replica's figures from its ranks' own: the train loss averaged (each rank's is of its equal share
+        of the batch), the traffic summed, with each rank's part of it (each moves its own shards)."""
+        totals: dict[str, Any] = {}
+        if row["train_loss"] is not None:
+            totals["train_loss"] = self.node.sum([row["train_loss"]])[0] / self.node.size
+        for key in ("bytes_up", "bytes_down"):
+            per_rank = [int(b) for b in self.node.gather(float(row[key]))]
+            totals[key], totals[f"{key}_per_rank"] = sum(per_rank), per_rank
+        return totals
 
     def _evaluate(
         self, round_index: int, participants: list[int], params: dict[str, torch.Tensor] | None = None
     ) -> dict[str, float] | None:
         """The round's evaluation of the global model ``params`` (None: the model's own weights), shared among
-        its participants (``evaluation.evaluate_round``): the whole of it on the lowest-rank one, else None."""
+        its participants (``evaluation.evaluate_round``): the whole of it on the lowest-rank one, else None.
+
+        In a replica of several ranks every forward pass runs on all of them (FSDP gathers each layer from
+        every rank), so the lead tells the others each share it scores, and they score it with it."""
 
         def score(part: int, parts: int) -> evaluation.EvalPart:
             holding = contextlib.nullcontext() if params is None else swapped_in(self.model, params)
             with holding, self._compute():
-                return self.objective.evaluate_part(self.model, part, parts)
+                try:
+                    return self.objective.evaluate_part(self.model, part, parts)
+                finally:
+                    if self.node.size > 1:
+                        reshard(self.model)  # before the global parameters are swapped out again
 
-        return evaluation.evaluate_round(
-            self.run_store, round_index, participants, self.rank, score, self.log
-        )
+        node = self.node
+        if not node.lead:
+            while (task := node.broadcast_ints([-1, 0]))[0] >= 0:
+                score(*task)
+            return None
+
+        def led(part: int, parts: int) -> evaluation.EvalPart:
+            node.broadcast_ints([part, parts])
+            return score(part, parts)
+
+        try:
+            return evaluation.evaluate_round(
+                self.run_store, round_index, participants, self.rank, led, self.log
+            )
+        finally:
+            node.broadcast_ints([-1, 0])
 
     def _upload_final(self, params: dict[str, torch.Tensor]) -> None:
         """The global model in Hugging Face format: the whole model, or with LoRA the adapters (``export``
-        merges them into the base model)."""
+        merges them into the base model). A sharded model is gathered whole onto the lead first."""
+        saved = self.adapters or self.model
         with swapped_in(self.model, params), tempfile.TemporaryDirectory() as out:
-            (self.adapters or self.model).save_pretrained(out)
+            whole = full_state_dict(saved) if self.node.size > 1 else None
+            if not self.node.lead:
+                return
+            saved.save_pretrained(out, state_dict=whole)
             self.tokenizer.save_pretrained(out)
             self.run_store.upload_dir(Path(out), layout.FINAL)
 
@@ -313,28 +384,40 @@ class Replica:
         after the quorum of its last sync (``late``), whose next round already has a quorum without it, or
         that finds the run rounds ahead of it (restarted from an older checkpoint), is behind by more than the
         straggler grace and would stay so: it asks for the round in progress to be published, waits for it,
-        and starts the next one with everyone else.
+        and starts the next one with everyone else. The lead looks and waits; its ranks follow its answers.
         """
         dl = self.config.diloco
+        node = self.node
         step = self.manager.current_step()
-        latest = latest_round(self.run_store)
+        latest = node.broadcast(latest_round(self.run_store) if node.lead else 0)
         if latest * dl.fragments > step:
             self._jump(latest)
             return True
         if step % dl.fragments or self.completed_rounds >= dl.rounds:
             return False
         upcoming = self.completed_rounds + 1
-        target = catchup.behind(self.run_store, upcoming)
-        if not (late or target > upcoming or catchup.left_out_of(self.run_store, upcoming, self.rank)):
+        target = -1
+        if node.lead:
+            ahead = catchup.behind(self.run_store, upcoming)
+            if late or ahead > upcoming or catchup.left_out_of(self.run_store, upcoming, self.rank):
+                target = ahead
+        target = node.broadcast(target)
+        if target < 0:
             return False
-        self.log.info("behind the run: waiting for round %d to be published", target)
+        reached: int | None = None
+        if node.lead:
+            self.log.info("behind the run: waiting for round %d to be published", target)
 
-        def waiting() -> None:
-            self.reporter.beat(state="waiting", round=target, rounds=dl.rounds, step=0, steps=dl.sync_every)
+            def waiting() -> None:
+                self.reporter.beat(
+                    state="waiting", round=target, rounds=dl.rounds, step=0, steps=dl.sync_every
+                )
 
-        reached = catchup.wait_for_round(self.run_store, target, self.rank, dl.sync_timeout_s, waiting)
-        if reached is None:
-            self.log.warning("round %d was not published in time; training it and healing", target)
+            reached = catchup.wait_for_round(self.run_store, target, self.rank, dl.sync_timeout_s, waiting)
+            if reached is None:
+                self.log.warning("round %d was not published in time; training it and healing", target)
+        reached = node.broadcast(-1 if reached is None else reached)
+        if reached < 0:
             return False
         self._jump(reached)
         return True
@@ -342,19 +425,21 @@ class Replica:
     def _jump(self, round_index: int) -> None:
         """Continue from the published global state of ``round_index``, keeping this replica's own state."""
         was = self.completed_rounds
-        state.apply_global(
-            self.manager, self.names, self.model, state.load_global(self.run_store, round_index)
-        )
+        published = state.load_global(self.run_store, round_index, self.node)
+        state.apply_global(self.manager, self.names, self.model, self.outer, published)
         dl = self.config.diloco
         self.schedule = self._schedule_at(self.completed_rounds)
         # The inner steps run since the last row are discarded by the jump; counted, so goodput can be.
         row: dict[str, Any] = {"caught_up_from": was, "steps": self.meter.steps, "time": time.time()}
         if dl.verify_global:
-            row["global_sha256"] = digest(global_parameters(self.manager, self.names))
+            row["global_sha256"] = digest(global_parameters(self.manager, self.names), self.node)
         self.reporter.round(self.completed_rounds, row)
-        self.log.warning(
-            "loaded the global state of round %d from the store (was at round %d)", self.completed_rounds, was
-        )
+        if self.node.lead:
+            self.log.warning(
+                "loaded the global state of round %d from the store (was at round %d)",
+                self.completed_rounds,
+                was,
+            )
 
     # --- state -------------------------------------------------------------------------------------
 
@@ -368,12 +453,14 @@ class Replica:
 
     def _restore(self) -> int:
         """Continue from the store's latest state and this replica's own; returns the round (0 if fresh)."""
-        latest = latest_round(self.run_store)
+        node = self.node
+        latest = node.broadcast(latest_round(self.run_store) if node.lead else 0)
         if latest == 0:
             return 0
-        state.apply_global(self.manager, self.names, self.model, state.load_global(self.run_store, latest))
+        published = state.load_global(self.run_store, latest, node)
+        state.apply_global(self.manager, self.names, self.model, self.outer, published)
         latest = self.completed_rounds
-        own = checkpoint.load_replica(self.run_store, self.rank, latest)
+        own = checkpoint.load_replica(self.run_store, self.rank, latest, node.local_rank, node.all_true)
         if own is None:
             self.schedule = self._schedule_at(latest)
             self.log.warning(

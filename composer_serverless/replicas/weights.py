@@ -16,6 +16,8 @@ from composer_serverless.config import RunConfig
 from composer_serverless.models import Loaded, load_model
 from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.replicas.node import SOLO, Node
+from composer_serverless.replicas.shards import local
 
 
 class InitialWeightsError(RuntimeError):
@@ -30,27 +32,28 @@ def load_run_model(run: ObjectStore, config: RunConfig, cache: Path) -> Loaded:
     return load_model(config.model, local)
 
 
-def digest(params: dict[str, torch.Tensor]) -> str:
-    """sha256 over the raw bytes of every tensor in name order: equal iff bit-identical."""
+def digest(params: dict[str, torch.Tensor], node: Node = SOLO) -> str:
+    """sha256 over the raw bytes of every tensor in name order: equal iff bit-identical. In a replica of
+    several ranks, over each rank's shards, combined (a collective: every rank calls it)."""
     h = hashlib.sha256()
     for name in sorted(params):
         h.update(name.encode())
-        h.update(params[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+        h.update(local(params[name]).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return node.combine_digests(h.hexdigest())
 
 
-def check_initial_weights(run: ObjectStore, model: nn.Module, rank: int) -> None:
+def check_initial_weights(run: ObjectStore, model: nn.Module, rank: int, node: Node = SOLO) -> None:
     """Refuse to train from weights that differ from the other replicas'.
 
     DiLoCo averages pseudo-gradients, not parameters: replicas that start apart stay apart for the whole
     run. The first fresh replica records the digest of its weights (create-if-absent); every other one must
-    match it.
+    match it. In a replica of several ranks the lead compares, and every rank stops if it must.
 
     Raises:
         InitialWeightsError: this replica's weights are not the recorded ones.
     """
-    mine = digest(dict(model.named_parameters()))
-    if checkpoint.agree_on_initial_weights(run, mine):
+    mine = digest(dict(model.named_parameters()), node)
+    if node.all_true(not node.lead or checkpoint.agree_on_initial_weights(run, mine)):
         return
     raise InitialWeightsError(
         f"replica {rank}: the model's initial weights differ from those another replica loaded "
@@ -62,8 +65,9 @@ def check_initial_weights(run: ObjectStore, model: nn.Module, rank: int) -> None
 
 @contextmanager
 def swapped_in(model: nn.Module, params: dict[str, torch.Tensor]) -> Iterator[nn.Module]:
-    """Temporarily load ``params`` into ``model`` (to evaluate or save the global model), then restore."""
-    current = dict(model.named_parameters())
+    """Temporarily load ``params`` into ``model`` (to evaluate or save the global model), then restore. In a
+    sharded model, ``params`` are this rank's shards (as DiLoCo keeps them)."""
+    current = {name: local(p) for name, p in model.named_parameters()}
     saved = {name: current[name].detach().clone() for name in params}
     with torch.no_grad():
         for name, value in params.items():

@@ -2,16 +2,39 @@
 
 The same command runs on a laptop, in a Modal container and in an HF Job: everything else the replica needs
 is in ``run.json`` inside the run, and credentials come from the environment.
+
+A replica of G ranks (``RunConfig.ranks_per_replica``) is G processes started here with
+``torch.multiprocessing.start_processes``, one per GPU (or CPU processes over gloo), joined by a process group
+of their own. Not torch's elastic launcher: elastic restarts a failed rank inside the replica, while a rank of
+a DiLoCo replica cannot rejoin its siblings mid-step (FSDP's collectives would hang). Here the death of any
+rank ends the others and this process with an error, and the replica restarts whole, as a replica of one rank
+does, from the store.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
 
+from composer_serverless.config import RunConfig
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.trainer import run_replica
+from composer_serverless.rendezvous.telemetry import Reporter
+
+logger = logging.getLogger(__name__)
+
+# How often a rank checks that the process that started it is still there.
+ORPHAN_CHECK_S = 1.0
+# Beyond the run's sync timeout, how long a rank may wait for its siblings in a collective: the lead may
+# wait a whole sync_timeout_s for a round to be published while the others wait for its answer.
+COLLECTIVE_SLACK_S = 600.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +44,102 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rank", required=True, type=int, help="this replica's rank, 0-based")
     args = parser.parse_args(argv)
+    _configure_logging()
+    return run_worker(args.run, args.rank, ObjectStore)
+
+
+def run_worker(run_url: str, rank: int, open_store: Callable[[str], ObjectStore]) -> int:
+    """Run replica ``rank`` with the store ``open_store(run_url)``: in this process, or as its G ranks.
+
+    ``open_store`` must be picklable (a class or a module-level function): each rank opens its own store.
+    """
+    store = open_store(run_url)
+    config = RunConfig.model_validate_json(store.get(layout.RUN_CONFIG))
+    ranks = config.ranks_per_replica
+    if ranks == 1:
+        from composer_serverless.replicas.trainer import run_replica
+
+        run_replica(store, rank)
+        return 0
+    import torch.multiprocessing as mp
+
+    timeout_s = config.diloco.sync_timeout_s + COLLECTIVE_SLACK_S
+    with tempfile.TemporaryDirectory(prefix="composer-serverless-node-") as rendezvous:
+        try:
+            mp.start_processes(
+                _rank_main,
+                args=(run_url, rank, ranks, open_store, f"{rendezvous}/store", timeout_s, os.getpid()),
+                nprocs=ranks,
+                join=True,
+                start_method="spawn",
+            )
+        except mp.ProcessRaisedException as e:  # with the rank's traceback, which it did not print itself
+            logger.error(
+                "replica %d: local rank %d failed; its other ranks were stopped\n%s",
+                rank,
+                e.error_index,
+                e.msg,
+            )
+            return 1
+        except mp.ProcessExitedException as e:
+            # A rank killed from outside (kill -9, out of memory) wrote nothing; say so for the replica.
+            why = f"local rank {e.error_index} exited with {e.exit_code}" + (
+                f" (signal {e.signal_name})" if e.signal_name else ""
+            )
+            logger.error("replica %d: %s; its other ranks were stopped", rank, why)
+            Reporter(store, rank).beat(state="failed", error=why)
+            return 1
+    return 0
+
+
+def _rank_main(
+    local_rank: int,
+    run_url: str,
+    rank: int,
+    ranks: int,
+    open_store: Callable[[str], ObjectStore],
+    rendezvous: str,
+    timeout_s: float,
+    parent: int,
+) -> None:
+    """One rank of a replica, in a process of its own."""
+    import torch
+    import torch.distributed as dist
+
+    from composer_serverless.replicas.node import Node
+    from composer_serverless.replicas.trainer import run_replica
+
+    _configure_logging()
+    _exit_with(parent)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=local_rank,
+        world_size=ranks,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        node = Node(local_rank, ranks, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+        run_replica(open_store(run_url), rank, node)
+    finally:
+        dist.destroy_process_group()
+
+
+def _exit_with(parent: int) -> None:
+    """End this rank if the process that started it dies (kill -9 leaves no one to stop the ranks)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
+def _configure_logging() -> None:
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -29,8 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    run_replica(ObjectStore(args.run), args.rank)
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -92,11 +94,13 @@ def test_latest_moves_forward_only_and_old_states_are_pruned_but_the_checkpoint(
     assert latest.latest_round(store) == 0 and latest.checkpoint_round(store) == 0
     for k in range(1, 7):
         store.put(f"rounds/{k}/0/quorum.json", b"{}")
-        written = checkpoint.publish_global(store, k, {"step": k}, checkpoint=k == 2)
+        written = checkpoint.write_global(store, k, {"step": k})
+        checkpoint.advance(store, k, checkpoint=k == 2)
         checkpoint.prune_exchanges(store, k)
         assert written == sum(store.size(f"state/{k}/0/{name}") for name in store.list(f"state/{k}/0"))
     assert (latest.latest_round(store), latest.checkpoint_round(store)) == (6, 2)
-    checkpoint.publish_global(store, 3, {"step": 3}, checkpoint=True)  # a slow publisher of an older round
+    checkpoint.write_global(store, 3, {"step": 3})  # a slow publisher of an older round
+    checkpoint.advance(store, 3, checkpoint=True)
     assert (latest.latest_round(store), latest.checkpoint_round(store)) == (6, 3)
     # The newest checkpoint (3, rewritten late) and the last two states are kept; exchanges: the last two.
     assert sorted(store.list("state")) == ["3", "5", "6", "CHECKPOINT", "LATEST"]
@@ -108,7 +112,8 @@ def test_a_resume_rolls_the_run_back_to_its_checkpoint(store: ObjectStore) -> No
     for k in range(1, 6):
         store.put(f"rounds/{k}/0/quorum.json", b"{}")
         store.put(f"evals/{k}/0-of-1.json", b"{}")
-        checkpoint.publish_global(store, k, {"step": k}, checkpoint=k % 2 == 0)
+        checkpoint.write_global(store, k, {"step": k})
+        checkpoint.advance(store, k, checkpoint=k % 2 == 0)
     store.put("heal/1.json", b'{"rank": 1, "round": 5}')
     assert latest.roll_back(store) == 4
     assert latest.latest_round(store) == 4 and latest.newest_round(store) == 4
@@ -126,3 +131,37 @@ def test_a_replica_falls_back_to_its_newest_readable_state(store: ObjectStore) -
     store.put("replicas/0/2/0/state.json", b"{}")  # corrupt
     assert checkpoint.load_replica(store, 0, 3) == (1, {"round": 1})
     assert checkpoint.load_replica(store, 1, 3) is None
+
+
+def test_the_ranks_of_a_replica_resume_from_a_round_every_one_of_them_can_read(store: ObjectStore) -> None:
+    """Local rank 1 died while writing round 3: both ranks take round 2, though rank 0's round 3 is whole."""
+    for k in (1, 2, 3):
+        for local in (0, 1):
+            checkpoint.save_replica(store, 0, k, {"round": k, "local": local}, local)
+    store.delete("replicas/0/3/1/manifest.json")
+    barrier, flags = threading.Barrier(2), [False, False]
+
+    def agree(local: int) -> Callable[[bool], bool]:
+        def all_readable(readable: bool) -> bool:
+            flags[local] = readable
+            barrier.wait()
+            agreed = all(flags)
+            barrier.wait()
+            return agreed
+
+        return all_readable
+
+    found: dict[int, object] = {}
+    ranks = [
+        threading.Thread(
+            target=lambda rank=local: found.update(
+                {rank: checkpoint.load_replica(store, 0, 3, rank, agree(rank))}
+            )
+        )
+        for local in (0, 1)
+    ]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join(timeout=30)
+    assert found == {local: (2, {"round": 2, "local": local}) for local in (0, 1)}

@@ -1,0 +1,99 @@
+"""FSDP2 inside a replica: sharding the model over the replica's ranks, and the local shards behind its
+DTensors.
+
+``fully_shard`` per decoder layer and once at the root, as torchtitan does: a layer's parameters are gathered
+just before it runs and freed after, so a rank holds 1/G of the weights, gradients and optimizer state plus one
+layer at a time. torchft's DiLoCo works on the shards as is (its backups are local tensors); the global state
+the replica publishes and its own saved state hold local shards too, so a snapshot of local rank l fits
+exactly the l-th shard of a replica with the same number of ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The model's decoder layers: its longest ModuleList (what every Hugging Face causal LM stacks)."""
+    return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+
+
+def shard_model(model: nn.Module, ranks: int, device: torch.device) -> None:
+    """Shard ``model`` in place over the default process group's ``ranks`` ranks: per decoder layer, then the
+    rest (embeddings, final norm, head) at the root. Parameters become DTensors; build optimizers after."""
+    mesh = init_device_mesh(device.type, (ranks,))
+    for layer in decoder_layers(model) or []:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the whole parameters that forward passes without a backward left gathered (FSDP keeps the root's
+    after its forward, for the backward it expects): after an evaluation, so that the model's parameters are
+    its shards again, to restore or save, and the next forward gathers them afresh."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``tensor`` (the tensor itself when it is not a DTensor), sharing its storage."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_tree(tree: Any) -> Any:
+    """``tree`` (nested dicts, lists, tuples) with every DTensor replaced by its local shard: what a snapshot
+    stores."""
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {key: local_tree(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(local_tree(value) for value in tree)
+    return tree
+
+
+def reshard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict`` from a snapshot of local shards: make each state tensor of a sharded
+    parameter (momentum, Adam's moments) a DTensor laid out like the parameter again, as the optimizer's step
+    needs; scalar states (Adam's step count) stay as they are."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor) or param not in optimizer.state:
+                continue
+            shard = param.to_local()
+            state = optimizer.state[param]
+            for key, value in state.items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and not isinstance(value, DTensor)
+                    and value.shape == shard.shape
+                ):
+                    state[key] = DTensor.from_local(
+                        value.to(shard.device),
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of a sharded ``model`` gathered whole, on CPU, on local rank 0 (empty on
+    the others): a collective, so every rank calls it. A tied weight appears once, under its first name, as
+    ``save_pretrained`` writes it (the gathered copies no longer share storage for it to notice)."""
+    first: dict[int, str] = {}
+    aliases = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            aliases.add(name)
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: tensor for name, tensor in whole.items() if name not in aliases}
