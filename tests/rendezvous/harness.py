@@ -58,7 +58,8 @@ class ReferenceRun:
     digests: dict[int, set[str]]
 
 
-def make_config(store: str, run_id: str, model_dir: Path, **diloco: Any) -> RunConfig:
+def make_config(store: str, run_id: str, model_dir: Path, ranks: int = 1, **diloco: Any) -> RunConfig:
+    """A small run of the tiny model; ``ranks`` per replica (FSDP inside a replica when more than one)."""
     raw = {
         "run_id": run_id,
         "store": store,
@@ -68,6 +69,7 @@ def make_config(store: str, run_id: str, model_dir: Path, **diloco: Any) -> RunC
         "train": {"lr": 1e-2, "warmup_steps": 2, "schedule": "cosine"},
         "diloco": {"replicas": 2, "sync_every": 4, "rounds": 4, "sync_timeout_s": 120, **diloco},
         "eval": {"sequences": 2},
+        "executor": {"ranks_per_replica": ranks},
     }
     return validate_config(raw)
 

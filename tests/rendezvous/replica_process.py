@@ -1,4 +1,5 @@
-"""One replica of a run, optionally through a FaultyStore: the test twin of ``replicas/worker.py``.
+"""One replica of a run, optionally through a FaultyStore: the test twin of ``replicas/worker.py``, through
+the same ``run_worker`` (a replica of several ranks opens a FaultyStore in each of them).
 
 python replica_process.py --run URL --rank R [--faults '{"fraction": 0.2, "kill_on": "rounds/3/"}']
 """
@@ -6,6 +7,7 @@ python replica_process.py --run URL --rank R [--faults '{"fraction": 0.2, "kill_
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -13,7 +15,7 @@ import sys
 from faults import FaultyStore
 
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.trainer import run_replica
+from composer_serverless.replicas.worker import run_worker
 
 
 def main() -> int:
@@ -27,11 +29,8 @@ def main() -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stdout,
     )
-    store = FaultyStore(args.run, **json.loads(args.faults)) if args.faults else ObjectStore(args.run)
-    run_replica(store, args.rank)
-    if isinstance(store, FaultyStore):
-        print(f"injected {len(store.injected)} faults")
-    return 0
+    open_store = functools.partial(FaultyStore, **json.loads(args.faults)) if args.faults else ObjectStore
+    return run_worker(args.run, args.rank, open_store)
 
 
 if __name__ == "__main__":

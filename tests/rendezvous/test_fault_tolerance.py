@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from harness import (
     PROCESS_TIMEOUT_S,
@@ -25,6 +26,7 @@ from harness import (
 
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import latest_round
+from composer_serverless.rendezvous.telemetry import read_heartbeats
 
 
 def wait_until(condition, what: str) -> None:
@@ -78,6 +80,58 @@ def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
     # ... and the restarted replica contributed again once it was back.
     assert by_rank[0][held_at]["participants"] == [0, 1, 2]
     # Every replica that reports a round reports the same global parameters, to the bit.
+    per_round = digests(run)
+    assert all(len(d) == 1 for d in per_round.values()), per_round
+    assert {by_rank[r][rounds]["global_sha256"] for r in range(3)} == per_round[rounds]
+    assert latest_round(run) == rounds
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_restarts_its_replica_whole(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Replicas of 2 FSDP ranks. Local rank 1 of replica 1 is killed as it uploads its shard in round 3: its
+    sibling is stopped and the replica's worker exits with an error naming the kill; the two others commit
+    round 3 without it. Restarted, the replica rejoins whole, and every round's global parameters are the same
+    on every replica that reports it."""
+    rounds, killed_in, held_at = 5, 3, 5
+    config = make_config(
+        f"file://{tmp_path}/runs",
+        "rank-kill",
+        tiny_model_dir,
+        ranks=2,
+        replicas=3,
+        rounds=rounds,
+        min_replicas=2,
+        quorum_grace_min_s=2.0,
+        quorum_grace_max_s=30.0,
+        checkpoint_every=1,
+    )
+    run = create(config)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    release = tmp_path / "release"
+    hold = json.dumps({"hold": {f"rounds/{held_at}/": str(release)}})
+    kill = json.dumps({"kill_on": f"rounds/{killed_in}/0/1/in/1-"})
+    procs = [start_replica(run, r, logs / f"rank-{r}.log", kill if r == 1 else hold) for r in range(3)]
+    wait_until(lambda: len(psutil.Process(procs[1].pid).children()) == 2, "replica 1 to start its 2 ranks")
+    ranks = psutil.Process(procs[1].pid).children()
+
+    wait_until(lambda: procs[1].poll() is not None, "replica 1 to stop")
+    assert procs[1].returncode == 1
+    assert not any(rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE for rank in ranks)
+    beat = read_heartbeats(run)[1]
+    assert beat["state"] == "failed" and "local rank 1" in beat["error"] and "SIGKILL" in beat["error"]
+    wait_until(lambda: run.exists(layout.metrics(0, killed_in)), f"round {killed_in} to commit")
+    restarted = start_replica(run, 1, logs / "rank-1.log")
+    wait_until(
+        lambda: "resumed from round" in (logs / "rank-1.log").read_text(),
+        "replica 1 to load the latest state",
+    )
+    release.touch()
+    assert wait_all([procs[0], restarted, procs[2]]) == [0, 0, 0], logs_of(logs)
+
+    by_rank = rows(run)
+    assert by_rank[0][killed_in]["participants"] == [0, 2] == by_rank[2][killed_in]["participants"]
+    assert by_rank[0][held_at]["participants"] == [0, 1, 2]
     per_round = digests(run)
     assert all(len(d) == 1 for d in per_round.values()), per_round
     assert {by_rank[r][rounds]["global_sha256"] for r in range(3)} == per_round[rounds]
