@@ -239,7 +239,9 @@ def follow(
     """Watch a started run to its end, then write and print its report; None if the user detached."""
     plan = supervisor.record.plan
     console.print(
-        f"run [bold]{plan.run_id}[/] at {supervisor.run.url}: {len(plan.replicas)} {plan.executor} replicas\n"
+        f"run [bold]{plan.run_id}[/] at {supervisor.run.url}: {len(plan.replicas)} {plan.executor} replicas"
+        + (f" of {plan.ranks_per_replica} ranks" if plan.ranks_per_replica > 1 else "")
+        + "\n"
         f"  estimated cost: {plan.cost.summary()}",
         highlight=False,
     )

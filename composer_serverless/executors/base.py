@@ -80,6 +80,7 @@ class LaunchPlan:
     ``launcher_restarts`` is how often the launcher may start a dead replica again; backends that retry by
     themselves (Modal) get 0 here and their retries in ``resources``. ``model`` says what the replicas load,
     with the opt-ins that matter before paying for them (``trust_remote_code`` runs the checkpoint's code).
+    ``ranks_per_replica`` is how many processes (one per GPU, when there are GPUs) shard each replica's model.
     """
 
     executor: str
@@ -90,6 +91,7 @@ class LaunchPlan:
     resources: dict[str, Any] = field(default_factory=dict)
     launcher_restarts: int = 0
     model: dict[str, Any] = field(default_factory=dict)
+    ranks_per_replica: int = 1
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -109,6 +111,7 @@ class LaunchPlan:
             resources=data["resources"],
             launcher_restarts=data["launcher_restarts"],
             model=data.get("model", {}),
+            ranks_per_replica=data.get("ranks_per_replica", 1),
         )
 
     def only(self, rank: int) -> LaunchPlan:

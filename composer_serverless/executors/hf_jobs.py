@@ -24,7 +24,6 @@ package pinned to a commit), otherwise the image must already contain it (deploy
 from __future__ import annotations
 
 import logging
-import re
 import shlex
 import time
 from collections.abc import Iterator
@@ -94,7 +93,7 @@ class HFJobsExecutor:
             run_url=run_url,
             replicas=specs,
             cost=estimate_cost(
-                config, price_per_replica_hour=price, price_basis=basis, gpus_per_replica=_gpus(ex.flavor)
+                config, price_per_replica_hour=price, price_basis=basis, gpus_per_replica=ex.gpus
             ),
             resources={
                 "image": ex.image,
@@ -105,6 +104,7 @@ class HFJobsExecutor:
                 "labels": {"run_id": config.run_id or "", "rank": "<rank>"},
                 "scheduling_deadline_s": ex.scheduling_deadline_s,
             },
+            ranks_per_replica=config.ranks_per_replica,
             launcher_restarts=ex.max_restarts,
         )
 
@@ -179,14 +179,6 @@ def _command(run_url: str, rank: int, package: str | None) -> tuple[str, ...]:
         return worker
     install = f"pip install --quiet --no-cache-dir {shlex.quote(package)}"
     return ("bash", "-c", f"{install} && exec {shlex.join(worker)}")
-
-
-def _gpus(flavor: str) -> int:
-    """GPUs in a flavor: ``cpu-*`` none, ``h200x4`` four, ``a10g-largex2`` two, otherwise one."""
-    if flavor.startswith("cpu-"):
-        return 0
-    match = re.search(r"x(\d+)$", flavor)
-    return int(match.group(1)) if match else 1
 
 
 def _status(handle: ReplicaHandle, job: Any) -> ReplicaStatus:

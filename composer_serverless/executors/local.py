@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -64,11 +65,20 @@ class LocalProcessExecutor:
                 f"diloco.replicas ({replicas}) exceeds executor.max_replicas ({ex.max_replicas}) here\n"
                 f"  fix: fewer replicas, or --set executor.max_replicas={replicas} if this machine takes them"
             )
+        ranks = config.ranks_per_replica
         threads = ex.threads_per_replica or max(1, (os.cpu_count() or 1) // replicas)
-        # One BLAS/OpenMP pool per replica, sized so replicas share the cores instead of oversubscribing them.
-        env = {**REPLICA_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        # One BLAS/OpenMP pool per rank, sized so replicas and their ranks share the cores instead of
+        # oversubscribing them.
+        per_rank = max(1, threads // ranks)
+        env = {**REPLICA_ENV, "OMP_NUM_THREADS": str(per_rank), "MKL_NUM_THREADS": str(per_rank)}
+        devices = gpu_assignment(visible_gpus(), replicas, ranks)
         specs = tuple(
-            ReplicaSpec(rank, worker_argv(run_url, rank, sys.executable), env) for rank in range(replicas)
+            ReplicaSpec(
+                rank,
+                worker_argv(run_url, rank, sys.executable),
+                env if devices is None else {**env, "CUDA_VISIBLE_DEVICES": devices[rank]},
+            )
+            for rank in range(replicas)
         )
         free = CostEstimate(0.0, "local processes: no cloud bill", 0, 0.0, 0.0, 0.0, 0.0)
         return LaunchPlan(
@@ -79,10 +89,13 @@ class LocalProcessExecutor:
             cost=free,
             resources={
                 "threads_per_replica": threads,
+                "threads_per_rank": per_rank,
+                "devices": "cpu" if devices is None else {str(r): d for r, d in enumerate(devices)},
                 "log_dir": str(self._log_dir),
                 "secrets": "inherited environment",
             },
             launcher_restarts=ex.max_restarts,
+            ranks_per_replica=ranks,
         )
 
     def preflight(self, plan: LaunchPlan) -> list[str]:
@@ -173,6 +186,48 @@ class LocalProcessExecutor:
         if proc is not None and _same_process(handle):
             return proc.poll() is None
         return _verified_alive(handle)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs local replicas may use: those ``CUDA_VISIBLE_DEVICES`` names when it is set (empty: none,
+    which runs every replica on the CPU), else every GPU ``nvidia-smi`` lists. Found without importing torch,
+    which the launcher does not load."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [d.strip() for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []  # a driver that does not answer: the replicas will not find CUDA either
+    return [line.strip() for line in listed.splitlines() if line.strip()]
+
+
+def gpu_assignment(gpus: list[str], replicas: int, ranks: int) -> list[str] | None:
+    """Per replica, the ``CUDA_VISIBLE_DEVICES`` that pins it to GPUs of its own (its ``ranks`` ranks take
+    one each); None on a machine without GPUs. One-rank replicas that outnumber the GPUs share them in turn.
+
+    Raises:
+        ConfigError: replicas of several ranks need more GPUs than the machine has.
+    """
+    if not gpus:
+        return None
+    if replicas * ranks <= len(gpus):
+        return [",".join(gpus[r * ranks : (r + 1) * ranks]) for r in range(replicas)]
+    if ranks == 1:
+        return [gpus[r % len(gpus)] for r in range(replicas)]
+    raise ConfigError(
+        f"{replicas} replicas x {ranks} ranks need {replicas * ranks} GPUs; this machine has {len(gpus)} "
+        f"({','.join(gpus)})\n"
+        f"  fix: fewer replicas or executor.ranks_per_replica (e.g. --replicas {max(1, len(gpus) // ranks)}), "
+        "or CUDA_VISIBLE_DEVICES= to run every rank on the CPU"
+    )
 
 
 def _status_from_heartbeat(handle: ReplicaHandle, beat: dict | None) -> ReplicaStatus:

@@ -186,6 +186,7 @@ class ModalExecutor:
                 "modal_secrets": list(ex.modal_secrets),
                 "detached": True,
             },
+            ranks_per_replica=config.ranks_per_replica,
             launcher_restarts=0,
         )
 
