@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -24,8 +26,10 @@ from harness import (
     wait_all,
 )
 
+from composer_serverless.config import RunConfig
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import latest_round
+from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 
 
@@ -36,6 +40,54 @@ def wait_until(condition, what: str) -> None:
         time.sleep(0.05)
 
 
+def _three_replicas_one_killed(
+    tmp_path: Path, model_dir: Path, run_id: str, *, victim: int, kill_on: str, held_at: int, **settings: Any
+) -> tuple[RunConfig, ObjectStore, list[subprocess.Popen[bytes]]]:
+    """Three replicas (quorum of 2, a short straggler wait); ``victim`` SIGKILLs itself at its first store call
+    on a key matching ``kill_on``, the others are held before round ``held_at`` until ``tmp_path/release``
+    exists. Logs in ``tmp_path/logs``."""
+    config = make_config(
+        f"file://{tmp_path}/runs",
+        run_id,
+        model_dir,
+        replicas=3,
+        min_replicas=2,
+        quorum_grace_min_s=2.0,
+        quorum_grace_max_s=30.0,
+        **settings,
+    )
+    run = create(config)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    hold = json.dumps({"hold": {f"rounds/{held_at}/": str(tmp_path / "release")}})
+    kill = json.dumps({"kill_on": kill_on})
+    procs = [start_replica(run, r, logs / f"rank-{r}.log", kill if r == victim else hold) for r in range(3)]
+    return config, run, procs
+
+
+def _rejoined(run: ObjectStore, victim: int, killed_in: int, held_at: int, rounds: int) -> None:
+    """The round of the kill committed with the two others, the restarted replica contributed again once it
+    was back, and every replica that reports a round reports the same global parameters, to the bit."""
+    by_rank = rows(run)
+    others = [r for r in range(3) if r != victim]
+    assert [by_rank[r][killed_in]["participants"] for r in others] == [others, others]
+    assert by_rank[0][held_at]["participants"] == [0, 1, 2]
+    per_round = digests(run)
+    assert all(len(d) == 1 for d in per_round.values()), per_round
+    assert {by_rank[r][rounds]["global_sha256"] for r in range(3)} == per_round[rounds]
+    assert latest_round(run) == rounds
+
+
+def _ranks_of(worker: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    """The rank processes a replica's worker started (not multiprocessing's helpers)."""
+    children = psutil.Process(worker.pid).children()
+    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+
+
+def _gone(processes: list[psutil.Process]) -> bool:
+    return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)
+
+
 @pytest.mark.slow
 def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
     tmp_path: Path, tiny_model_dir: Path
@@ -44,25 +96,17 @@ def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
     it and are then held before round 5 until the restarted replica has loaded the latest state, so that
     its rejoining is an ordering of events, not a race against the survivors."""
     rounds, killed_in, held_at = 6, 3, 5
-    config = make_config(
-        f"file://{tmp_path}/runs",
-        "kill",
+    _, run, procs = _three_replicas_one_killed(
+        tmp_path,
         tiny_model_dir,
-        replicas=3,
+        "kill",
+        victim=2,
+        kill_on=f"rounds/{killed_in}/0/0/in/2-",
+        held_at=held_at,
         rounds=rounds,
-        min_replicas=2,
-        quorum_grace_min_s=2.0,
-        quorum_grace_max_s=30.0,
         checkpoint_every=1,
     )
-    run = create(config)
     logs = tmp_path / "logs"
-    logs.mkdir()
-    release = tmp_path / "release"
-    hold = json.dumps({"hold": {f"rounds/{held_at}/": str(release)}})
-    kill = json.dumps({"kill_on": f"rounds/{killed_in}/0/0/in/2-"})
-    procs = [start_replica(run, r, logs / f"rank-{r}.log", kill if r == 2 else hold) for r in range(3)]
-
     wait_until(lambda: procs[2].poll() is not None, "replica 2 to die")
     assert procs[2].returncode == -signal.SIGKILL
     wait_until(lambda: run.exists(layout.metrics(0, killed_in)), f"round {killed_in} to commit")
@@ -71,19 +115,9 @@ def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
         lambda: "resumed from round" in (logs / "rank-2.log").read_text(),
         "replica 2 to load the latest state",
     )
-    release.touch()
+    (tmp_path / "release").touch()
     assert wait_all([procs[0], procs[1], restarted]) == [0, 0, 0], logs_of(logs)
-
-    by_rank = rows(run)
-    # The round of the kill committed with the two others...
-    assert by_rank[0][killed_in]["participants"] == [0, 1] == by_rank[1][killed_in]["participants"]
-    # ... and the restarted replica contributed again once it was back.
-    assert by_rank[0][held_at]["participants"] == [0, 1, 2]
-    # Every replica that reports a round reports the same global parameters, to the bit.
-    per_round = digests(run)
-    assert all(len(d) == 1 for d in per_round.values()), per_round
-    assert {by_rank[r][rounds]["global_sha256"] for r in range(3)} == per_round[rounds]
-    assert latest_round(run) == rounds
+    _rejoined(run, 2, killed_in, held_at, rounds)
 
 
 @pytest.mark.slow
@@ -93,31 +127,23 @@ def test_kill_9_of_one_rank_restarts_its_replica_whole(tmp_path: Path, tiny_mode
     round 3 without it. Restarted, the replica rejoins whole, and every round's global parameters are the same
     on every replica that reports it."""
     rounds, killed_in, held_at = 5, 3, 5
-    config = make_config(
-        f"file://{tmp_path}/runs",
-        "rank-kill",
+    _, run, procs = _three_replicas_one_killed(
+        tmp_path,
         tiny_model_dir,
+        "rank-kill",
+        victim=1,
+        kill_on=f"rounds/{killed_in}/0/1/in/1-",
+        held_at=held_at,
         ranks=2,
-        replicas=3,
         rounds=rounds,
-        min_replicas=2,
-        quorum_grace_min_s=2.0,
-        quorum_grace_max_s=30.0,
         checkpoint_every=1,
     )
-    run = create(config)
     logs = tmp_path / "logs"
-    logs.mkdir()
-    release = tmp_path / "release"
-    hold = json.dumps({"hold": {f"rounds/{held_at}/": str(release)}})
-    kill = json.dumps({"kill_on": f"rounds/{killed_in}/0/1/in/1-"})
-    procs = [start_replica(run, r, logs / f"rank-{r}.log", kill if r == 1 else hold) for r in range(3)]
-    wait_until(lambda: len(psutil.Process(procs[1].pid).children()) == 2, "replica 1 to start its 2 ranks")
-    ranks = psutil.Process(procs[1].pid).children()
-
+    wait_until(lambda: len(_ranks_of(procs[1])) == 2, "replica 1 to start its 2 ranks")
+    ranks = _ranks_of(procs[1])
     wait_until(lambda: procs[1].poll() is not None, "replica 1 to stop")
     assert procs[1].returncode == 1
-    assert not any(rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE for rank in ranks)
+    assert _gone(ranks)
     beat = read_heartbeats(run)[1]
     assert beat["state"] == "failed" and "local rank 1" in beat["error"] and "SIGKILL" in beat["error"]
     wait_until(lambda: run.exists(layout.metrics(0, killed_in)), f"round {killed_in} to commit")
@@ -126,16 +152,22 @@ def test_kill_9_of_one_rank_restarts_its_replica_whole(tmp_path: Path, tiny_mode
         lambda: "resumed from round" in (logs / "rank-1.log").read_text(),
         "replica 1 to load the latest state",
     )
-    release.touch()
+    (tmp_path / "release").touch()
     assert wait_all([procs[0], restarted, procs[2]]) == [0, 0, 0], logs_of(logs)
+    _rejoined(run, 1, killed_in, held_at, rounds)
 
-    by_rank = rows(run)
-    assert by_rank[0][killed_in]["participants"] == [0, 2] == by_rank[2][killed_in]["participants"]
-    assert by_rank[0][held_at]["participants"] == [0, 1, 2]
-    per_round = digests(run)
-    assert all(len(d) == 1 for d in per_round.values()), per_round
-    assert {by_rank[r][rounds]["global_sha256"] for r in range(3)} == per_round[rounds]
-    assert latest_round(run) == rounds
+
+@pytest.mark.slow
+def test_the_ranks_of_a_killed_worker_stop_too(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """kill -9 of a replica's worker leaves no one to stop its ranks: they notice it and exit, and nothing of
+    the replica is left running."""
+    run = create(make_config(f"file://{tmp_path}/runs", "orphans", tiny_model_dir, ranks=2, rounds=50))
+    worker = start_replica(run, 0, tmp_path / "rank-0.log")
+    wait_until(lambda: len(_ranks_of(worker)) == 2, "the worker to start its 2 ranks")
+    ranks = _ranks_of(worker)
+    worker.kill()
+    worker.wait()
+    wait_until(lambda: _gone(ranks), "the orphaned ranks to exit")
 
 
 @pytest.mark.slow
@@ -190,24 +222,18 @@ def test_a_restarted_replica_asks_for_the_state_it_needs_between_checkpoints(
     asks for the round in progress to be published (a heal request), loads it and rejoins in step. The
     survivors are held before round 5 until its request is there, so that this is an order of events."""
     rounds, killed_in, held_at = 6, 3, 5
-    config = make_config(
-        f"file://{tmp_path}/runs",
-        "heal",
+    config, run, procs = _three_replicas_one_killed(
+        tmp_path,
         tiny_model_dir,
-        replicas=3,
+        "heal",
+        victim=2,
+        kill_on=f"rounds/{killed_in}/0/0/in/2-",
+        held_at=held_at,
         rounds=rounds,
-        min_replicas=2,
-        quorum_grace_min_s=2.0,
-        quorum_grace_max_s=30.0,
     )
     assert config.diloco.checkpoint_every > rounds - 1  # only the last round is a checkpoint
-    run = create(config)
     logs = tmp_path / "logs"
-    logs.mkdir()
     release = tmp_path / "release"
-    hold = json.dumps({"hold": {f"rounds/{held_at}/": str(release)}})
-    kill = json.dumps({"kill_on": f"rounds/{killed_in}/0/0/in/2-"})
-    procs = [start_replica(run, r, logs / f"rank-{r}.log", kill if r == 2 else hold) for r in range(3)]
     wait_until(lambda: procs[2].poll() is not None, "replica 2 to die")
     wait_until(lambda: run.exists(layout.metrics(0, killed_in)), f"round {killed_in} to commit")
     assert latest_round(run) == 0  # nothing published: no checkpoint, nobody asked
