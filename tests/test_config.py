@@ -165,3 +165,38 @@ def test_help_lists_only_working_subcommands():
 def test_unknown_executor_type_is_named():
     with pytest.raises(ConfigError, match=r"executor.type: unknown executor 'nope'; choose one of 'local'"):
         validate_config({**MINIMAL, "executor": {"type": "nope"}})
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("train.lr=inf", "train.lr: Input should be a finite number"),
+        ("train.lr=nan", "train.lr: Input should be a finite number"),
+        ("train.lr=1e6", "train.lr: Input should be less than or equal to 1"),
+        ("diloco.outer_lr=1e9", "diloco.outer_lr: Input should be less than or equal to 10"),
+        ("diloco.rounds=1000000000000000000", "diloco.rounds: Input should be less than or equal to 1000000"),
+        ("diloco.sync_timeout_s=inf", "diloco.sync_timeout_s: Input should be a finite number"),
+        ('store="s3:/bucket/runs"', "'s3:/bucket/runs' is not a store URL: write s3://<bucket>/<prefix>"),
+        ('store=""', "store: the store is empty"),
+        ('store="s3://"', "'s3://' is not a store URL"),
+        ('store="nosuchproto://bucket/runs"', "unknown storage protocol 'nosuchproto'"),
+    ],
+)
+def test_values_no_run_could_use_exit_2_before_anything_is_written(tmp_path, monkeypatch, override, expected):
+    """Each of these once ran: an infinite learning rate reached run.json as null, 1e18 rounds ran until
+    killed, ``s3:/bucket`` trained in a directory named ``s3:`` and an empty store in the current one."""
+    monkeypatch.chdir(tmp_path)
+    config = _write_config(tmp_path, str(tmp_path / "store"))
+    result = CliRunner().invoke(app, ["launch", str(config), "--set", override])
+    assert result.exit_code == 2, result.output
+    assert expected in " ".join(result.output.split())
+    assert "fix:" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.toml"]  # no store, no s3: directory
+
+
+def test_a_binary_config_file_exits_2(tmp_path):
+    config = tmp_path / "model.safetensors"
+    config.write_bytes(b"\x00\x01\xff\xfe\x80 not toml")
+    result = CliRunner().invoke(app, ["launch", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "is not a text file" in result.output and "fix: pass the TOML config" in result.output

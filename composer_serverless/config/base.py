@@ -11,6 +11,7 @@ class ConfigError(ValueError):
 
 class StrictModel(BaseModel):
     """A config table: unknown keys are errors (a typo fails at once), values are frozen and defaults are
-    validated like any value."""
+    validated like any value. No number may be infinite or NaN: JSON (``run.json``, which the replicas read)
+    cannot hold them, and no setting means anything at infinity."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)

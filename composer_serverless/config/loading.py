@@ -40,7 +40,12 @@ def load_config(
             f"config file not found: {path}\n  fix: pass the path of a TOML file, e.g. deploy/configs/local-demo.toml"
         )
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path} is not a text file (byte {e.start} is not UTF-8)\n  fix: pass the TOML config, "
+            "e.g. deploy/configs/local-demo.toml"
+        ) from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from e
     if executor_type is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+import fsspec
 from pydantic import Field, field_validator, model_validator
 
 from composer_serverless.config.base import StrictModel
@@ -16,6 +17,14 @@ from composer_serverless.config.executors import ExecutorConfig, HFJobsExecutorC
 from composer_serverless.config.model import ModelConfig
 
 RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+STORE_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/*")
+# Bounds past which a setting is a typo, not an experiment: every value is written to run.json and read by
+# every replica, so it is refused here, before anything is written or paid for.
+MAX_LR = 1.0
+MAX_OUTER_LR = 10.0
+MAX_ROUNDS = 1_000_000
+MAX_SYNC_EVERY = 1_000_000
+MAX_WAIT_S = 24 * 3600.0
 
 
 class TrainConfig(StrictModel):
@@ -27,7 +36,12 @@ class TrainConfig(StrictModel):
         "three-channel loss GRPO + alpha * SDPO + beta * replay, configured in [composer]",
     )
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="inner optimizer")
-    lr: float = Field(3e-3, gt=0, description="peak inner learning rate")
+    lr: float = Field(
+        3e-3,
+        gt=0,
+        le=MAX_LR,
+        description="peak inner learning rate (at most 1: beyond it any model diverges)",
+    )
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (AdamW)")
     warmup_steps: int = Field(
@@ -51,11 +65,15 @@ class DiLoCoConfig(StrictModel):
     """The outer loop: how many replicas, how often they sync, and the outer optimizer."""
 
     replicas: int = Field(4, ge=1, le=1024, description="number of replicas (M in the DiLoCo papers)")
-    sync_every: int = Field(ge=1, description="inner steps between synchronisations (H)")
+    sync_every: int = Field(ge=1, le=MAX_SYNC_EVERY, description="inner steps between synchronisations (H)")
     rounds: int = Field(
-        ge=1, description="outer rounds to run; each replica runs rounds * sync_every inner steps"
+        ge=1,
+        le=MAX_ROUNDS,
+        description="outer rounds to run; each replica runs rounds * sync_every inner steps",
     )
-    outer_lr: float = Field(0.7, gt=0, description="outer SGD learning rate (0.7 in DiLoCo)")
+    outer_lr: float = Field(
+        0.7, gt=0, le=MAX_OUTER_LR, description="outer SGD learning rate (0.7 in DiLoCo; at most 10)"
+    )
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer SGD momentum (0.9 in DiLoCo)")
     nesterov: bool = Field(True, description="Nesterov momentum for the outer step")
     fragments: int = Field(1, ge=1, description="Streaming DiLoCo fragments, synced one at a time")
@@ -64,7 +82,10 @@ class DiLoCoConfig(StrictModel):
     )
     fragment_update_alpha: float = Field(0.0, ge=0, le=1, description="mix of local into global after a sync")
     sync_timeout_s: float = Field(
-        600.0, gt=0, description="seconds one sync may take before this replica gives it up and rolls back"
+        600.0,
+        gt=0,
+        le=MAX_WAIT_S,
+        description="seconds one sync may take before this replica gives it up and rolls back (at most a day)",
     )
     checkpoint_every: int = Field(
         10,
@@ -152,6 +173,30 @@ class RunConfig(StrictModel):
     eval: EvalConfig = EvalConfig()
     composer: ComposerConfig | None = Field(None, description="settings of train.objective = 'composer'")
     executor: ExecutorConfig = LocalExecutorConfig()
+
+    @field_validator("store")
+    @classmethod
+    def _valid_store(cls, store: str) -> str:
+        """A directory path or ``protocol://location``: ``s3:/bucket`` (one slash) would otherwise become a
+        local directory named ``s3:``, and an empty store the current directory."""
+        if not store.strip():
+            raise ValueError(
+                "the store is empty; use a directory (e.g. 'runs') or a URL like s3://bucket/runs"
+            )
+        scheme = STORE_SCHEME.match(store)
+        if scheme is None:
+            return store
+        protocol = scheme.group(1).lower()
+        if not store.startswith(f"{scheme.group(1)}://") or not store[len(scheme.group(0)) :].lstrip("/"):
+            raise ValueError(
+                f"{store!r} is not a store URL: write {protocol}://<bucket>/<prefix> (two slashes after "
+                f"'{protocol}:'), or a directory path without a ':'"
+            )
+        if protocol not in fsspec.available_protocols():
+            raise ValueError(
+                f"{store!r}: unknown storage protocol {protocol!r} (fsspec knows s3, gcs, file, ...)"
+            )
+        return store
 
     @field_validator("run_id")
     @classmethod
