@@ -29,6 +29,7 @@ A payload that fails its checksum, header or identity is logged and left out of 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -49,8 +50,14 @@ from composer_serverless.rendezvous.codec import (
 )
 from composer_serverless.rendezvous.polling import poll_until
 from composer_serverless.rendezvous.replica_log import ReplicaLog
-from composer_serverless.rendezvous.sharding import complete_ranks, shard_bounds, substitute_for
-from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.sharding import (
+    MAX_QUORUM_GENERATIONS,
+    complete_ranks,
+    parse_participants,
+    shard_bounds,
+    substitute_for,
+)
+from composer_serverless.rendezvous.store import ObjectStore, ObjectTooLarge
 from composer_serverless.rendezvous.workspace import Workspace
 
 logger = logging.getLogger(__name__)
@@ -176,6 +183,7 @@ class _Exchange:
         self.grace_s = grace_s
         self.started = time.monotonic()
         self.quorum_at = self.started
+        self.generation = 0  # of the quorum record (layout.quorum_generation)
         self.hard_deadline = self.started + settings.timeout_s
         self.bounds = shard_bounds(self.values.numel(), self.n)
         # This replica's inputs as written (header, then a view of ``values`` for fp32), kept for reducing.
@@ -266,7 +274,7 @@ class _Exchange:
             # already, and its near-zero wait belongs in its history as much as the first one's long wait.
             if len(present) == self.n and self.result.waited_for_all_s is None:
                 self.result.waited_for_all_s = now - self.started
-            if layout.QUORUM in keys:
+            if layout.quorum_generation(self.generation) in keys:
                 fixed = self._read_quorum()
                 if fixed is not None:
                     return fixed
@@ -292,29 +300,42 @@ class _Exchange:
         if self.is_stale is not None and self.is_stale():
             raise StaleRoundError(f"{self.store.url}: the store has already completed this round")
         doc = {"participants": present, "decided_by": self.rank, "reason": reason}
-        if self.store.create(layout.QUORUM, json.dumps(doc).encode()):
+        key = layout.quorum_generation(self.generation)
+        if self.store.create(key, json.dumps(doc).encode()):
             self.log.info("quorum %s fixed: %s (%s)", self.store.url, present, reason)
             return present
         quorum = self._read_quorum()
         if quorum is None:
-            raise ExchangeError(f"{self.store.url}/{layout.QUORUM} vanished after it was created")
+            raise ExchangeError(f"{self.store.url}/{key} vanished after it was created")
         return quorum
 
     def _read_quorum(self) -> list[int] | None:
-        try:
-            raw = self.store.get(layout.QUORUM)
-        except FileNotFoundError:
-            return None
-        self.result.bytes_down += len(raw)
-        participants = json.loads(raw).get("participants")
-        if (
-            not isinstance(participants, list)
-            or not participants
-            or any(not isinstance(p, int) or not 0 <= p < self.n for p in participants)
-            or participants != sorted(set(participants))
-        ):
-            raise ExchangeError(f"{self.store.url}/{layout.QUORUM} is malformed: {raw[:200]!r}")
-        return participants
+        """The participants fixed for this sync, or None while there are none. A malformed record is passed
+        over for the next generation's (``layout.quorum_generation``), which every reader of it moves to."""
+        while True:
+            key = layout.quorum_generation(self.generation)
+            try:
+                raw = self.store.get(key)
+            except FileNotFoundError:
+                return None
+            self.result.bytes_down += len(raw)
+            participants = parse_participants(raw, self.n)
+            if participants is not None:
+                return participants
+            if self.generation + 1 >= MAX_QUORUM_GENERATIONS:
+                raise ExchangeError(
+                    f"{self.store.url}/{key} is malformed ({raw[:80]!r}), as is every earlier quorum record of "
+                    f"this sync; something overwrites the run's objects. Stop it, then delete "
+                    f"{self.store.url}/quorum*.json and resume the run"
+                )
+            self.log.warning(
+                "%s/%s is malformed (%r); using %s instead",
+                self.store.url,
+                key,
+                raw[:80],
+                layout.quorum_generation(self.generation + 1),
+            )
+            self.generation += 1
 
     def _prefetch(self, keys: set[str], present: list[int]) -> None:
         """While waiting for the quorum, fetch the peer inputs of the shard this replica will reduce."""
@@ -324,9 +345,11 @@ class _Exchange:
                 and (peer, self.rank) not in self.fetched
                 and layout.sync_input(peer, self.rank, self.local) in keys
             ):
-                self.fetched[(peer, self.rank)] = self._fetch(
-                    layout.sync_input(peer, self.rank, self.local), self.rank, slot=peer
-                )
+                # One that cannot be read is fetched again when reducing, and rejected there with its reason.
+                with contextlib.suppress(PayloadError):
+                    self.fetched[(peer, self.rank)] = self._fetch(
+                        layout.sync_input(peer, self.rank, self.local), self.rank, slot=peer
+                    )
 
     # --- phase 3: reduce ---------------------------------------------------------------------------
 
@@ -340,7 +363,7 @@ class _Exchange:
                 payload, verify = self._input(peer, shard)
                 identity = self._input_identity(peer, shard)
                 accumulate(total, payload, identity, self.settings.codec, verify=verify)
-            except PayloadError as e:
+            except (PayloadError, FileNotFoundError) as e:  # a quorum may name an input that is not there
                 self.log.warning(
                     "rejected %s/%s: %s",
                     self.store.url,
@@ -418,7 +441,10 @@ class _Exchange:
         own slot."""
         start, end = self.bounds[shard]
         buffer = self.workspace.bytes(slot, max_payload_bytes(end - start, self.settings.codec))
-        size = self.store.get_into(key, buffer)
+        try:
+            size = self.store.get_into(key, buffer)
+        except ObjectTooLarge as e:  # no payload of this shard is that large: rejected, not a crash
+            raise PayloadError(str(e)) from e
         self.result.bytes_down += size
         return buffer[:size]
 

@@ -213,9 +213,16 @@ def _checked_values(
     if verify and hashlib.sha256(body).hexdigest() != metadata.get("sha256"):
         raise PayloadError("payload checksum mismatch")
     if codec == "int8":
-        q = _view(body, torch.int8, 0, numel)
-        return dequantize_int8(q, _view(body, torch.float32, numel, _blocks(numel)))
-    return _view(body, _DTYPES[codec][1], 0, numel)
+        values = dequantize_int8(
+            _view(body, torch.int8, 0, numel), _view(body, torch.float32, numel, _blocks(numel))
+        )
+    else:
+        values = _view(body, _DTYPES[codec][1], 0, numel)
+    # A checksum proves the bytes arrived as written, not that they are numbers: one NaN or Inf averaged in
+    # makes every parameter it touches NaN, on every replica, for good.
+    if not bool(torch.isfinite(values).all()):
+        raise PayloadError("payload holds non-finite values (NaN or Inf)")
+    return values
 
 
 def _header_and_body(data: Payload) -> tuple[dict[str, object], memoryview]:

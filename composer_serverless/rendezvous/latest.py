@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.sharding import MAX_QUORUM_GENERATIONS, parse_participants
 from composer_serverless.rendezvous.store import ObjectStore
 
 
@@ -34,8 +35,29 @@ def advance(store: ObjectStore, round_index: int, *, checkpoint: bool) -> None:
 
 
 def newest_round(store: ObjectStore) -> int:
-    """The newest round any replica has started exchanging; 0 before the first."""
-    return max((int(name) for name in store.list(layout.ROUNDS) if name.isdigit()), default=0)
+    """The newest round whose first sync has its participants fixed; 0 before the first. A round directory
+    without a readable quorum (replicas still arriving, or objects something else wrote there) does not count:
+    otherwise one stray object under ``rounds/99`` would make every replica think the run is far ahead."""
+    for round_index in sorted((int(n) for n in store.list(layout.ROUNDS) if n.isdigit()), reverse=True):
+        if fixed_participants(store, round_index, 0) is not None:
+            return round_index
+    return 0
+
+
+def fixed_participants(
+    store: ObjectStore, round_index: int, fragment: int, replicas: int | None = None
+) -> list[int] | None:
+    """The participants of the sync's first readable quorum record (passing over malformed ones, as the
+    exchange does), or None if it has none."""
+    for generation in range(MAX_QUORUM_GENERATIONS):
+        try:
+            raw = store.get(layout.quorum(round_index, fragment, generation))
+        except FileNotFoundError:
+            return None
+        participants = parse_participants(raw, replicas)
+        if participants is not None:
+            return participants
+    return None
 
 
 def roll_back(store: ObjectStore) -> int:

@@ -102,8 +102,15 @@ def sync_output(shard: int, local: int = 0) -> str:
     return f"{sync_outputs(local)}/{shard}"
 
 
-def quorum(round_index: int, fragment: int) -> str:
-    return f"{sync(round_index, fragment)}/{QUORUM}"
+def quorum_generation(generation: int) -> str:
+    """Relative to a sync's prefix: the quorum record of ``generation``. Generation 0 is ``QUORUM``; a
+    later one is created only when every earlier one is unreadable (overwritten with garbage, say), so that
+    one bad object cannot wedge the round: readers that find it malformed all move to the next."""
+    return QUORUM if generation == 0 else f"quorum-{generation}.json"
+
+
+def quorum(round_index: int, fragment: int, generation: int = 0) -> str:
+    return f"{sync(round_index, fragment)}/{quorum_generation(generation)}"
 
 
 def eval_share(round_index: int, part: int, parts: int) -> str:
@@ -153,6 +160,10 @@ def describe() -> list[tuple[str, str]]:
         (metrics(rank, k), "one row per round (object stores cannot append)"),
         (in_sync + sync_input(rank, shard, local), "pseudo-gradient shards of local rank {local}'s part"),
         (in_sync + QUORUM, "participants of the sync, created once"),
+        (
+            in_sync + quorum_generation(placeholder("g")),
+            "the quorum again, if every earlier one is unreadable",
+        ),
         (in_sync + sync_output(shard, local), "reduced shards, created once"),
         (eval_share(k, part, parts), "a participant's share of round k's evaluation"),
         (INITIAL_WEIGHTS, "sha256 of the initial weights, created once"),

@@ -3,6 +3,8 @@ computes alike, so they agree without talking."""
 
 from __future__ import annotations
 
+import json
+
 from composer_serverless.rendezvous import layout
 
 
@@ -27,3 +29,26 @@ def substitute_for(shard: int, participants: list[int]) -> int:
     """The participant that reduces ``shard`` when its owner is not a participant: a fixed function of the
     quorum, so every replica names the same one and only it downloads the shard's inputs."""
     return participants[shard % len(participants)]
+
+
+# Malformed quorum records of one sync passed over before the exchange gives up (``layout.quorum_generation``).
+MAX_QUORUM_GENERATIONS = 4
+
+
+def parse_participants(raw: bytes, replicas: int | None) -> list[int] | None:
+    """The participants a quorum record names, or None if it is not one: JSON with a sorted, duplicate-free,
+    non-empty list of ranks (in ``[0, replicas)`` when ``replicas`` is given) under ``participants``."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    participants = doc.get("participants") if isinstance(doc, dict) else None
+    if (
+        not isinstance(participants, list)
+        or not participants
+        or any(not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in participants)
+        or (replicas is not None and participants[-1] >= replicas)
+        or participants != sorted(set(participants))
+    ):
+        return None
+    return participants

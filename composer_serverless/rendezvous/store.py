@@ -210,7 +210,7 @@ class ObjectStore:
 
         Raises:
             FileNotFoundError: the object does not exist.
-            ValueError: the object is larger than ``out``.
+            ObjectTooLarge: the object is larger than ``out``.
         """
         path = self.path(key)
         view = memoryview(out).cast("B")
@@ -372,9 +372,15 @@ def _joined(data: Body) -> bytes | bytearray:
     return bytes(data) if isinstance(data, memoryview) else data
 
 
+class ObjectTooLarge(ValueError):
+    """An object is larger than the buffer a reader sized for what it may hold."""
+
+
 def _check_fits(path: str, size: int, capacity: int) -> None:
     if size > capacity:
-        raise ValueError(f"{path} holds {size} bytes, more than the {capacity}-byte buffer it is read into")
+        raise ObjectTooLarge(
+            f"{path} holds {size} bytes, more than the {capacity}-byte buffer it is read into"
+        )
 
 
 def _read_file_into(path: str, view: memoryview) -> int:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from composer_serverless.rendezvous import layout
-from composer_serverless.rendezvous.latest import latest_round, newest_round
+from composer_serverless.rendezvous.latest import fixed_participants, latest_round, newest_round
 from composer_serverless.rendezvous.polling import poll_until
 from composer_serverless.rendezvous.store import ObjectStore
 
@@ -22,13 +22,10 @@ from composer_serverless.rendezvous.store import ObjectStore
 WAIT_POLL_CAP_S = 0.25
 
 
-def left_out_of(store: ObjectStore, round_index: int, rank: int) -> bool:
+def left_out_of(store: ObjectStore, round_index: int, rank: int, replicas: int) -> bool:
     """Whether ``round_index`` already has a quorum (of its first fragment) that does not include ``rank``."""
-    try:
-        quorum = json.loads(store.get(layout.quorum(round_index, 0)))
-    except FileNotFoundError:
-        return False
-    return rank not in quorum.get("participants", [])
+    participants = fixed_participants(store, round_index, 0, replicas)
+    return participants is not None and rank not in participants
 
 
 def behind(store: ObjectStore, upcoming: int) -> int:

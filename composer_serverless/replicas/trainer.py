@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -60,6 +61,10 @@ logger = logging.getLogger(__name__)
 
 class SyncError(RuntimeError):
     """A replica's syncs failed ``max_failed_syncs`` times in a row; its restart resumes from the store."""
+
+
+class DivergedError(RuntimeError):
+    """The training loss or the global parameters are no longer finite: training further cannot help."""
 
 
 def run_replica(run: ObjectStore, rank: int, node: Node = SOLO) -> None:
@@ -250,13 +255,21 @@ class Replica:
         self.schedule.step()
         self.meter.steps += 1
         dl = self.config.diloco
+        value = loss.item()
+        if not math.isfinite(value):
+            raise DivergedError(
+                f"replica {self.rank}: the training loss is {value} in round {self.completed_rounds + 1}, "
+                f"step {self.meter.steps}: training diverged. Lower train.lr (now {self.config.train.lr}) or "
+                f"diloco.outer_lr (now {dl.outer_lr}), or set train.grad_clip; the run's published states "
+                "before this point are intact"
+            )
         self.reporter.beat(
             state="training",
             round=self.completed_rounds + 1,
             rounds=dl.rounds,
             step=min(self.meter.steps, dl.sync_every),
             steps=dl.sync_every,
-            loss=loss.item(),
+            loss=value,
         )
         return loss.detach()
 
@@ -269,6 +282,12 @@ class Replica:
         if node.size > 1:
             row.update(self._replica_totals(row))
         params = global_parameters(self.manager, self.names)
+        if not all(bool(torch.isfinite(p).all()) for p in params.values()):
+            # Averages with a NaN or Inf are rejected, so only the outer step itself can get here.
+            raise DivergedError(
+                f"replica {self.rank}: the global parameters of round {round_index} are not finite: the outer "
+                f"step diverged. Lower diloco.outer_lr (now {self.config.diloco.outer_lr}) or train.lr"
+            )
         if self.config.diloco.verify_global:
             row["global_sha256"] = digest(params, node)
         last = round_index == self.config.diloco.rounds
@@ -399,7 +418,11 @@ class Replica:
         target = -1
         if node.lead:
             ahead = catchup.behind(self.run_store, upcoming)
-            if late or ahead > upcoming or catchup.left_out_of(self.run_store, upcoming, self.rank):
+            if (
+                late
+                or ahead > upcoming
+                or catchup.left_out_of(self.run_store, upcoming, self.rank, dl.replicas)
+            ):
                 target = ahead
         target = node.broadcast(target)
         if target < 0:

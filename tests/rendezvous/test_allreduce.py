@@ -17,6 +17,7 @@ from faults import FaultyStore
 
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.allreduce import (
+    MAX_QUORUM_GENERATIONS,
     ExchangeError,
     ExchangeResult,
     ExchangeSettings,
@@ -258,14 +259,28 @@ class _CreatesAFile:
         return (Path.touch, (self.path,))
 
 
-def test_a_rejected_input_is_left_out_and_never_executed(tmp_path: Path) -> None:
-    """Replica 2's input for shard 0 is a pickle: shard 0 averages replicas 0 and 1 only."""
+def _forged(kind: str, marker: Path, numel: int) -> bytes:
+    """Replica 2's input for shard 0 as someone who can write to the bucket could make it."""
+    identity = {**IDENTITY, "local": "0", "rank": "2", "shard": "0"}
+    if kind == "pickle":
+        return pickle.dumps(_CreatesAFile(marker))
+    if kind == "oversized":  # a valid payload with a MiB more behind it
+        return encode(torch.ones(numel), identity, "fp32") + bytes(2**20)
+    values = torch.ones(numel)
+    values[numel // 2] = float("nan") if kind == "nan" else float("inf")
+    return encode(values, identity, "fp32")  # the right size, and its own valid checksum
+
+
+@pytest.mark.parametrize("kind", ["pickle", "nan", "inf", "oversized"])
+def test_a_rejected_input_is_left_out_and_never_executed(tmp_path: Path, kind: str) -> None:
+    """Replica 2's input for shard 0 is a pickle, holds a NaN or an Inf under a valid checksum, or is a MiB
+    larger than any payload of its shard: shard 0 averages replicas 0 and 1 only, the average is finite."""
     url = f"file://{tmp_path}/run"
     values = tensors(3)
     store = ObjectStore(url).child(PREFIX)
     bounds = shard_bounds(NUMEL, 3)
     marker = tmp_path / "executed"
-    store.create(layout.sync_input(2, 0), pickle.dumps(_CreatesAFile(marker)))
+    store.create(layout.sync_input(2, 0), _forged(kind, marker, bounds[0][1] - bounds[0][0]))
     for s in (1, 2):
         start, end = bounds[s]
         store.create(
@@ -279,6 +294,7 @@ def test_a_rejected_input_is_left_out_and_never_executed(tmp_path: Path) -> None
     for result in results.values():
         assert torch.equal(result.average[start:end], without[start:end])
         assert torch.equal(result.average[end:], full[end:])
+        assert bool(torch.isfinite(result.average).all())
     assert not marker.exists()
 
 
@@ -312,10 +328,35 @@ def test_too_few_replicas_time_out(tmp_path: Path) -> None:
         exchange(f"file://{tmp_path}/run", tensors(1), ExchangeSettings(2, 2, "fp32", timeout_s=0.3))
 
 
-def test_the_quorum_record_is_validated(tmp_path: Path) -> None:
-    store = ObjectStore(f"file://{tmp_path}/run")
-    store.child(PREFIX).create("quorum.json", json.dumps({"participants": [0, 7]}).encode())
-    with pytest.raises(ExchangeError, match="malformed"):
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x00\xffnot json",
+        b'{"participants": [0, 7]}',
+        b'{"participants": []}',
+        b"[1, 2]",
+        b'{"participants": [1, 0]}',
+    ],
+)
+def test_a_malformed_quorum_record_is_passed_over(tmp_path: Path, garbage: bytes) -> None:
+    """Written before anyone fixed the quorum (create-once then refuses everyone): every replica finds it
+    malformed and fixes the quorum in the next generation's record; the average is the full one."""
+    store = ObjectStore(f"file://{tmp_path}/run").child(PREFIX)
+    store.create(layout.QUORUM, garbage)
+    values = tensors(2)
+    results = exchange(f"file://{tmp_path}/run", values, ExchangeSettings(2, 2, "fp32", 30))
+    expected = expected_average(values, [0, 1], "fp32", 2)
+    assert all(torch.equal(r.average, expected) and r.participants == [0, 1] for r in results.values())
+    assert json.loads(store.get(layout.quorum_generation(1)))["participants"] == [0, 1]
+
+
+def test_a_sync_whose_every_quorum_record_is_malformed_says_what_to_do(tmp_path: Path) -> None:
+    store = ObjectStore(f"file://{tmp_path}/run").child(PREFIX)
+    for generation in range(MAX_QUORUM_GENERATIONS):
+        store.create(layout.quorum_generation(generation), b"garbage")
+    with pytest.raises(
+        ExchangeError, match=r"quorum-3.json is malformed .* delete .*quorum\*.json and resume"
+    ):
         exchange(f"file://{tmp_path}/run", tensors(2), ExchangeSettings(2, 1, "fp32", 10))
 
 

@@ -93,7 +93,7 @@ def test_snapshots_are_checked_against_their_manifest(store: ObjectStore) -> Non
 def test_latest_moves_forward_only_and_old_states_are_pruned_but_the_checkpoint(store: ObjectStore) -> None:
     assert latest.latest_round(store) == 0 and latest.checkpoint_round(store) == 0
     for k in range(1, 7):
-        store.put(f"rounds/{k}/0/quorum.json", b"{}")
+        store.put(f"rounds/{k}/0/quorum.json", b'{"participants": [0]}')
         written = checkpoint.write_global(store, k, {"step": k})
         checkpoint.advance(store, k, checkpoint=k == 2)
         checkpoint.prune_exchanges(store, k)
@@ -110,7 +110,7 @@ def test_latest_moves_forward_only_and_old_states_are_pruned_but_the_checkpoint(
 
 def test_a_resume_rolls_the_run_back_to_its_checkpoint(store: ObjectStore) -> None:
     for k in range(1, 6):
-        store.put(f"rounds/{k}/0/quorum.json", b"{}")
+        store.put(f"rounds/{k}/0/quorum.json", b'{"participants": [0]}')
         store.put(f"evals/{k}/0-of-1.json", b"{}")
         checkpoint.write_global(store, k, {"step": k})
         checkpoint.advance(store, k, checkpoint=k % 2 == 0)
@@ -165,3 +165,17 @@ def test_the_ranks_of_a_replica_resume_from_a_round_every_one_of_them_can_read(s
     for thread in ranks:
         thread.join(timeout=30)
     assert found == {local: (2, {"round": 2, "local": local}) for local in (0, 1)}
+
+
+def test_a_round_counts_as_started_only_once_its_quorum_is_fixed(store: ObjectStore) -> None:
+    """Objects something else wrote under a later round (a stray input, a garbage quorum) do not make the
+    replicas think the run is ahead of them; a malformed record followed by a valid one does count."""
+    store.put("rounds/1/0/quorum.json", b'{"participants": [0, 1]}')
+    store.put("rounds/2/0/0/in/1-0", b"stray")
+    store.put("rounds/99/0/quorum.json", b"\x00garbage")
+    assert latest.newest_round(store) == 1
+    store.put("rounds/2/0/quorum.json", b"[]")
+    store.put("rounds/2/0/quorum-1.json", b'{"participants": [1]}')
+    assert latest.newest_round(store) == 2
+    assert latest.fixed_participants(store, 2, 0) == [1]
+    assert latest.fixed_participants(store, 2, 0, replicas=1) is None  # rank 1 of 1 replica: not a quorum

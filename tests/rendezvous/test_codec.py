@@ -209,3 +209,19 @@ def test_skipping_verification_still_checks_identity_and_layout() -> None:
         decode(payload, {**IDENTITY, "round": "4"}, "fp32", 3000, verify=False)
     with pytest.raises(PayloadError):
         decode(payload[:-1], IDENTITY, "fp32", 3000, verify=False)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("codec", CODECS)
+def test_non_finite_values_are_rejected_whatever_their_checksum(codec: str, bad: float) -> None:
+    """A payload's own checksum is valid for whatever it holds; a NaN or Inf is still not averaged."""
+    forged = values()
+    forged[7] = bad
+    payload = encode(forged, IDENTITY, codec)
+    total = values(seed=1)
+    for verify in (True, False):
+        with pytest.raises(PayloadError, match="non-finite"):
+            decode(payload, IDENTITY, codec, 3000, verify=verify)
+        with pytest.raises(PayloadError, match="non-finite"):
+            accumulate(total, payload, IDENTITY, codec, verify=verify)
+    assert torch.equal(total, values(seed=1))

@@ -12,6 +12,7 @@ from typing import Any
 
 import psutil
 import pytest
+import torch
 from harness import (
     PROCESS_TIMEOUT_S,
     REFERENCE_SETTINGS,
@@ -25,10 +26,14 @@ from harness import (
     start_replica,
     wait_all,
 )
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from composer_serverless.config import RunConfig
 from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.codec import encode
 from composer_serverless.rendezvous.latest import latest_round
+from composer_serverless.rendezvous.sharding import shard_bounds
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 
@@ -248,3 +253,31 @@ def test_a_restarted_replica_asks_for_the_state_it_needs_between_checkpoints(
     per_round = digests(run)
     assert all(len(d) == 1 for d in per_round.values()), per_round
     assert latest_round(run) == rounds and not run.list(layout.HEAL)
+
+
+@pytest.mark.slow
+def test_hostile_objects_in_the_store_are_rejected_and_the_run_finishes(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Written into the run before the replicas get there, as anyone with access to the bucket could: a
+    garbage quorum record for round 2, an input of replica 1 a MiB larger than any shard (round 2), and one
+    of the right size whose own valid checksum covers a NaN (round 3). Each is rejected with a log line; the
+    run finishes, every replica's global parameters identical and finite."""
+    run = create(make_config(f"file://{tmp_path}/runs", "hostile", tiny_model_dir, rounds=4))
+    run.put(layout.quorum(2, 0), b"\x00\xff garbage")
+    run.put(f"{layout.sync(2, 0)}/{layout.sync_input(1, 0)}", bytes(2**20 + 10))
+    # One fragment holding every parameter: replica 1's shard 0 is the first half of their flat vector.
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    start, end = shard_bounds(params, 2)[0]
+    identity = {"run_id": "hostile", "round": "3", "fragment": "0", "local": "0", "rank": "1", "shard": "0"}
+    poisoned = torch.zeros(end - start)
+    poisoned[::1000] = float("nan")
+    run.put(f"{layout.sync(3, 0)}/{layout.sync_input(1, 0)}", encode(poisoned, identity, "fp32"))
+    assert run_replicas(run, tmp_path / "logs", 2) == [0, 0], logs_of(tmp_path / "logs")
+    logs = logs_of(tmp_path / "logs")
+    assert "quorum.json is malformed" in logs
+    assert "more than the" in logs and "non-finite values" in logs  # each rejected for what it is
+    per_round = digests(run)
+    assert set(per_round) == {1, 2, 3, 4} and all(len(d) == 1 for d in per_round.values()), per_round
+    final = load_file(run.local_dir(layout.FINAL) / "model.safetensors")
+    assert all(bool(torch.isfinite(t).all()) for t in final.values())
