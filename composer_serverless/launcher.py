@@ -34,7 +34,7 @@ from composer_serverless.config import ConfigError, RunConfig, validate_config
 from composer_serverless.executors import make_executor
 from composer_serverless.executors.base import LaunchPlan, LaunchRecord, ServerlessExecutor, model_plan
 from composer_serverless.rendezvous import layout
-from composer_serverless.rendezvous.latest import roll_back
+from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas import inputs
 from composer_serverless.runs import STORE_HINT, absolute_store, open_created, open_store
@@ -222,10 +222,31 @@ def resume(
     problems = executor.preflight(plan)
     if problems:
         raise ConfigError("cannot resume:\n" + "\n".join(textwrap.indent(p, "  ") for p in problems))
+    if run.exists(layout.SUMMARY):
+        raise ConfigError(
+            f"run {config.run_id} at {run.url} has finished (its report: {run.url_of(layout.SUMMARY)}); "
+            "there is nothing to resume\n  fix: composer-serverless status RUN shows its outcome; launch a new "
+            "run to train further"
+        )
     run.ensure_root()
-    checkpoint = roll_back(run)
+    try:
+        back = roll_back(run, config.ranks_per_replica)
+    except NoIntactState as e:
+        raise ConfigError(
+            f"cannot resume: {e}\n  fix: launch a new run (the model can start from this run's final/ or an "
+            "exported checkpoint with model.path)"
+        ) from e
+    for skipped in back.skipped:
+        console.print(f"[yellow]passing over[/] {skipped}", highlight=False)
     console.print(
-        f"resuming run [bold]{config.run_id}[/] from its checkpoint of round {checkpoint}", highlight=False
+        f"resuming run [bold]{config.run_id}[/] from its "
+        + (
+            "checkpoint"
+            if back.checkpoint
+            else "newest intact state, not a checkpoint (the rounds after it may differ from an uninterrupted run's)"
+        )
+        + f" of round {back.round}",
+        highlight=False,
     )
     return follow(_start_replicas(run, executor, plan), config, console, on_interrupt)
 

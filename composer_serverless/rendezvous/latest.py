@@ -9,10 +9,14 @@ marker last). A resume rolls the run back to its checkpoint: whatever the replic
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import dataclass
 
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.sharding import MAX_QUORUM_GENERATIONS, parse_participants
 from composer_serverless.rendezvous.store import ObjectStore
+
+logger = logging.getLogger(__name__)
 
 
 def latest_round(store: ObjectStore) -> int:
@@ -60,23 +64,92 @@ def fixed_participants(
     return None
 
 
-def roll_back(store: ObjectStore) -> int:
-    """Make the newest checkpoint the latest state again, for a resume of a run whose replicas all died;
-    returns its round. Global states, exchanges, evaluations and heal requests of later rounds are deleted:
-    the resumed replicas redo those rounds from the checkpoint, as an uninterrupted run did them."""
-    round_index = checkpoint_round(store)
+class NoIntactState(RuntimeError):
+    """A resume found global states in the run, and none of them whole."""
+
+
+@dataclass(frozen=True)
+class RollBack:
+    """Where a resume starts, whether that is the checkpoint CHECKPOINT named (with every replica's own state
+    beside it), and the states it passed over (each with what is wrong with it)."""
+
+    round: int
+    checkpoint: bool = True
+    skipped: tuple[str, ...] = ()
+
+
+def roll_back(store: ObjectStore, local_ranks: int = 1) -> RollBack:
+    """Make the newest intact checkpoint the latest state again, for a resume of a run whose replicas all
+    died. Global states, exchanges, evaluations and heal requests of later rounds are deleted: the resumed
+    replicas redo those rounds from it, as an uninterrupted run did them.
+
+    The state CHECKPOINT names is used if every part of it (``local_ranks``) is whole (its manifest readable
+    and every file of the size it lists). Otherwise, and when the pointer itself is unreadable, the newest
+    whole state is: a state between checkpoints has no replica states beside it, so the replicas resume it
+    with fresh inner optimizers rather than not at all. Nothing is deleted before that choice is made.
+
+    Raises:
+        NoIntactState: the run has global states and not one of them is whole.
+    """
+    rounds = sorted((int(n) for n in store.list(layout.STATE) if n.isdigit()), reverse=True)
+    pointed = checkpoint_round(store)
+    skipped: list[str] = []
+    chosen = 0
+    candidates = ([pointed] if pointed else []) + [k for k in rounds if k != pointed]
+    for round_index in candidates:
+        problem = _incomplete(store, round_index, local_ranks)
+        if problem is None:
+            chosen = round_index
+            break
+        skipped.append(f"{layout.STATE}/{round_index}: {problem}")
+    else:
+        if candidates:  # the run got somewhere: starting it over from round 0 is not a resume
+            raise NoIntactState(f"{store.url}: no global state can be resumed from: " + "; ".join(skipped))
     for prefix in (layout.STATE, layout.ROUNDS, layout.EVALS):
         for name in store.list(prefix):
-            if name.isdigit() and int(name) > round_index:
+            if name.isdigit() and int(name) > chosen:
                 store.delete(f"{prefix}/{name}")
     store.delete(layout.HEAL)
-    if latest_round(store) != round_index:
-        store.put(layout.LATEST, json.dumps({"round": round_index}).encode())
-    return round_index
+    for key in (layout.LATEST, layout.CHECKPOINT):
+        if _round(store, key) != chosen:
+            store.put(key, json.dumps({"round": chosen}).encode())
+    return RollBack(chosen, chosen == pointed, tuple(skipped))
+
+
+def _incomplete(store: ObjectStore, round_index: int, local_ranks: int) -> str | None:
+    """What makes the global state of ``round_index`` unusable, or None if every part of it is whole."""
+    for local in range(local_ranks):
+        prefix = layout.global_state(round_index, local)
+        try:
+            manifest = json.loads(store.get(layout.snapshot_file(prefix, layout.SNAPSHOT_MANIFEST)))
+            files = manifest["files"]
+            sizes = {name: int(entry["bytes"]) for name, entry in files.items()}
+        except FileNotFoundError:
+            return f"part {local} has no manifest (it was never finished, or was deleted)"
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return f"the manifest of part {local} is unreadable"
+        for name, size in sizes.items():
+            try:
+                actual = store.size(layout.snapshot_file(prefix, name))
+            except FileNotFoundError:
+                return f"{name} of part {local} is missing"
+            if actual != size:
+                return f"{name} of part {local} is {actual} bytes, its manifest says {size}"
+    return None
 
 
 def _round(store: ObjectStore, key: str) -> int:
+    """The round a pointer names; 0 when it is absent, and when it is not a pointer (garbage): the next
+    publish rewrites it, and a resume finds its state by looking at the states themselves."""
     try:
-        return int(json.loads(store.get(key))["round"])
+        raw = store.get(key)
     except FileNotFoundError:
         return 0
+    try:
+        round_index = json.loads(raw)["round"]
+    except (ValueError, KeyError, TypeError):
+        round_index = None
+    if isinstance(round_index, int) and not isinstance(round_index, bool) and round_index >= 0:
+        return round_index
+    logger.warning("%s is not a round pointer (%r); treating it as absent", store.url_of(key), raw[:80])
+    return 0

@@ -64,6 +64,14 @@ def apply_global(
             raise CheckpointError(
                 f"fragment {i} of the published state does not match this model's parameters"
             )
+    for i in range(len(names)):
+        originals = user[f"StreamingDiLoCoFragment_{i}"]["original_parameters"]
+        if not all(bool(torch.isfinite(t).all()) for t in originals.values()):
+            raise CheckpointError(
+                f"fragment {i} of the published state step {state.get('step')} holds non-finite parameters: the "
+                "run diverged before it was saved. Resume is impossible from it; launch a new run with a lower "
+                "train.lr or diloco.outer_lr"
+            )
     manager.load_user_state_dict(user)
     for optimizer in outer:
         reshard_optimizer_state(optimizer)

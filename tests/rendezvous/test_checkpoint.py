@@ -115,7 +115,7 @@ def test_a_resume_rolls_the_run_back_to_its_checkpoint(store: ObjectStore) -> No
         checkpoint.write_global(store, k, {"step": k})
         checkpoint.advance(store, k, checkpoint=k % 2 == 0)
     store.put("heal/1.json", b'{"rank": 1, "round": 5}')
-    assert latest.roll_back(store) == 4
+    assert latest.roll_back(store) == latest.RollBack(4)
     assert latest.latest_round(store) == 4 and latest.newest_round(store) == 4
     assert sorted(store.list("state")) == ["4", "CHECKPOINT", "LATEST"]
     assert "5" not in store.list("evals") and store.list("heal") == []
@@ -179,3 +179,52 @@ def test_a_round_counts_as_started_only_once_its_quorum_is_fixed(store: ObjectSt
     assert latest.newest_round(store) == 2
     assert latest.fixed_participants(store, 2, 0) == [1]
     assert latest.fixed_participants(store, 2, 0, replicas=1) is None  # rank 1 of 1 replica: not a quorum
+
+
+def _published(store: ObjectStore, rounds: int, local_ranks: int = 1) -> None:
+    """Rounds 1..``rounds`` published as a run does, a checkpoint every other round, ``local_ranks`` parts."""
+    for k in range(1, rounds + 1):
+        for local in range(local_ranks):
+            checkpoint.write_global(store, k, {"step": k, "local": local}, local)
+        checkpoint.advance(store, k, checkpoint=k % 2 == 0)
+
+
+@pytest.mark.parametrize(
+    ("damage", "resumed", "why"),
+    [
+        ("checkpoint-garbage", 5, None),  # the pointer unreadable: the states themselves are looked at
+        ("checkpoint-past-the-end", 5, "state/99: part 0 has no manifest"),
+        ("checkpoint-deleted", 5, "state/4: part 0 has no manifest"),
+        ("checkpoint-truncated", 5, "state/4: tensors.safetensors of part 1 is 3 bytes"),
+        ("latest-garbage", 4, None),
+    ],
+)
+def test_a_resume_starts_from_the_newest_intact_state(store: ObjectStore, damage, resumed, why) -> None:
+    """Two parts per state (a replica of 2 ranks); states 4 (the checkpoint) and 5 (the latest) kept."""
+    _published(store, 5, local_ranks=2)
+    if damage == "checkpoint-garbage":
+        store.put("state/CHECKPOINT", b"\x00\xff")
+    elif damage == "checkpoint-past-the-end":
+        store.put("state/CHECKPOINT", b'{"round": 99}')
+    elif damage == "checkpoint-deleted":
+        store.delete("state/4")
+    elif damage == "checkpoint-truncated":
+        store.put("state/4/1/tensors.safetensors", b"abc")
+    else:
+        store.put("state/LATEST", b"\x00garbage")
+        assert latest.latest_round(store) == 0  # read as absent, not a crash
+    back = latest.roll_back(store, local_ranks=2)
+    assert back.round == resumed
+    assert (why is None and not back.skipped) or (why is not None and why in back.skipped[0]), back
+    assert back.checkpoint == (damage == "latest-garbage")  # else state 5, which has no replica states
+    assert latest.latest_round(store) == resumed == latest.checkpoint_round(store)
+    assert checkpoint.load_global(store, resumed, 1) == {"step": resumed, "local": 1}
+
+
+def test_a_resume_with_no_intact_state_says_so_and_deletes_nothing(store: ObjectStore) -> None:
+    _published(store, 3)
+    for k in ("2", "3"):
+        store.delete(f"state/{k}/0/manifest.json")
+    with pytest.raises(latest.NoIntactState, match=r"state/2: part 0 has no manifest.*state/3: part 0"):
+        latest.roll_back(store)
+    assert sorted(store.list("state")) == ["2", "3", "CHECKPOINT", "LATEST"]

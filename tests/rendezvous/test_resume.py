@@ -23,6 +23,7 @@ from harness import (
     subprocess_env,
 )
 
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.store import ObjectStore
 
@@ -128,3 +129,32 @@ def test_a_resume_from_an_older_checkpoint_redoes_the_later_rounds_bit_identical
     assert logs_of(interrupted.local_dir("logs")).count("resumed from round 2 (own state of round 2)") == 2
     assert digests(interrupted) == reference_run.digests
     assert final_eval(interrupted) == final_eval(reference_run.run)
+
+
+def _resume(run: ObjectStore) -> tuple[int, str]:
+    from typer.testing import CliRunner
+
+    from composer_serverless.cli import app
+
+    result = CliRunner().invoke(app, ["launch", "--resume", run.url])
+    return result.exit_code, " ".join(result.output.split())
+
+
+def test_resuming_a_finished_run_says_it_is_finished(tmp_path: Path, tiny_model_dir: Path) -> None:
+    run = create(make_config(f"file://{tmp_path}/runs", "done", tiny_model_dir))
+    run.put(layout.SUMMARY, json.dumps({"rounds_committed": 4}).encode())
+    code, output = _resume(run)
+    assert code == 2 and "has finished" in output and "nothing to resume" in output, output
+    assert not run.exists(layout.LAUNCH_RECORD)  # nothing was started
+
+
+def test_a_resume_with_no_intact_state_exits_2_and_starts_nothing(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    run = create(make_config(f"file://{tmp_path}/runs", "broken", tiny_model_dir))
+    run.put(f"{layout.global_state(2)}/tensors.safetensors", b"partial")  # died while writing, no manifest
+    run.put(layout.CHECKPOINT, json.dumps({"round": 2}).encode())
+    code, output = _resume(run)
+    assert code == 2 and "cannot resume" in output and "state/2: part 0 has no manifest" in output, output
+    assert not run.exists(layout.LAUNCH_RECORD)
+    assert run.exists(f"{layout.global_state(2)}/tensors.safetensors")  # nothing deleted either
