@@ -130,7 +130,7 @@ def start(prepared: Prepared, console: Console) -> Supervisor:
         with console.status("checking the model (config, tokenizer, a meta-device instance)"):
             check_model(prepared.config)
     run, _ = create_run(prepared.config, prepared.source, console)
-    return _start_replicas(run, prepared.executor, prepared.plan)
+    return _start_replicas(run, prepared.executor, prepared.plan, prepared.config)
 
 
 def check_model(config: RunConfig) -> None:
@@ -172,9 +172,13 @@ def _model_problems(checked: str) -> tuple[str, ...]:
     return tuple(json.loads(lines[-1]))
 
 
-def _start_replicas(run: ObjectStore, executor: ServerlessExecutor, plan: LaunchPlan) -> Supervisor:
+def _start_replicas(
+    run: ObjectStore, executor: ServerlessExecutor, plan: LaunchPlan, config: RunConfig
+) -> Supervisor:
     """Start the plan's replicas and record them in ``launch.json``; if the record cannot be written, cancel
-    them: replicas nobody could find again must not keep running."""
+    them: replicas nobody could find again must not keep running. From here on the launcher's writes ride
+    out a store outage as the replicas' do (``diloco.store_outage_s``); the probe before failed at once."""
+    run.tolerate_outages(config.diloco.store_outage_s)
     handles = executor.launch(plan)
     supervisor = Supervisor(run, executor, LaunchRecord(plan, tuple(handles), created_at=time.time()))
     try:
@@ -248,7 +252,7 @@ def resume(
         + f" of round {back.round}",
         highlight=False,
     )
-    return follow(_start_replicas(run, executor, plan), config, console, on_interrupt)
+    return follow(_start_replicas(run, executor, plan, config), config, console, on_interrupt)
 
 
 def follow(

@@ -87,6 +87,13 @@ class DiLoCoConfig(StrictModel):
         le=MAX_WAIT_S,
         description="seconds one sync may take before this replica gives it up and rolls back (at most a day)",
     )
+    store_outage_s: float = Field(
+        300.0,
+        ge=0,
+        le=MAX_WAIT_S,
+        description="seconds replicas and the launcher keep retrying a write the store refuses (full, "
+        "read-only, access revoked) before they fail: an outage shorter than this costs only its length",
+    )
     checkpoint_every: int = Field(
         10,
         ge=1,

@@ -89,17 +89,37 @@ def _connection_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+# A store that refuses writes for a while: full, read-only, over quota, access briefly revoked.
+_UNWRITABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def is_unwritable(error: BaseException) -> bool:
+    """True for a write the store refused because it cannot take writes now (a full or read-only
+    filesystem, a quota, a revoked permission): an outage if it passes, a configuration error if it does not,
+    which only the time it lasts tells apart (``RetryPolicy.outage_s``)."""
+    return isinstance(error, OSError) and (
+        error.errno in _UNWRITABLE_ERRNOS or isinstance(error, PermissionError)
+    )
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How often and how patiently to retry a transient failure.
+    """How often and how patiently to retry a transient failure, and how long to keep retrying a write the
+    store refuses (``outage_s``; 0 fails at once, as a launcher probing a new store wants).
 
     AWS advises retrying small requests after about 2 s and then backing off; the jitter keeps N replicas
-    that failed together from retrying together.
+    that failed together from retrying together. Through an outage writes are retried every ``outage_poll_s``
+    at most, so a quorum forms within about that once the store is back.
     """
 
     attempts: int = 6
     first_s: float = 0.25
     cap_s: float = 8.0
+    outage_s: float = 0.0
+    outage_poll_s: float = 1.0
 
     def delay_s(self, attempt: int) -> float:
         return min(self.cap_s, self.first_s * 2**attempt) * (0.5 + random.random())
+
+    def outage_delay_s(self, attempt: int) -> float:
+        return min(self.outage_poll_s, self.first_s * 2**attempt) * (0.5 + random.random())

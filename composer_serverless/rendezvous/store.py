@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import errno
 import logging
 import os
@@ -40,7 +41,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from composer_serverless.rendezvous.retry import RetryPolicy, is_transient
+from composer_serverless.rendezvous.retry import RetryPolicy, is_transient, is_unwritable
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,10 @@ Buffer = bytes | bytearray | memoryview
 # An object's bytes, in one buffer or in several written one after another (header, then tensor memory),
 # so a writer that produced them separately does not have to join them first.
 Body = Buffer | list[Buffer]
+
+
+# Operations that change the store: those an outage (``RetryPolicy.outage_s``) holds up rather than fails.
+_WRITES = frozenset({"put", "create", "delete"})
 
 
 class StoreError(RuntimeError):
@@ -96,6 +101,11 @@ class ObjectStore:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+    def tolerate_outages(self, seconds: float) -> None:
+        """Retry writes the store refuses (full, read-only, access revoked) for up to ``seconds`` before
+        failing them; for this store and the children made from it afterwards."""
+        self.retry = dataclasses.replace(self.retry, outage_s=seconds)
 
     def child(self, prefix: str) -> ObjectStore:
         """The store rooted at ``prefix`` below this one (a run inside the store root, say).
@@ -321,12 +331,33 @@ class ObjectStore:
     # --- retries -----------------------------------------------------------------------------------
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
-        """Run one backend operation, retrying transient failures per ``self.retry``."""
-        for attempt in range(self.retry.attempts):
+        """Run one backend operation, retrying transient failures per ``self.retry``; a write the store
+        refuses is retried until ``self.retry.outage_s`` has passed since the first refusal."""
+        refused_since: float | None = None
+        refusals = attempt = 0
+        while True:
             try:
                 return self._attempt(op, key, fn)
             except Exception as e:
-                if not is_transient(e) or attempt + 1 == self.retry.attempts:
+                if self.retry.outage_s > 0 and op in _WRITES and is_unwritable(e):
+                    now = time.monotonic()
+                    refused_since = now if refused_since is None else refused_since
+                    if now - refused_since >= self.retry.outage_s:
+                        raise
+                    if refusals % 10 == 0:
+                        logger.warning(
+                            "store %s %s refused (%s: %s) for %.0fs; retrying for up to %.0fs",
+                            op,
+                            key,
+                            type(e).__name__,
+                            e,
+                            now - refused_since,
+                            self.retry.outage_s,
+                        )
+                    time.sleep(self.retry.outage_delay_s(refusals))
+                    refusals += 1
+                    continue
+                if not is_transient(e) or attempt + 1 >= self.retry.attempts:
                     raise
                 delay = self.retry.delay_s(attempt)
                 logger.warning(
@@ -340,7 +371,7 @@ class ObjectStore:
                     delay,
                 )
                 time.sleep(delay)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+                attempt += 1
 
     def _attempt(self, op: str, key: str, fn: Callable[[], T]) -> T:
         """One try of one operation; the seam where tests inject faults below the retry loop."""
@@ -352,10 +383,10 @@ class ObjectStore:
         # The temporary file sits beside the target so the final link/rename never crosses filesystems.
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            for part in data if isinstance(data, list) else [data]:
-                f.write(part)
-        try:
+        try:  # whatever fails (a full disk mid-write), the temporary file goes
+            with open(tmp, "wb") as f:
+                for part in data if isinstance(data, list) else [data]:
+                    f.write(part)
             if exclusive:
                 os.link(tmp, path)
             else:

@@ -79,6 +79,7 @@ def run_replica(run: ObjectStore, rank: int, node: Node = SOLO) -> None:
         raise ValueError(f"rank {rank} is outside [0, {config.diloco.replicas})")
     if node.size != config.ranks_per_replica:
         raise ValueError(f"the run has {config.ranks_per_replica} ranks per replica, this node {node.size}")
+    run.tolerate_outages(config.diloco.store_outage_s)
     reporter = Reporter(run, rank, silent=not node.lead)
     reporter.beat(state="starting")
     try:

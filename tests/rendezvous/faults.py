@@ -12,10 +12,13 @@ whatever the interleaving of its threads:
 * ``kill_on``: the process SIGKILLs itself at the first call on a matching key: a deterministic kill -9.
 * ``hold``: {pattern: file}: calls on a key matching a pattern wait until its file exists, so a test can
   order events across processes (hold the survivors until a restarted replica is back) without timing.
+* ``outage``: [start file, end file]: while the first exists and the second does not, every write fails as
+  a full disk does (ENOSPC), before reaching the backend: a store outage the test switches on and off.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -47,6 +50,7 @@ class FaultyStore(ObjectStore):
         fail_on: str | None = None,
         kill_on: str | None = None,
         hold: dict[str, str] | None = None,
+        outage: tuple[str, str] | None = None,
     ) -> None:
         super().__init__(url, retry=RetryPolicy(attempts=4, first_s=0.01, cap_s=0.05))
         self.fraction = fraction
@@ -55,6 +59,7 @@ class FaultyStore(ObjectStore):
         self.fail_on = re.compile(fail_on) if fail_on else None
         self.kill_on = re.compile(kill_on) if kill_on else None
         self.hold = [(re.compile(pattern), release) for pattern, release in (hold or {}).items()]
+        self.outage = outage
         # Keys are drawn relative to this root, so the same keys fail wherever the test's tmp dir is.
         self._base = self._root
         # Shared by child stores (copy.copy), so counts are per process.
@@ -70,6 +75,13 @@ class FaultyStore(ObjectStore):
         for pattern, release in self.hold:
             while pattern.search(where) and not os.path.exists(release):
                 time.sleep(0.02)
+        if (
+            self.outage
+            and op in ("put", "create", "delete")
+            and os.path.exists(self.outage[0])
+            and not os.path.exists(self.outage[1])
+        ):
+            raise OSError(errno.ENOSPC, f"injected outage: no space left for {op} {where}")
         with self._lock:
             attempt = self.tried.get((op, where), 0)
             self.tried[(op, where)] = attempt + 1

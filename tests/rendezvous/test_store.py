@@ -184,3 +184,46 @@ def test_an_error_raised_while_handling_another_is_classified_by_itself() -> Non
 def test_local_errors_are_classified() -> None:
     assert is_transient(TimeoutError()) and is_transient(ConnectionResetError())
     assert not is_transient(FileExistsError()) and not is_transient(ValueError())
+
+
+def test_a_write_refused_during_an_outage_lands_once_the_store_is_back(tmp_path) -> None:
+    """The store is full until a file appears (a thread makes it once the write has been refused 3 times):
+    with an outage window the write waits it out; without one, it fails at once; past the window, it fails."""
+    start, end = tmp_path / "outage-start", tmp_path / "outage-end"
+    start.touch()
+    policy = RetryPolicy(first_s=0.001, outage_poll_s=0.01)
+    store = FaultyStore(f"file://{tmp_path}/s", outage=(str(start), str(end)))
+    store.retry = policy
+    with pytest.raises(OSError, match="no space left"):
+        store.put("k", b"v")  # outage_s = 0: a launcher's probe must fail at once
+    assert store.tried.get(("put", "k"), 0) == 0  # refused before reaching the backend, once
+
+    store.tolerate_outages(60.0)
+    original = store._attempt
+    calls = 0
+
+    def counting(op, key, fn):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            end.touch()  # the store comes back after the third refusal
+        return original(op, key, fn)
+
+    store._attempt = counting
+    store.put("k", b"v")
+    assert store.get("k") == b"v" and calls == 4
+
+    end.unlink()
+    store.tolerate_outages(0.05)
+    with pytest.raises(OSError, match="no space left"):
+        store.put("k2", b"v")  # the outage outlasts the window
+
+
+def test_a_failed_local_write_leaves_no_temporary_file(tmp_path) -> None:
+    class FullDisk:
+        """A part whose write fails half-way, as ENOSPC does."""
+
+    store = ObjectStore(f"file://{tmp_path}/s")
+    with pytest.raises(TypeError):
+        store.put("k", [b"header", FullDisk()])  # type: ignore[list-item]
+    assert list((tmp_path / "s").iterdir()) == []
