@@ -29,6 +29,7 @@ import psutil
 
 from composer_serverless.config import ConfigError, RunConfig
 from composer_serverless.executors.base import (
+    WORKER_MODULE,
     CostEstimate,
     LaunchPlan,
     ReplicaHandle,
@@ -146,9 +147,15 @@ class LocalProcessExecutor:
 
     def _foreign_status(self, handle: ReplicaHandle) -> ReplicaStatus | None:
         """A replica another process started: running while its identity holds, else None (see beats)."""
-        return ReplicaStatus(handle.rank, "running") if _verified_alive(handle) else None
+        return ReplicaStatus(handle.rank, "running") if _verified_alive(handle, self._run) else None
 
     def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
+        # launch.json is data in the store: a log path outside this run's log directory is not printed.
+        if handle.log is not None and not Path(handle.log).resolve().is_relative_to(self._log_dir.resolve()):
+            raise FileNotFoundError(
+                f"launch.json names {handle.log} as the log of replica {handle.rank}, outside this run's logs "
+                f"({self._log_dir}); it was not written by this project and is not read"
+            )
         if handle.log is None or not Path(handle.log).exists():
             raise FileNotFoundError(
                 f"the log of replica {handle.rank} is not on this machine ({handle.log}, written on "
@@ -185,7 +192,7 @@ class LocalProcessExecutor:
         proc = self._procs.get(int(handle.backend_id))
         if proc is not None and _same_process(handle):
             return proc.poll() is None
-        return _verified_alive(handle)
+        return _verified_alive(handle, self._run)
 
 
 def visible_gpus() -> list[str]:
@@ -279,19 +286,31 @@ def _same_process(handle: ReplicaHandle) -> bool:
         return True
 
 
-def _verified_alive(handle: ReplicaHandle) -> bool:
-    """The replica's process runs on this machine and is the one that was started (same creation time)."""
+def _verified_alive(handle: ReplicaHandle, run: ObjectStore) -> bool:
+    """The replica's process runs on this machine, is the one that was started (same creation time), and
+    runs this run's worker: launch.json is data in the store, so a handle naming another process (or the
+    group of one) is never taken for a replica."""
     created = handle.meta.get("create_time")
     if created is None or not _on_this_machine(handle):
         return False
     try:
         process = psutil.Process(int(handle.backend_id))
         # A zombie has exited; only its exit status is left for its parent.
-        return process.create_time() == float(created) and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+        if process.create_time() != float(created) or process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        command = process.cmdline()
+    except (psutil.Error, ValueError):
         return False
+    located = _argument(command, "--run")
+    return WORKER_MODULE in command and located is not None and run.is_at(located)
+
+
+def _argument(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command[:-1] else None
 
 
 def _signal_group(handle: ReplicaHandle, sig: signal.Signals) -> None:
+    """Signal the replica's process group: its own pid, as it leads the session it was started in (never a
+    group named elsewhere in the handle)."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(int(handle.meta["pgid"]), sig)
+        os.killpg(int(handle.backend_id), sig)

@@ -123,6 +123,15 @@ class ObjectStore:
         """The backend path of ``key`` (a filesystem path for local stores)."""
         return f"{self._root}/{validate_key(key)}"
 
+    def is_at(self, url: str) -> bool:
+        """Whether ``url`` names this store's location, however it is spelled (a relative path, file://,
+        a trailing slash); without opening it."""
+        protocol, path = fsspec.core.split_protocol(url)
+        if self.is_local and protocol in (None, "file", "local"):
+            return os.path.realpath(LocalFileSystem._strip_protocol(url)) == os.path.realpath(self._root)
+        mine = fsspec.core.split_protocol(self.url)
+        return (protocol, path.rstrip("/")) == (mine[0], mine[1].rstrip("/"))
+
     def url_of(self, key: str) -> str:
         return f"{self.url}/{validate_key(key)}"
 

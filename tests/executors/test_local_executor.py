@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -215,18 +216,43 @@ def test_sigterm_to_the_launcher_cancels_its_replicas(tmp_path):
 
 
 def test_cancel_never_signals_a_process_it_did_not_start(tmp_path):
-    sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    """launch.json is data in the store: only a process that is the one started (creation time) and runs this
+    run's worker (its command line) is signalled, and only its own process group."""
+    run = ObjectStore(str(tmp_path))
+    # Stands in for a replica: this run's worker command line, sleeping instead of training.
+    sleeper = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", *base.worker_argv(run.url, 0)[2:]],
+        start_new_session=True,
+    )
+    unrelated = subprocess.Popen(["sleep", "60"], start_new_session=True)
     real = ReplicaHandle(0, str(sleeper.pid), None, meta=_identity_meta(sleeper.pid))
     recycled = dataclasses.replace(
         real, meta={**real.meta, "create_time": repr(float(real.meta["create_time"]) - 1.0)}
     )
-    executor = LocalProcessExecutor(ObjectStore(str(tmp_path)), tmp_path)  # another process's view: no Popen
-    executor.cancel([recycled], grace_s=0.1)
+    forged = ReplicaHandle(1, str(unrelated.pid), None, meta=_identity_meta(unrelated.pid))
+    other_group = dataclasses.replace(real, meta={**real.meta, "pgid": str(unrelated.pid)})
+    executor = LocalProcessExecutor(run, tmp_path)  # another process's view: no Popen
+    executor.cancel([recycled, forged], grace_s=0.1)
     assert sleeper.poll() is None, "a pid whose start time does not match was signalled"
+    assert unrelated.poll() is None, "a process that is not this run's worker was signalled"
     assert executor.status([recycled])[0].state == "failed"  # not our replica: it is gone as far as we know
+    assert executor.status([forged])[0].state == "failed"
     assert executor.status([real])[0].state == "running"
-    executor.cancel([real])
+    executor.cancel([other_group])  # the handle's pgid names another group: the replica's own is signalled
     assert sleeper.wait() == -signal.SIGTERM
+    assert unrelated.poll() is None
+    unrelated.kill()
+    unrelated.wait()
+
+
+def test_a_log_path_outside_the_run_is_not_read(tmp_path):
+    secret = tmp_path / "elsewhere" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text("not a log")
+    executor = LocalProcessExecutor(ObjectStore(str(tmp_path / "run")), tmp_path / "run" / "logs")
+    forged = ReplicaHandle(0, "1", str(tmp_path / "run" / "logs" / ".." / ".." / "elsewhere" / "secret.txt"))
+    with pytest.raises(FileNotFoundError, match="outside this run's logs"):
+        list(executor.logs(forged))
 
 
 def _beat(path: Path) -> dict:
