@@ -36,6 +36,7 @@ from composer_serverless.executors.base import LaunchPlan, LaunchRecord, Serverl
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.telemetry import read_heartbeats
 from composer_serverless.replicas import inputs
 from composer_serverless.runs import STORE_HINT, absolute_store, open_created, open_store
 from composer_serverless.supervisor import Supervisor
@@ -173,14 +174,19 @@ def _model_problems(checked: str) -> tuple[str, ...]:
 
 
 def _start_replicas(
-    run: ObjectStore, executor: ServerlessExecutor, plan: LaunchPlan, config: RunConfig
+    run: ObjectStore,
+    executor: ServerlessExecutor,
+    plan: LaunchPlan,
+    config: RunConfig,
+    earlier_wall_s: float = 0.0,
 ) -> Supervisor:
     """Start the plan's replicas and record them in ``launch.json``; if the record cannot be written, cancel
     them: replicas nobody could find again must not keep running. From here on the launcher's writes ride
     out a store outage as the replicas' do (``diloco.store_outage_s``); the probe before failed at once."""
     run.tolerate_outages(config.diloco.store_outage_s)
     handles = executor.launch(plan)
-    supervisor = Supervisor(run, executor, LaunchRecord(plan, tuple(handles), created_at=time.time()))
+    record = LaunchRecord(plan, tuple(handles), created_at=time.time(), earlier_wall_s=earlier_wall_s)
+    supervisor = Supervisor(run, executor, record)
     try:
         supervisor.save()
     except BaseException:
@@ -233,6 +239,7 @@ def resume(
             "run to train further"
         )
     run.ensure_root()
+    earlier_wall_s = _wall_so_far(run)
     try:
         back = roll_back(run, config.ranks_per_replica)
     except NoIntactState as e:
@@ -252,7 +259,18 @@ def resume(
         + f" of round {back.round}",
         highlight=False,
     )
-    return follow(_start_replicas(run, executor, plan, config), config, console, on_interrupt)
+    return follow(_start_replicas(run, executor, plan, config, earlier_wall_s), config, console, on_interrupt)
+
+
+def _wall_so_far(run: ObjectStore) -> float:
+    """The wall time the run's launches have spent so far: each from its launch to the last heartbeat any
+    replica wrote under it (not the time the run then lay dead before this resume)."""
+    try:
+        record = LaunchRecord.from_json(run.get(layout.LAUNCH_RECORD))
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return 0.0
+    last = max((beat.get("time", 0.0) for beat in read_heartbeats(run).values()), default=record.created_at)
+    return record.earlier_wall_s + max(0.0, last - record.created_at)
 
 
 def follow(

@@ -174,7 +174,7 @@ def _write_detached_report(run: OpenRun, beats: dict[int, dict[str, Any]]) -> No
 
     started = run.record.created_at
     ended = max((b["time"] for b in beats.values()), default=started)
-    write_report(run.store, run.config, max(0.0, ended - started))
+    write_report(run.store, run.config, run.record.earlier_wall_s + max(0.0, ended - started))
 
 
 def logs(url: str, rank: int, follow: bool) -> Iterator[str]:

@@ -108,7 +108,10 @@ def write_reports(runs: list[Followed]) -> None:
     """Write the report of every run that succeeded (``summary.json`` and the plots, in its store)."""
     for run in runs:
         if run.state == "succeeded":
-            run.summary = write_report(run.supervisor.run, run.config, time.monotonic() - run.started)
+            earlier = run.supervisor.record.earlier_wall_s
+            run.summary = write_report(
+                run.supervisor.run, run.config, earlier + time.monotonic() - run.started
+            )
 
 
 def print_report(run: Followed, console: Console) -> None:

@@ -157,12 +157,14 @@ class ReplicaStatus:
 
 @dataclass(frozen=True)
 class LaunchRecord:
-    """``launch.json``: the plan, every attempt's handle (oldest first), launch time, whether cancelled."""
+    """``launch.json``: the plan, every attempt's handle (oldest first), launch time, whether cancelled, and
+    the wall time the run's earlier launches spent (a resumed run's report counts the whole run)."""
 
     plan: LaunchPlan
     handles: tuple[ReplicaHandle, ...]
     created_at: float = 0.0
     cancelled: bool = False
+    earlier_wall_s: float = 0.0
 
     def current(self) -> list[ReplicaHandle]:
         """The latest attempt of each rank, in rank order."""
@@ -181,6 +183,7 @@ class LaunchRecord:
             "handles": [dataclasses.asdict(h) for h in self.handles],
             "created_at": self.created_at,
             "cancelled": self.cancelled,
+            "earlier_wall_s": self.earlier_wall_s,
         }
         return json.dumps(payload, indent=2, sort_keys=True).encode()
 
@@ -192,6 +195,7 @@ class LaunchRecord:
             handles=tuple(ReplicaHandle(**h) for h in raw["handles"]),
             created_at=raw["created_at"],
             cancelled=raw["cancelled"],
+            earlier_wall_s=raw.get("earlier_wall_s", 0.0),
         )
 
 

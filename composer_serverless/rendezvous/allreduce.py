@@ -47,6 +47,7 @@ from composer_serverless.rendezvous.codec import (
     decode,
     encode_parts,
     max_payload_bytes,
+    read_header,
 )
 from composer_serverless.rendezvous.polling import poll_until
 from composer_serverless.rendezvous.replica_log import ReplicaLog
@@ -104,6 +105,14 @@ class ExchangeResult:
     waited_for_all_s: float | None = None
     upload_failed: bool = False
     rescued: list[int] = field(default_factory=list)
+    # Per shard, the participants whose input went into its average (an input can be rejected).
+    summed: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def contributors(self) -> list[int]:
+        """The participants whose every input went into the average: the ones the round really averaged."""
+        shards = [set(ranks) for ranks in self.summed.values()]
+        return sorted(set(self.participants).intersection(*shards))
 
 
 def allreduce(
@@ -379,6 +388,7 @@ class _Exchange:
         if self.store.create(layout.sync_output(shard, self.local), parts):
             self.result.bytes_up += sum(len(p) for p in parts)
             self._place(shard, parts, verify=False)
+            self.result.summed[shard] = summed
         else:
             self._place(shard, self._fetch(layout.sync_output(shard, self.local), shard))
 
@@ -432,6 +442,10 @@ class _Exchange:
         decode(
             payload, identity, self.settings.codec, end - start, self.result.average[start:end], verify=verify
         )
+        if verify:  # a reduced shard from the store: its header says whose inputs it averages
+            header, _ = read_header(payload[0] if isinstance(payload, list) else payload)
+            named = str(header["__metadata__"].get("summed", ""))  # type: ignore[union-attr]
+            self.result.summed[shard] = [int(r) for r in named.split(",") if r.isdigit()]
 
     # --- helpers -----------------------------------------------------------------------------------
 

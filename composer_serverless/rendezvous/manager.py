@@ -57,6 +57,8 @@ class SyncOutcome:
     fragment: int
     committed: bool = False
     participants: list[int] = field(default_factory=list)
+    # Participants with an input left out of the average (malformed, non-finite): not averaged in this sync.
+    rejected: list[int] = field(default_factory=list)
     contributed: bool = False
     upload_failed: bool = False
     error: Exception | None = None
@@ -278,6 +280,7 @@ class ObjectStoreManager:
             if values.data_ptr() != tensor.data_ptr():  # else ``values`` is ``tensor`` (CPU fp32): done
                 tensor.copy_(values.view_as(tensor))
             outcome.participants = result.participants
+            outcome.rejected = sorted(set(result.participants) - set(result.contributors))
             outcome.contributed = self._rank in result.participants
             outcome.upload_failed = result.upload_failed
             if result.waited_for_all_s is not None:

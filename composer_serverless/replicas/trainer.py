@@ -278,7 +278,11 @@ class Replica:
         """Record the round; its participants evaluate it together and the lowest-rank one publishes it."""
         round_index = self.completed_rounds
         node = self.node
-        row = {**self.meter.row(self.schedule.get_last_lr()[0]), "participants": outcome.participants}
+        # Whose pseudo-gradients the round averaged: a participant whose input was rejected is not one.
+        averaged = [p for p in outcome.participants if p not in outcome.rejected]
+        row = {**self.meter.row(self.schedule.get_last_lr()[0]), "participants": averaged}
+        if outcome.rejected:
+            row["rejected"] = outcome.rejected
         self.meter.reset()
         if node.size > 1:
             row.update(self._replica_totals(row))
@@ -296,6 +300,8 @@ class Replica:
             scored = self._evaluate(round_index, outcome.participants, params)
             if scored is not None:
                 row["eval"] = scored
+        # Recorded before publishing: a publisher that dies while it publishes loses no point of the curve.
+        self.reporter.round(round_index, row)
         # A checkpoint every checkpoint_every rounds and at the last: the global state and every replica's own.
         # Between checkpoints the global state is published only when a replica that fell behind asks for it.
         is_checkpoint = last or round_index % self.config.diloco.checkpoint_every == 0
@@ -326,8 +332,9 @@ class Replica:
                 node.barrier()
                 if node.lead:
                     checkpoint.prune_replica(self.run_store, self.rank, round_index)
-        row["checkpoint_bytes_up"] = int(node.sum([written])[0])
-        self.reporter.round(round_index, row)
+        written = int(node.sum([written])[0])
+        if written:
+            self.reporter.round(round_index, {**row, "checkpoint_bytes_up": written})
         if node.lead:
             self.log.info(
                 "round %d/%d: train loss %s, participants %s",

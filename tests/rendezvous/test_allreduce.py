@@ -295,6 +295,8 @@ def test_a_rejected_input_is_left_out_and_never_executed(tmp_path: Path, kind: s
         assert torch.equal(result.average[start:end], without[start:end])
         assert torch.equal(result.average[end:], full[end:])
         assert bool(torch.isfinite(result.average).all())
+        # Replica 2 took part, but the round did not average all of it: it is not reported as averaged.
+        assert result.participants == [0, 1, 2] and result.contributors == [0, 1]
     assert not marker.exists()
 
 

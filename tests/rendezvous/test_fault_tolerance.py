@@ -277,6 +277,10 @@ def test_hostile_objects_in_the_store_are_rejected_and_the_run_finishes(
     logs = logs_of(tmp_path / "logs")
     assert "quorum.json is malformed" in logs
     assert "more than the" in logs and "non-finite values" in logs  # each rejected for what it is
+    by_rank = rows(run)
+    for round_index in (2, 3):  # replica 1's input was left out: the round averaged replica 0 alone
+        assert by_rank[0][round_index]["participants"] == [0] and by_rank[0][round_index]["rejected"] == [1]
+    assert by_rank[0][4]["participants"] == [0, 1] and "rejected" not in by_rank[0][4]
     per_round = digests(run)
     assert set(per_round) == {1, 2, 3, 4} and all(len(d) == 1 for d in per_round.values()), per_round
     final = load_file(run.local_dir(layout.FINAL) / "model.safetensors")
@@ -306,3 +310,34 @@ def test_a_store_outage_mid_run_costs_only_its_length(tmp_path: Path, tiny_model
     per_round = digests(run)
     assert set(per_round) == set(range(1, 6)) and all(len(d) == 1 for d in per_round.values()), per_round
     assert not [p for p in (tmp_path / "runs").rglob("*") if ".tmp-" in p.name]
+
+
+@pytest.mark.slow
+def test_a_publisher_that_dies_while_publishing_loses_no_evaluation(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Replica 0 publishes round 3 and is killed as it writes the state's manifest: its metrics row of round
+    3, with the round's held-out loss, is already in the store."""
+    rounds = 5
+    run = create(
+        make_config(
+            f"file://{tmp_path}/runs",
+            "publisher",
+            tiny_model_dir,
+            rounds=rounds,
+            min_replicas=1,
+            quorum_grace_min_s=0.5,
+            quorum_grace_max_s=5.0,
+            checkpoint_every=1,
+        )
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    kill = json.dumps({"kill_on": r"state/3/0/manifest\.json"})
+    procs = [start_replica(run, 0, logs / "rank-0.log", kill), start_replica(run, 1, logs / "rank-1.log")]
+    wait_until(lambda: procs[0].poll() is not None, "replica 0 to die publishing round 3")
+    assert procs[0].returncode == -signal.SIGKILL
+    assert "eval" in rows(run)[0][3]  # written before the publishing it died in
+    restarted = start_replica(run, 0, logs / "rank-0.log")
+    assert wait_all([restarted, procs[1]]) == [0, 0], logs_of(logs)
+    assert latest_round(run) == rounds

@@ -158,3 +158,26 @@ def test_a_resume_with_no_intact_state_exits_2_and_starts_nothing(
     assert code == 2 and "cannot resume" in output and "state/2: part 0 has no manifest" in output, output
     assert not run.exists(layout.LAUNCH_RECORD)
     assert run.exists(f"{layout.global_state(2)}/tensors.safetensors")  # nothing deleted either
+
+
+def test_a_resumed_run_reports_the_wall_time_of_all_its_launches(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The first launch ran 30 s (to its replicas' last heartbeat) after an earlier 5 s: the resumed
+    launch's record starts from 35 s, not from zero, and the dead time before the resume is not counted."""
+    import time
+
+    from composer_serverless.executors import make_executor
+    from composer_serverless.executors.base import LaunchRecord
+    from composer_serverless.launcher import _wall_so_far
+    from composer_serverless.rendezvous.telemetry import Reporter
+
+    config = make_config(f"file://{tmp_path}/runs", "walls", tiny_model_dir)
+    run = create(config)
+    plan = make_executor(config, run).plan(config, run.url)
+    now = time.time()
+    record = LaunchRecord(plan, (), created_at=now - 30.0, earlier_wall_s=5.0)
+    run.put(layout.LAUNCH_RECORD, record.to_json())
+    Reporter(run, 0).beat(state="failed")  # its last heartbeat: now
+    assert _wall_so_far(run) == pytest.approx(35.0, abs=2.0)
+    assert LaunchRecord.from_json(record.to_json()).earlier_wall_s == 5.0
