@@ -181,3 +181,38 @@ def test_a_resumed_run_reports_the_wall_time_of_all_its_launches(
     Reporter(run, 0).beat(state="failed")  # its last heartbeat: now
     assert _wall_so_far(run) == pytest.approx(35.0, abs=2.0)
     assert LaunchRecord.from_json(record.to_json()).earlier_wall_s == 5.0
+
+
+@pytest.mark.slow
+def test_a_resume_whose_checkpoint_was_destroyed_finishes_from_the_newest_intact_state(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Killed in round 4 with checkpoints every round; then the checkpoint's tensors are truncated and LATEST
+    is overwritten with garbage. The resume passes over state 3, says so, and finishes from state 2."""
+    run = create(make_config(f"file://{tmp_path}/runs", "damaged", tiny_model_dir, **REFERENCE_SETTINGS))
+    kill = {r: json.dumps({"kill_on": "rounds/4/0/0/in/"}) for r in range(2)}
+    assert run_replicas(run, tmp_path / "logs", 2, kill) == [-signal.SIGKILL] * 2
+    run.put(f"{layout.global_state(3)}/tensors.safetensors", b"truncated")
+    run.put(layout.LATEST, b"\x00\xffgarbage")
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from composer_serverless.cli import main; main()",
+            "launch",
+            "--resume",
+            run.url,
+        ],
+        env={**subprocess_env(), "COLUMNS": "200"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr + logs_of(tmp_path / "logs")
+    output = " ".join(cli.stdout.split())
+    assert "passing over state/3: tensors.safetensors of part 0 is 9 bytes" in output
+    assert "from its newest intact state, not a checkpoint" in output and "of round 2" in output
+    assert "LATEST is not a round pointer" in cli.stderr
+    assert latest_round(run) == 5
+    assert set(digests(run)) == {1, 2, 3, 4, 5} and all(len(d) == 1 for d in digests(run).values())
