@@ -11,14 +11,14 @@ and the DTensors of the optimizers' state are rebuilt around them when it is loa
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import random
 from typing import Any
 
 import torch
 from torch import nn
 
-from composer_serverless.rendezvous import checkpoint
+from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.manager import ObjectStoreManager
@@ -28,24 +28,67 @@ from composer_serverless.replicas.node import SOLO, Node
 from composer_serverless.replicas.objective import Objective
 from composer_serverless.replicas.shards import local, local_tree, reshard_optimizer_state
 
+logger = logging.getLogger(__name__)
+
+# States a replica tries to load before it gives up (each newer one pruned meanwhile, or each older one damaged).
+MAX_STATE_TRIES = 5
+
 
 def global_state(manager: ObjectStoreManager) -> dict[str, Any]:
     """What a replica publishes: this rank's shards of the global parameters and outer optimizer state."""
     return {"step": manager.current_step(), "user": local_tree(manager.user_state_dict())}
 
 
-def load_global(store: ObjectStore, round_index: int, node: Node = SOLO) -> dict[str, Any]:
+def load_global(
+    store: ObjectStore, round_index: int, node: Node = SOLO, *, fall_back: bool = False
+) -> dict[str, Any]:
     """This rank's part of the published state of ``round_index``, or of a newer round if that one was pruned
-    meanwhile; every rank of the replica loads the same round (the lead's choice)."""
-    for _ in range(3):
+    meanwhile; every rank of the replica loads the same round (the lead's choice). With ``fall_back`` (a
+    replica starting), a damaged state is passed over for the newest older one that is whole, so a restart
+    does not fail on it again and again: the replica then catches up with the run from there.
+
+    Raises:
+        CheckpointError: no state could be read, each failure named.
+    """
+    problems: list[str] = []
+    for _ in range(MAX_STATE_TRIES):
         round_index = node.broadcast(round_index)
-        tree = None
-        with contextlib.suppress(FileNotFoundError):
+        if round_index < 0:
+            break
+        tree, missing, problem = None, False, "unreadable on another rank of this replica"
+        try:
             tree = checkpoint.load_global(store, round_index, node.local_rank)
+        except FileNotFoundError:
+            missing, problem = True, "not in the store (pruned meanwhile?)"
+        except CheckpointError as e:
+            problem = str(e)
         if node.all_true(tree is not None):
             return tree
-        round_index = latest_round(store)
-    raise CheckpointError(f"cannot read the global state of round {round_index} from {store.url}")
+        problems.append(f"round {round_index}: {problem}")
+        if node.lead:
+            tried = {int(p.split(":")[0].removeprefix("round ")) for p in problems}
+            round_index = _next_to_try(store, round_index, tried, pruned=missing, fall_back=fall_back)
+    raise CheckpointError(f"cannot read a global state from {store.url}: " + "; ".join(problems))
+
+
+def _next_to_try(
+    store: ObjectStore, round_index: int, tried: set[int], *, pruned: bool, fall_back: bool
+) -> int:
+    """After the state of ``round_index`` could not be read: the newer LATEST if it was pruned meanwhile; with
+    ``fall_back`` the newest older state; else -1 (give up). Never a round ``tried`` already."""
+    newer = latest_round(store)
+    if pruned and newer > round_index and newer not in tried:
+        return newer
+    if not fall_back:
+        return -1
+    older = max(
+        (int(n) for n in store.list(layout.STATE) if n.isdigit() and int(n) < round_index), default=-1
+    )
+    if older >= 0:
+        logger.warning(
+            "the state of round %d cannot be read; starting from that of round %d", round_index, older
+        )
+    return older
 
 
 def apply_global(

@@ -488,7 +488,7 @@ class Replica:
         latest = node.broadcast(latest_round(self.run_store) if node.lead else 0)
         if latest == 0:
             return 0
-        published = state.load_global(self.run_store, latest, node)
+        published = state.load_global(self.run_store, latest, node, fall_back=True)
         state.apply_global(self.manager, self.names, self.model, self.outer, published)
         latest = self.completed_rounds
         own = checkpoint.load_replica(self.run_store, self.rank, latest, node.local_rank, node.all_true)
