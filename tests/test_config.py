@@ -200,3 +200,16 @@ def test_a_binary_config_file_exits_2(tmp_path):
     result = CliRunner().invoke(app, ["launch", str(config)])
     assert result.exit_code == 2, result.output
     assert "is not a text file" in result.output and "fix: pass the TOML config" in result.output
+
+
+def test_an_unreadable_config_file_exits_2(tmp_path, monkeypatch):
+    config = tmp_path / "run.toml"
+    config.write_text("[model.tiny]\n")
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_text", denied)  # root reads any file: the refusal is simulated
+    result = CliRunner().invoke(app, ["launch", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "cannot read" in result.output and "Permission denied" in result.output

@@ -48,6 +48,10 @@ def load_config(
         ) from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from e
+    except OSError as e:  # unreadable: permissions, a FIFO, a file removed meanwhile
+        raise ConfigError(
+            f"cannot read {path}: {e.strerror or e}\n  fix: check the file's permissions"
+        ) from e
     if executor_type is not None:
         select_executor(raw, executor_type)
     for override in overrides:

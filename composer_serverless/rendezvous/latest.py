@@ -133,6 +133,8 @@ def _incomplete(store: ObjectStore, round_index: int, local_ranks: int) -> str |
                 actual = store.size(layout.snapshot_file(prefix, name))
             except FileNotFoundError:
                 return f"{name} of part {local} is missing"
+            except ValueError:  # a name that is not a key of the state's own (``../``, say)
+                return f"the manifest of part {local} names {name!r}, not a file of the state"
             if actual != size:
                 return f"{name} of part {local} is {actual} bytes, its manifest says {size}"
     return None

@@ -196,6 +196,7 @@ def _published(store: ObjectStore, rounds: int, local_ranks: int = 1) -> None:
         ("checkpoint-past-the-end", 5, "state/99: part 0 has no manifest"),
         ("checkpoint-deleted", 5, "state/4: part 0 has no manifest"),
         ("checkpoint-truncated", 5, "state/4: tensors.safetensors of part 1 is 3 bytes"),
+        ("checkpoint-manifest-escapes", 5, "state/4: the manifest of part 0 names '../../x'"),
         ("latest-garbage", 4, None),
     ],
 )
@@ -208,6 +209,8 @@ def test_a_resume_starts_from_the_newest_intact_state(store: ObjectStore, damage
         store.put("state/CHECKPOINT", b'{"round": 99}')
     elif damage == "checkpoint-deleted":
         store.delete("state/4")
+    elif damage == "checkpoint-manifest-escapes":
+        store.put("state/4/0/manifest.json", b'{"files": {"../../x": {"bytes": 1, "sha256": "0"}}}')
     elif damage == "checkpoint-truncated":
         store.put("state/4/1/tensors.safetensors", b"abc")
     else:

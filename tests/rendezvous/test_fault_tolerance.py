@@ -70,6 +70,18 @@ def _three_replicas_one_killed(
     return config, run, procs
 
 
+def _restart_then_release(
+    run: ObjectStore, tmp_path: Path, procs: list[subprocess.Popen[bytes]], victim: int
+) -> None:
+    """Start ``victim`` again, let the held replicas go once it has loaded the latest state, and see all three
+    to a clean end."""
+    log = tmp_path / "logs" / f"rank-{victim}.log"
+    procs[victim] = start_replica(run, victim, log)
+    wait_until(lambda: "resumed from round" in log.read_text(), f"replica {victim} to load the latest state")
+    (tmp_path / "release").touch()
+    assert wait_all(procs) == [0, 0, 0], logs_of(tmp_path / "logs")
+
+
 def _rejoined(run: ObjectStore, victim: int, killed_in: int, held_at: int, rounds: int) -> None:
     """The round of the kill committed with the two others, the restarted replica contributed again once it
     was back, and every replica that reports a round reports the same global parameters, to the bit."""
@@ -111,17 +123,10 @@ def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
         rounds=rounds,
         checkpoint_every=1,
     )
-    logs = tmp_path / "logs"
     wait_until(lambda: procs[2].poll() is not None, "replica 2 to die")
     assert procs[2].returncode == -signal.SIGKILL
     wait_until(lambda: run.exists(layout.metrics(0, killed_in)), f"round {killed_in} to commit")
-    restarted = start_replica(run, 2, logs / "rank-2.log")
-    wait_until(
-        lambda: "resumed from round" in (logs / "rank-2.log").read_text(),
-        "replica 2 to load the latest state",
-    )
-    (tmp_path / "release").touch()
-    assert wait_all([procs[0], procs[1], restarted]) == [0, 0, 0], logs_of(logs)
+    _restart_then_release(run, tmp_path, procs, 2)
     _rejoined(run, 2, killed_in, held_at, rounds)
 
 
@@ -143,7 +148,6 @@ def test_kill_9_of_one_rank_restarts_its_replica_whole(tmp_path: Path, tiny_mode
         rounds=rounds,
         checkpoint_every=1,
     )
-    logs = tmp_path / "logs"
     wait_until(lambda: len(_ranks_of(procs[1])) == 2, "replica 1 to start its 2 ranks")
     ranks = _ranks_of(procs[1])
     wait_until(lambda: procs[1].poll() is not None, "replica 1 to stop")
@@ -152,13 +156,7 @@ def test_kill_9_of_one_rank_restarts_its_replica_whole(tmp_path: Path, tiny_mode
     beat = read_heartbeats(run)[1]
     assert beat["state"] == "failed" and "local rank 1" in beat["error"] and "SIGKILL" in beat["error"]
     wait_until(lambda: run.exists(layout.metrics(0, killed_in)), f"round {killed_in} to commit")
-    restarted = start_replica(run, 1, logs / "rank-1.log")
-    wait_until(
-        lambda: "resumed from round" in (logs / "rank-1.log").read_text(),
-        "replica 1 to load the latest state",
-    )
-    (tmp_path / "release").touch()
-    assert wait_all([procs[0], restarted, procs[2]]) == [0, 0, 0], logs_of(logs)
+    _restart_then_release(run, tmp_path, procs, 1)
     _rejoined(run, 1, killed_in, held_at, rounds)
 
 

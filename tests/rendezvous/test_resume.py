@@ -40,21 +40,7 @@ def test_interrupted_and_resumed_run_is_bit_identical(
     assert run_replicas(interrupted, tmp_path / "logs", 2, kill) == [-signal.SIGKILL] * 2
     assert latest_round(interrupted) == 3
 
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from composer_serverless.cli import main; main()",
-            "launch",
-            "--resume",
-            interrupted.url,
-        ],
-        env=subprocess_env(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    cli = resume_in_a_process(interrupted)
     assert cli.returncode == 0, cli.stdout + cli.stderr + logs_of(tmp_path / "logs")
     assert "resuming run interrupted" in cli.stdout
 
@@ -64,6 +50,25 @@ def test_interrupted_and_resumed_run_is_bit_identical(
     assert set(resumed) == {1, 2, 3, 4, 5}
     assert resumed == reference_run.digests
     assert final_eval(interrupted) == final_eval(reference_run.run)
+
+
+def resume_in_a_process(run: ObjectStore) -> subprocess.CompletedProcess[str]:
+    """``composer-serverless launch --resume`` in a fresh interpreter, as a user runs it."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from composer_serverless.cli import main; main()",
+            "launch",
+            "--resume",
+            run.url,
+        ],
+        env={**subprocess_env(), "COLUMNS": "200"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def final_eval(run: ObjectStore) -> float:
@@ -109,21 +114,7 @@ def test_a_resume_from_an_older_checkpoint_redoes_the_later_rounds_bit_identical
     assert run_replicas(interrupted, tmp_path / "logs", 2, kill) == [-signal.SIGKILL] * 2
     assert latest_round(interrupted) == 2 and interrupted.exists("rounds/3/0/quorum.json")
 
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from composer_serverless.cli import main; main()",
-            "launch",
-            "--resume",
-            interrupted.url,
-        ],
-        env=subprocess_env(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    cli = resume_in_a_process(interrupted)
     assert cli.returncode == 0, cli.stdout + cli.stderr + logs_of(tmp_path / "logs")
     assert "from its checkpoint of round 2" in cli.stdout
     assert logs_of(interrupted.local_dir("logs")).count("resumed from round 2 (own state of round 2)") == 2
@@ -194,21 +185,7 @@ def test_a_resume_whose_checkpoint_was_destroyed_finishes_from_the_newest_intact
     assert run_replicas(run, tmp_path / "logs", 2, kill) == [-signal.SIGKILL] * 2
     run.put(f"{layout.global_state(3)}/tensors.safetensors", b"truncated")
     run.put(layout.LATEST, b"\x00\xffgarbage")
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from composer_serverless.cli import main; main()",
-            "launch",
-            "--resume",
-            run.url,
-        ],
-        env={**subprocess_env(), "COLUMNS": "200"},
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    cli = resume_in_a_process(run)
     assert cli.returncode == 0, cli.stdout + cli.stderr + logs_of(tmp_path / "logs")
     output = " ".join(cli.stdout.split())
     assert "passing over state/3: tensors.safetensors of part 0 is 9 bytes" in output
