@@ -23,6 +23,7 @@ IMAGE_REQUIREMENTS = (
     "matplotlib>=3.8",
     "psutil>=5.9",
     "peft>=0.17",
+    "xxhash>=3.4",
     "s3fs>=2025.1",
     "boto3>=1.35.21",
     "huggingface_hub>=1.0",

@@ -225,3 +225,10 @@ def test_non_finite_values_are_rejected_whatever_their_checksum(codec: str, bad:
         with pytest.raises(PayloadError, match="non-finite"):
             accumulate(total, payload, IDENTITY, codec, verify=verify)
     assert torch.equal(total, values(seed=1))
+
+
+def test_finite_values_whose_sum_overflows_are_accepted() -> None:
+    """The fast check sums the values; a sum that overflows from finite values falls back to checking each."""
+    huge = torch.full((4,), 3e38)
+    assert torch.isinf(huge.sum())
+    assert torch.equal(decode(encode(huge, IDENTITY, "fp32"), IDENTITY, "fp32", 4), huge)
