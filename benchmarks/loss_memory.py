@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from process_memory import hwm_bytes, reset_hwm, rss_bytes
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from composer_serverless.losses.batches import HintBatch, LossBatch, ReplayBatch, RLBatch
@@ -108,22 +109,6 @@ def _composer_batch(batch: int, seq_len: int, vocab: int, device: torch.device) 
     return LossBatch(rl=rl, hint=hint, replay=replay)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-
-def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def _worker(spec: dict) -> dict:
     """Build, warm up, measure; runs in its own process so peaks are not shared."""
     device = torch.device(spec["device"])
@@ -169,14 +154,14 @@ def _worker(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
     else:
-        baseline = _rss_bytes()
-        _reset_hwm()
+        baseline = rss_bytes()
+        reset_hwm()
     start = time.perf_counter()
     losses = [step() for _ in range(spec["steps"])]
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / spec["steps"]
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _hwm_bytes()
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
     return {
         "peak_bytes": peak - baseline,
         "step_s": seconds,

@@ -32,28 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from process_memory import hwm_bytes, reset_hwm, rss_bytes
+
 MODES: dict[str, dict[str, Any]] = {
     "full fp32": {},
     "bf16 compute, fp32 masters": {"dtype": "bfloat16"},
     "LoRA r=8, bf16 base": {"dtype": "bfloat16", "lora": {"r": 8}},
 }
 GPU_BYTES = 80e9
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-
-def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def build_model(out: Path, layers: int) -> Path:
@@ -87,7 +73,7 @@ def measure(model_dir: Path, mode: dict[str, Any], checkpointing: bool, store: s
     )
     run = ObjectStore(store).child("memory")
     run.put("run.json", config.resolved_json().encode())
-    baseline = _rss_bytes()
+    baseline = rss_bytes()
     loaded = load_model(config.model, model_dir)
     params = sum(p.numel() for p in loaded.model.parameters())
     trainable = sum(p.numel() for p in loaded.model.parameters() if p.requires_grad)
@@ -97,10 +83,10 @@ def measure(model_dir: Path, mode: dict[str, Any], checkpointing: bool, store: s
         def _inner_step(self) -> torch.Tensor:
             syncing = self.meter.steps + 1 == config.diloco.sync_every
             if syncing:
-                _reset_hwm()
+                reset_hwm()
             loss = super()._inner_step()
             if syncing:
-                window["peak"] = _hwm_bytes()
+                window["peak"] = hwm_bytes()
             return loss
 
     replica = Measured(

@@ -20,6 +20,7 @@ from composer_serverless.config import DiLoCoConfig, TrainConfig
 from composer_serverless.rendezvous.allreduce import ExchangeSettings
 from composer_serverless.rendezvous.deadline import GraceSettings
 from composer_serverless.rendezvous.manager import ObjectStoreManager
+from composer_serverless.replicas.shards import decoder_layers
 
 
 def split_fragments(model: nn.Module, count: int) -> list[nn.Module]:
@@ -37,7 +38,7 @@ def split_fragments(model: nn.Module, count: int) -> list[nn.Module]:
     """
     layer_of: dict[int, int] = {}
     if count > 1:
-        layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+        layers = decoder_layers(model)
         if layers is None or len(layers) < count:
             raise ValueError(
                 f"cannot split the model into {count} fragments: it has {len(layers or [])} decoder layers"

@@ -51,6 +51,7 @@ def load_global(
         CheckpointError: no state could be read, each failure named.
     """
     problems: list[str] = []
+    tried: set[int] = set()
     for _ in range(MAX_STATE_TRIES):
         round_index = node.broadcast(round_index)
         if round_index < 0:
@@ -65,8 +66,8 @@ def load_global(
         if node.all_true(tree is not None):
             return tree
         problems.append(f"round {round_index}: {problem}")
+        tried.add(round_index)
         if node.lead:
-            tried = {int(p.split(":")[0].removeprefix("round ")) for p in problems}
             round_index = _next_to_try(store, round_index, tried, pruned=missing, fall_back=fall_back)
     raise CheckpointError(f"cannot read a global state from {store.url}: " + "; ".join(problems))
 
