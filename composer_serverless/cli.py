@@ -1,7 +1,9 @@
 """``composer-serverless``: the command line. Thin: parse, configure logging, call the launcher or a run op.
 
 Exit status 2 means the input was wrong (config, overrides, credentials, store, run URL) and nothing was
-launched or written; 1 means a run failed or was cancelled.
+launched or written, or a backend refused something the user must fix (a token, credits, permissions);
+1 means a run failed or was cancelled, or a backend kept failing for a transient reason (rate limits, server
+errors, the network) past its retries.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def _main(
 @contextlib.contextmanager
 def _user_errors() -> Iterator[None]:
     """Wrong input -> exit 2 with its message; a failed or cancelled run -> exit 1."""
+    from composer_serverless.executors.base import BackendError
     from composer_serverless.supervisor import RunCancelled, RunFailed, Terminated
 
     try:
@@ -80,6 +83,9 @@ def _user_errors() -> Iterator[None]:
     except (ConfigError, StoreError) as e:
         err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
+    except BackendError as e:
+        err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
+        raise typer.Exit(e.exit_code) from None
     except RunFailed as e:
         err_console.print(f"[red]run failed:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(1) from None

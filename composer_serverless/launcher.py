@@ -32,7 +32,15 @@ from rich.console import Console
 from composer_serverless import watch
 from composer_serverless.config import ConfigError, RunConfig, validate_config
 from composer_serverless.executors import make_executor
-from composer_serverless.executors.base import LaunchPlan, LaunchRecord, ServerlessExecutor, model_plan
+from composer_serverless.executors.base import (
+    TERMINAL_STATES,
+    LaunchPlan,
+    LaunchRecord,
+    ReplicaHandle,
+    ReplicaStatus,
+    ServerlessExecutor,
+    model_plan,
+)
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.store import ObjectStore
@@ -124,14 +132,17 @@ def _plan(executor: ServerlessExecutor, config: RunConfig, run: ObjectStore) -> 
 
 
 def start(prepared: Prepared, console: Console) -> Supervisor:
-    """Create the run in the store and start its replicas; nothing is written if a check fails first."""
+    """Create the run in the store and start its replicas; nothing is written if a check fails first (the
+    backend is asked whether the credentials may launch before the store is touched)."""
     if prepared.problems:
         raise ConfigError("cannot launch:\n" + "\n".join(textwrap.indent(p, "  ") for p in prepared.problems))
     if prepared.config.model.path is not None:
         with console.status("checking the model (config, tokenizer, a meta-device instance)"):
             check_model(prepared.config)
+    prepared.executor.check_access(prepared.plan)
     run, _ = create_run(prepared.config, prepared.source, console)
-    return _start_replicas(run, prepared.executor, prepared.plan, prepared.config)
+    record = LaunchRecord(prepared.plan, (), created_at=time.time())
+    return _start_replicas(run, prepared.executor, record, prepared.config, console)
 
 
 def check_model(config: RunConfig) -> None:
@@ -176,22 +187,26 @@ def _model_problems(checked: str) -> tuple[str, ...]:
 def _start_replicas(
     run: ObjectStore,
     executor: ServerlessExecutor,
-    plan: LaunchPlan,
+    record: LaunchRecord,
     config: RunConfig,
-    earlier_wall_s: float = 0.0,
+    console: Console,
+    restart: list[ReplicaHandle] | None = None,
 ) -> Supervisor:
-    """Start the plan's replicas and record them in ``launch.json``; if the record cannot be written, cancel
-    them: replicas nobody could find again must not keep running. From here on the launcher's writes ride
-    out a store outage as the replicas' do (``diloco.store_outage_s``); the probe before failed at once."""
+    """Write ``launch.json`` (``record``: the plan, and the attempts of earlier launches), then start every
+    replica of the plan, or only the ranks of the ended attempts ``restart``, each recorded before it is
+    created and again once it has an id (``Supervisor.start``). From here on the launcher's writes ride out
+    a store outage as the replicas' do (``diloco.store_outage_s``); the probe before failed at once."""
     run.tolerate_outages(config.diloco.store_outage_s)
-    handles = executor.launch(plan)
-    record = LaunchRecord(plan, tuple(handles), created_at=time.time(), earlier_wall_s=earlier_wall_s)
     supervisor = Supervisor(run, executor, record)
-    try:
-        supervisor.save()
-    except BaseException:
-        executor.cancel(handles)
-        raise
+    supervisor.save()
+
+    def note(line: str) -> None:
+        console.print(f"[yellow]{line}[/]", highlight=False)
+
+    if restart is None:
+        supervisor.start(record.plan, note)
+    elif restart:
+        supervisor.restart(restart, note)
     return supervisor
 
 
@@ -214,15 +229,23 @@ def launch(
 def resume(
     run_url: str, console: Console, on_interrupt: Callable[[], Choice] = cancel_on_interrupt
 ) -> dict[str, Any] | None:
-    """Restart every replica of the run at ``run_url`` and watch it to its end, as ``launch`` does.
+    """Continue the run at ``run_url`` and watch it to its end, as ``launch`` does; never a second set of
+    replicas beside live ones.
 
-    The run is rolled back to its newest checkpoint (``latest.roll_back``) and the replicas continue from it
-    and their own states saved with it, with the configuration the run was created with (``run.json`` is
-    write-once): the rounds after the checkpoint are redone. The launch record starts afresh: the attempts of
-    the replicas that died are of no use to ``status``, ``logs`` or ``cancel`` any more.
+    If any replica of the run still runs (the launcher died, or detached), the resume adopts them: it watches
+    the live ones again and starts only the ranks whose replica has ended, which rejoin from the store as a
+    relaunched replica does; nothing is rolled back, since live replicas depend on the state as it is.
+    Adopting rather than refusing keeps the rounds the live replicas are in, and gives the run its supervisor
+    (relaunches, progress, the report) back.
+
+    If none runs, the run is rolled back to its newest checkpoint (``latest.roll_back``) and every replica is
+    started again, continuing from it and their own states saved with it, with the configuration the run was
+    created with (``run.json`` is write-once): the rounds after the checkpoint are redone. Either way the new
+    attempts are added to ``launch.json`` beside the earlier ones, so ``cancel`` still reaches every one.
 
     Raises:
         ConfigError: ``run_url`` holds no run, or this machine cannot launch its replicas; nothing started.
+        BackendError: the backend refused the credentials or could not be reached; nothing started.
         StoreError: the store cannot be written; nothing was launched.
         RunFailed, RunCancelled: as for ``launch``.
     """
@@ -238,6 +261,14 @@ def resume(
             "there is nothing to resume\n  fix: composer-serverless status RUN shows its outcome; launch a new "
             "run to train further"
         )
+    executor.check_access(plan)
+    earlier = _launch_record(run)
+    if earlier is not None:
+        statuses = executor.status(earlier.current())
+        if any(s.state not in TERMINAL_STATES for s in statuses) or (
+            statuses and all(s.state == "succeeded" for s in statuses)
+        ):
+            return _adopt(run, executor, config, earlier, statuses, console, on_interrupt)
     run.ensure_root()
     earlier_wall_s = _wall_so_far(run)
     try:
@@ -259,15 +290,60 @@ def resume(
         + f" of round {back.round}",
         highlight=False,
     )
-    return follow(_start_replicas(run, executor, plan, config, earlier_wall_s), config, console, on_interrupt)
+    handles = earlier.handles if earlier is not None else ()
+    record = LaunchRecord(plan, handles, created_at=time.time(), earlier_wall_s=earlier_wall_s)
+    return follow(_start_replicas(run, executor, record, config, console), config, console, on_interrupt)
+
+
+def _adopt(
+    run: ObjectStore,
+    executor: ServerlessExecutor,
+    config: RunConfig,
+    earlier: LaunchRecord,
+    statuses: list[ReplicaStatus],
+    console: Console,
+    on_interrupt: Callable[[], Choice],
+) -> dict[str, Any] | None:
+    """Watch the run's live replicas again and start the ranks whose replica has ended (see ``resume``)."""
+    if earlier.cancelled:
+        raise ConfigError(
+            f"run {config.run_id} was cancelled and some of its replicas are still ending\n"
+            f"  fix: wait until `composer-serverless status {run.url}` shows none running, then resume"
+        )
+    live = [s.rank for s in statuses if s.state not in TERMINAL_STATES]
+    ended = [h for h, s in zip(earlier.current(), statuses, strict=True) if s.state in _RESTARTED]
+    if live:
+        console.print(
+            f"run [bold]{config.run_id}[/] still has live replicas ({', '.join(map(str, live))}): watching them "
+            "again instead of starting a second set"
+            + (f"; starting again the ended ones ({', '.join(str(h.rank) for h in ended)})" if ended else ""),
+            highlight=False,
+        )
+    # The launches so far count up to now; this one's clock starts here.
+    now = time.time()
+    wall = earlier.earlier_wall_s + max(0.0, now - earlier.created_at)
+    record = dataclasses.replace(earlier, created_at=now, earlier_wall_s=wall)
+    supervisor = _start_replicas(run, executor, record, config, console, restart=ended)
+    return follow(supervisor, config, console, on_interrupt)
+
+
+# The states of a replica that a resume starts again beside live ones.
+_RESTARTED = frozenset({"failed", "cancelled", "unscheduled"})
+
+
+def _launch_record(run: ObjectStore) -> LaunchRecord | None:
+    """The run's ``launch.json``, or None if it was never launched (or the record is unreadable)."""
+    try:
+        return LaunchRecord.from_json(run.get(layout.LAUNCH_RECORD))
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _wall_so_far(run: ObjectStore) -> float:
     """The wall time the run's launches have spent so far: each from its launch to the last heartbeat any
     replica wrote under it (not the time the run then lay dead before this resume)."""
-    try:
-        record = LaunchRecord.from_json(run.get(layout.LAUNCH_RECORD))
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+    record = _launch_record(run)
+    if record is None:
         return 0.0
     last = max((beat.get("time", 0.0) for beat in read_heartbeats(run).values()), default=record.created_at)
     return record.earlier_wall_s + max(0.0, last - record.created_at)

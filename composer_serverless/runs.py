@@ -187,13 +187,14 @@ def logs(url: str, rank: int, follow: bool) -> Iterator[str]:
 
 
 def cancel(url: str) -> list[ReplicaStatus]:
-    """Record the cancellation, then cancel every replica's live attempt; ended ones are left alone."""
+    """Record the cancellation, then end every attempt of every replica the backend holds for the run (an
+    attempt the record names, and on HF Jobs every job labelled with the run); ended ones are left alone.
+    Returns each replica's state afterwards."""
     run = open_run(url)
     run.record = dataclasses.replace(run.record, cancelled=True)
     run.save()
-    handles = run.record.current()
-    run.executor.cancel(handles)
-    return _as_cancelled(run, run.executor.status(handles))
+    run.executor.cancel_run(run.record)
+    return _as_cancelled(run, run.executor.status(run.record.current()))
 
 
 def _export_merged(run: OpenRun, out: Path) -> None:

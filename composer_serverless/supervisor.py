@@ -1,13 +1,15 @@
 """One run's replicas as the launcher sees them: poll, relaunch the dead, give up on the unschedulable.
 
-The supervisor owns the run's launch record (``launch.json``): every relaunch appends the new attempt's
-handle, so ``status``, ``logs`` and ``cancel`` from another process always address the live attempt.
+The supervisor owns the run's launch record (``launch.json``) and is the executors' ``Journal``: every
+attempt is written there before the backend is asked to create it and again once it has an id, so
+``status``, ``logs`` and ``cancel`` from another process always find every attempt, the live one included.
 
 Policy, per replica:
 
 * ``failed``: started again with the same command while the plan's ``launcher_restarts`` allows (backends
   that retry by themselves, Modal, allow 0 here); after that the run fails with the end of the replica's log.
-  The replica rejoins the run from the store.
+  The replica rejoins the run from the store. The failed attempt is cancelled, and seen ended, first: a
+  replica reported failed by mistake (a listing that missed it) must not end up running twice.
 * ``unscheduled`` (no hardware before the backend's scheduling deadline): cancelled, reported, and the run
   goes on without it; the run fails only if no replica is left.
 * ``cancelled`` by someone else (``cancel RUN`` from another terminal): the run is over.
@@ -15,11 +17,17 @@ Policy, per replica:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from composer_serverless.executors.base import (
     TERMINAL_STATES,
+    LaunchPlan,
     LaunchRecord,
     ReplicaHandle,
     ReplicaStatus,
@@ -29,6 +37,10 @@ from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 
 LOG_TAIL_LINES = 30
+# How long a cancelled attempt may take to be seen ended before its rank is started again; past it the run
+# fails rather than risk two live attempts of one rank.
+GONE_TIMEOUT_S = 120.0
+GONE_POLL_S = 1.0
 
 
 class RunFailed(RuntimeError):
@@ -49,6 +61,37 @@ class Terminated(BaseException):
     message = "the launcher was sent SIGTERM; its replicas were cancelled"
 
 
+@contextlib.contextmanager
+def interrupts_held(note: Callable[[str], None]) -> Iterator[list[BaseException]]:
+    """Hold Ctrl-C and SIGTERM while replicas are being created, so that no replica is created and then
+    forgotten half-way through its recording; a second signal acts at once.
+
+    Yields the list that receives the held interrupt (a KeyboardInterrupt or a ``Terminated``); the caller
+    raises it once what was started is recorded, where the user's choice (cancel or detach) is taken. In a
+    thread other than the main one (where signals cannot be caught) nothing is held.
+    """
+    held: list[BaseException] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+
+    def hold(signum: int, frame: object) -> None:
+        interrupt = KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+        if held:
+            raise interrupt
+        held.append(interrupt)
+        note(
+            "finishing the creation of the replica being started so that it is recorded; signal again to stop at once"
+        )
+
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield held
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 @dataclass
 class Poll:
     """What one poll saw: a status per replica, lines worth telling the user, and whether the run is over."""
@@ -64,6 +107,8 @@ class Supervisor:
         self.executor = executor
         self.record = record
         self._given_up: dict[int, str] = {}  # rank -> why the run goes on without it
+        # An interrupt held while replicas were being created: raised where the watch can act on it.
+        self.held_interrupt: BaseException | None = None
 
     @property
     def handles(self) -> list[ReplicaHandle]:
@@ -71,6 +116,32 @@ class Supervisor:
 
     def save(self) -> None:
         self.run.put(layout.LAUNCH_RECORD, self.record.to_json())
+
+    # --- the executors' Journal ----------------------------------------------------------------------
+
+    def launching(self, rank: int, meta: dict[str, str]) -> ReplicaHandle:
+        handle = ReplicaHandle(rank, "", attempt=self.record.next_attempt(rank), meta=dict(meta))
+        self.launched(handle)
+        return handle
+
+    def launched(self, handle: ReplicaHandle) -> None:
+        self.record = self.record.with_handle(handle)
+        self.save()
+
+    def start(self, plan: LaunchPlan, note: Callable[[str], None]) -> list[ReplicaHandle]:
+        """Create ``plan``'s replicas through the executor, each recorded before and after; Ctrl-C and
+        SIGTERM are held meanwhile (``held_interrupt``). If creating fails, or a second signal stops it,
+        every attempt this call recorded is cancelled: nothing started may be left running unwatched."""
+        earlier = {(h.rank, h.attempt) for h in self.record.handles}
+        with interrupts_held(note) as held:
+            try:
+                handles = self.executor.launch(plan, self)
+            except BaseException:
+                self.executor.cancel([h for h in self.record.handles if (h.rank, h.attempt) not in earlier])
+                raise
+        if held:
+            self.held_interrupt = held[0]
+        return handles
 
     def poll(self) -> Poll:
         handles = self.handles
@@ -112,23 +183,49 @@ class Supervisor:
                 + "\n".join(self.log_tail(handle))
                 + f"\nthe run can continue from its latest state: composer-serverless launch --resume {self.run.url}"
             )
-        (new,) = self.executor.launch(self.record.plan.only(handle.rank))
-        new = dataclasses.replace(new, attempt=handle.attempt + 1)
-        self.record = self.record.with_handles(new)
-        self.save()
+        (new,) = self.restart([handle], note=lambda line: None)
         return (
             f"replica {handle.rank} died ({status.detail}); started it again "
             f"(attempt {new.attempt} of {restarts + 1}): {new.backend_id}"
         )
 
+    def restart(self, handles: list[ReplicaHandle], note: Callable[[str], None]) -> list[ReplicaHandle]:
+        """Start the ranks of ``handles`` again, each only once its attempt is cancelled and seen ended."""
+        for handle in handles:
+            self._end(handle)
+        ranks = {handle.rank for handle in handles}
+        plan = self.record.plan
+        return self.start(
+            dataclasses.replace(plan, replicas=tuple(s for s in plan.replicas if s.rank in ranks)), note
+        )
+
+    def _end(self, handle: ReplicaHandle) -> None:
+        """Cancel ``handle``'s attempt and wait until the backend reports it ended.
+
+        Raises:
+            RunFailed: it still runs after ``GONE_TIMEOUT_S``: starting the rank again would run it twice.
+        """
+        self.executor.cancel([handle])
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while (state := self.executor.status([handle])[0].state) not in TERMINAL_STATES:
+            if time.monotonic() > deadline:
+                raise RunFailed(
+                    f"replica {handle.rank} was reported failed, but its attempt {handle.attempt} "
+                    f"({handle.backend_id or 'being created'}) is still {state} {GONE_TIMEOUT_S:.0f} s after it "
+                    "was cancelled; not starting a second one\n"
+                    f"  fix: composer-serverless cancel {self.run.url}, then launch --resume {self.run.url}"
+                )
+            time.sleep(GONE_POLL_S)
+
     def log_tail(self, handle: ReplicaHandle, lines: int = LOG_TAIL_LINES) -> list[str]:
         try:
-            return list(self.executor.logs(handle))[-lines:]
+            return list(self.executor.logs(handle, tail=lines))[-lines:]
         except Exception as e:  # the log is a courtesy here; the failure itself is already known
             return [f"(log unavailable: {type(e).__name__}: {e})"]
 
     def cancel(self) -> None:
-        """Record the cancellation first (so no watcher takes dying replicas for failures), then cancel."""
+        """Record the cancellation first (so no watcher takes dying replicas for failures), then end every
+        attempt of the run the backend holds."""
         self.record = dataclasses.replace(self.record, cancelled=True)
         self.save()
-        self.executor.cancel(self.handles)
+        self.executor.cancel_run(self.record)

@@ -110,9 +110,11 @@ def run_sweep(
                 f"{cell.label} ({_describe(cell.values)}): run {cell.prepared.plan.run_id} at {supervisor.run.url}",
                 markup=False,
             )
+            if supervisor.held_interrupt is not None:  # Ctrl-C while it started: ask before starting more
+                break
     except BaseException:
         for run in runs:  # the cells started so far must not keep running
-            run.supervisor.executor.cancel(run.supervisor.handles)
+            run.supervisor.executor.cancel_run(run.supervisor.record)
         raise
     if not watch.follow(runs, RunView(runs, console), on_interrupt, fail_fast=False):
         return None

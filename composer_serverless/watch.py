@@ -2,7 +2,9 @@
 
 Progress comes from the heartbeats in the store (every ``HEARTBEAT_POLL_S``); each run's backend is asked for
 its replicas' states only every ``executor.status_poll_s``, since on a cloud backend each ask is a
-rate-limited call. Whatever ends the watch early, nothing is left billing: Ctrl-C asks whether to cancel the
+rate-limited call. A backend that fails to answer for a while (rate limits, outages) is said once and asked
+again at the next poll: the replicas do not need the launcher; one that refuses for good (a revoked token)
+ends the watch, leaving the replicas running, with how to reach them. Whatever ends the watch early, nothing is left billing: Ctrl-C asks whether to cancel the
 replicas or detach from them (a detached run keeps going; ``status``, ``logs`` and ``cancel`` reach it through
 its URL), SIGTERM (``Terminated``) cancels them, and any other failure cancels them too. A run that fails while
 others go on (a sweep cell) is cancelled and marked; with ``fail_fast`` (a single launch) its failure ends the
@@ -21,6 +23,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn
 
 from composer_serverless.config import RunConfig
+from composer_serverless.executors.base import BackendError
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
 from composer_serverless.report import eval_headline, outcome, write_report
@@ -54,6 +57,7 @@ class Followed:
     statuses: dict[int, str] = field(default_factory=dict)
     summary: dict[str, Any] | None = None
     next_status: float = 0.0
+    backend_trouble: bool = False
 
     @property
     def url(self) -> str:
@@ -88,6 +92,12 @@ def follow(
     try:
         with view:
             _watch(runs, view, fail_fast)
+    except BackendError:
+        # The backend refused the watcher something the user must fix (a revoked token, say); the replicas
+        # do not need the launcher and go on. Cancelling would need the same API, so say how to reach them.
+        for run in _live(runs):
+            print_detached(run.url, view.console)
+        raise
     except KeyboardInterrupt:
         if on_interrupt() == "detach":
             for run in _live(runs):
@@ -169,16 +179,30 @@ def _watch(runs: list[Followed], view: View, fail_fast: bool) -> None:
 
 def _poll(run: Followed, console: Console, fail_fast: bool) -> None:
     """Ask the backend for the run's replicas, if it is time to; record and print what changed."""
+    supervisor = run.supervisor
+    if supervisor.held_interrupt is not None:  # a Ctrl-C or SIGTERM held while its replicas were created
+        interrupt, supervisor.held_interrupt = supervisor.held_interrupt, None
+        raise interrupt
     if time.monotonic() < run.next_status:
         return
     run.next_status = time.monotonic() + status_poll_s(run.config)
-    supervisor = run.supervisor
     try:
         poll = supervisor.poll()
+    except BackendError as e:
+        if e.exit_code != 1:
+            raise
+        if not run.backend_trouble:  # said once per spell of trouble; the next poll tries again
+            console.print(
+                f"[yellow]{escape(run.label)}cannot ask the backend about the replicas for now; still "
+                f"watching (the replicas do not need it):[/] {escape(str(e).splitlines()[0])}",
+                highlight=False,
+            )
+        run.backend_trouble = True
+        return
     except RunFailed as e:
         if fail_fast:
             raise
-        supervisor.executor.cancel(supervisor.handles)
+        supervisor.executor.cancel_run(supervisor.record)
         run.state, run.detail = "failed", str(e)
         console.print(f"[red]{escape(run.label)}failed:[/] {escape(str(e))}", highlight=False)
         return
@@ -192,6 +216,7 @@ def _poll(run: Followed, console: Console, fail_fast: bool) -> None:
     run.statuses = {
         s.rank: s.state if s.state != "pending" else f"pending: {s.detail}" for s in poll.statuses
     }
+    run.backend_trouble = False
     if poll.finished:
         run.state = "succeeded"
 
@@ -203,7 +228,7 @@ def _cancel(runs: list[Followed], *, record: bool) -> None:
         if record:
             run.supervisor.cancel()
         else:
-            run.supervisor.executor.cancel(run.supervisor.handles)
+            run.supervisor.executor.cancel_run(run.supervisor.record)
         run.state = "cancelled"
 
 

@@ -25,6 +25,7 @@ class ScriptedSupervisor:
         self.run = run
         self.script = script
         self.handles = [SimpleNamespace(rank=0)]
+        self.held_interrupt = None
 
     def poll(self) -> Poll:
         beats = self.script.pop(0)

@@ -82,6 +82,19 @@ class _CloudExecutorConfig(StrictModel):
         description="extra environment variable names whose values reach the replicas as secrets "
         "(the store's and the Hub's credentials are added automatically)",
     )
+    api_retry_s: float = Field(
+        60.0,
+        ge=0,
+        le=3600,
+        description="seconds a backend API call refused for a transient reason (rate limit, server error, "
+        "network) is retried, honouring Retry-After, before the command gives up with exit status 1",
+    )
+    private_store_endpoint: bool = Field(
+        False,
+        description="allow a store endpoint (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL) on loopback or a private "
+        "network: only for replicas that really reach it (a tunnel into that network); cloud replicas "
+        "cannot reach this machine's localhost",
+    )
 
     @field_validator("secrets")
     @classmethod

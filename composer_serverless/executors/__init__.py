@@ -30,9 +30,9 @@ def make_executor(config: RunConfig, run: ObjectStore) -> ServerlessExecutor:
     if kind == "modal":
         from composer_serverless.executors.modal import ModalExecutor
 
-        return ModalExecutor()
+        return ModalExecutor(retry_s=config.executor.api_retry_s)
     if kind == "hf_jobs":
         from composer_serverless.executors.hf_jobs import HFJobsExecutor
 
-        return HFJobsExecutor()
+        return HFJobsExecutor(retry_s=config.executor.api_retry_s)
     raise ValueError(f"unknown executor type {kind!r}")

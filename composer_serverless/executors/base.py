@@ -5,6 +5,11 @@ at what estimated cost) is built and tested without any network; handles (how to
 again) are stored in the run as ``launch.json``, so any process holding the run URL can watch, read the logs
 of, or cancel the replicas: the launcher may detach or die without orphaning them.
 
+Every replica is recorded before it can bill: an executor tells its ``Journal`` that it is about to create
+an attempt (a handle with no backend id yet, and what finds the attempt without one: its job labels, its
+Modal app, its command line), then creates it, then records its id. A launcher killed between the two
+leaves an attempt that ``cancel_run`` still finds.
+
 Secrets appear here only by name: a spec lists the environment variables whose values reach the replica as
 secrets, and each backend reads the values from the launcher's environment at the moment it launches.
 """
@@ -137,7 +142,9 @@ class ReplicaHandle:
     """How to find a started replica again: its backend id, where its log is, and backend details.
 
     ``meta`` holds what a backend needs to address the replica from another process (a process's start
-    time and group, a job's namespace, a Modal app id); everything in it is a string.
+    time and group, a job's namespace, a Modal app id); everything in it is a string. ``backend_id`` is empty
+    while the attempt is being created (recorded before the backend's create call): ``meta`` then says how
+    to find it without an id.
     """
 
     rank: int
@@ -145,6 +152,11 @@ class ReplicaHandle:
     log: str | None = None
     attempt: int = 1
     meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def created(self) -> bool:
+        """Whether the backend's id of the attempt is known (its create call returned)."""
+        return bool(self.backend_id)
 
 
 @dataclass(frozen=True)
@@ -174,8 +186,14 @@ class LaunchRecord:
                 latest[handle.rank] = handle
         return [latest[rank] for rank in sorted(latest)]
 
-    def with_handles(self, *handles: ReplicaHandle) -> LaunchRecord:
-        return dataclasses.replace(self, handles=(*self.handles, *handles))
+    def with_handle(self, handle: ReplicaHandle) -> LaunchRecord:
+        """The record with ``handle``: it replaces the entry of the same rank and attempt (an attempt being
+        created, now created), or is added."""
+        kept = tuple(h for h in self.handles if (h.rank, h.attempt) != (handle.rank, handle.attempt))
+        return dataclasses.replace(self, handles=(*kept, handle))
+
+    def next_attempt(self, rank: int) -> int:
+        return 1 + max((h.attempt for h in self.handles if h.rank == rank), default=0)
 
     def to_json(self) -> bytes:
         payload = {
@@ -199,9 +217,38 @@ class LaunchRecord:
         )
 
 
+class Journal(Protocol):
+    """Where an executor records each replica it creates: before the create call and after it."""
+
+    def launching(self, rank: int, meta: dict[str, str]) -> ReplicaHandle:
+        """Record that an attempt of ``rank`` is about to be created, found without an id by ``meta``, and
+        return its handle (attempt number assigned, no backend id). Raises if it cannot be recorded: then
+        nothing may be created."""
+        ...
+
+    def launched(self, handle: ReplicaHandle) -> None:
+        """Record the created attempt: ``launching``'s handle with its backend id."""
+        ...
+
+
+class BackendError(RuntimeError):
+    """A backend's API refused or failed a request, said for the user: the cause and the fix.
+
+    ``exit_code`` 2: the user must fix something (credentials, credits, permissions, a name); 1: the failure
+    was transient (rate limits, server errors, the network) and outlasted the retries.
+    """
+
+    def __init__(self, message: str, exit_code: Literal[1, 2]) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 @runtime_checkable
 class ServerlessExecutor(Protocol):
-    """A backend that runs replicas. Implementations: local processes, Modal functions, HF Jobs."""
+    """A backend that runs replicas. Implementations: local processes, Modal functions, HF Jobs.
+
+    Every method that talks to a backend's API raises ``BackendError`` for what the API refused.
+    """
 
     name: str
 
@@ -213,12 +260,27 @@ class ServerlessExecutor(Protocol):
         """Problems in this machine's setup that would make ``launch`` fail (credentials), without network."""
         ...
 
-    def launch(self, plan: LaunchPlan) -> list[ReplicaHandle]: ...
+    def check_access(self, plan: LaunchPlan) -> None:
+        """Ask the backend whether these credentials may launch ``plan`` (one cheap authenticated call),
+        before anything is written; raises BackendError."""
+        ...
+
+    def launch(self, plan: LaunchPlan, journal: Journal) -> list[ReplicaHandle]:
+        """Create the plan's replicas, each recorded in ``journal`` before and after it is created."""
+        ...
 
     def status(self, handles: list[ReplicaHandle]) -> list[ReplicaStatus]: ...
 
-    def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]: ...
+    def logs(self, handle: ReplicaHandle, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        """The replica's log, whole lines; with ``tail``, only its last ``tail`` lines."""
+        ...
 
     def cancel(self, handles: list[ReplicaHandle]) -> None:
-        """End the replicas; replicas that have already ended are left alone without error."""
+        """End these attempts (an attempt still being created too, found by its meta); attempts that have
+        already ended are left alone without error."""
+        ...
+
+    def cancel_run(self, record: LaunchRecord) -> None:
+        """End every replica the run's record names, every attempt, and whatever else the backend holds for
+        the run (its jobs by label, its Modal apps, its worker processes)."""
         ...

@@ -9,8 +9,10 @@ region or endpoint travel as plain environment variables.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import fsspec
 
@@ -29,6 +31,8 @@ LOCAL_PROTOCOLS = frozenset({"file", "local", "memory"})
 # pool of their own (the replica's threads are sized by the executor).
 REPLICA_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 _LOGIN_HINT = " (or run `hf auth login`)"
+# RFC 6598's shared address space (carrier-grade NAT, Tailscale): private, though not ``is_private``.
+_SHARED_SPACE = ipaddress.ip_network("100.64.0.0/10")
 
 
 def store_protocol(url: str) -> str:
@@ -38,7 +42,8 @@ def store_protocol(url: str) -> str:
 
 
 def check_reachable_by_cloud_replicas(config: RunConfig, executor: str) -> None:
-    """Refuse what replicas in the cloud could never read: a local store or a local model directory."""
+    """Refuse what replicas in the cloud could never read: a local store, a store endpoint on this machine or
+    a private network, or a local model directory."""
     protocol = store_protocol(config.store)
     if protocol in LOCAL_PROTOCOLS:
         raise ConfigError(
@@ -46,6 +51,17 @@ def check_reachable_by_cloud_replicas(config: RunConfig, executor: str) -> None:
             "reach it\n  fix: --set store=s3://<bucket>/runs (or any object store both can reach), "
             "or --executor local"
         )
+    if not getattr(config.executor, "private_store_endpoint", False):
+        for name, url in forwarded_settings().items():
+            where = private_host(url) if name.startswith("AWS_ENDPOINT_URL") else None
+            if where is not None:
+                raise ConfigError(
+                    f"{name}={url} points the replicas at {where}, which {executor} replicas cannot reach: "
+                    "they run in someone else's data centre, where this address is their own machine or "
+                    "nothing\n  fix: use an endpoint reachable from the internet (or unset "
+                    f"{name} for AWS S3); if the replicas really reach it (a tunnel), "
+                    "--set executor.private_store_endpoint=true"
+                )
     path = config.model.path
     if path is not None and Path(path).expanduser().exists():
         raise ConfigError(
@@ -112,6 +128,25 @@ def secret_value(name: str) -> str | None:
     except ImportError:
         return None
     return get_token()
+
+
+def private_host(url: str) -> str | None:
+    """What makes ``url``'s host unreachable from another network ("loopback", "a private address", ...), or
+    None. Names are not resolved (a plan touches no network): a literal address or a localhost name is."""
+    host = (urlsplit(url if "://" in url else f"//{url}").hostname or "").rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return f"loopback ({host})"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if address.is_loopback:
+        return f"loopback ({host})"
+    if address.is_link_local:
+        return f"a link-local address ({host})"
+    if address.is_private or address.is_reserved or address.is_unspecified or address in _SHARED_SPACE:
+        return f"a private address ({host})"
+    return None
 
 
 def forwarded_settings() -> dict[str, str]:

@@ -6,13 +6,19 @@ What the Jobs API teaches (see the project's research notes on HF Jobs):
   most strictly rate-limited endpoint, on every call; ``list_jobs`` without one even ignores the client's
   token and endpoint. The namespace comes from the config or is resolved once at launch and stored in the
   handles.
-* Status costs one labelled ``list_jobs`` call per poll for all replicas (labels ``run_id`` and ``rank``),
-  not one ``inspect_job`` per replica.
+* Status costs one labelled ``list_jobs`` call per poll for all replicas, not one ``inspect_job`` per
+  replica. Every job is labelled with the run, its rank and its attempt, so a job is found even before its
+  id is recorded. A listing can miss a live job: a job it leaves out is inspected by id before anything is
+  concluded, because taking it for dead would start a second one beside it.
 * Every job gets an explicit timeout (the server's default, 30 minutes, would cut a run short).
 * Secrets (the Hub token, the store's credentials) go in the job's ``secrets``, read by name from this
   environment when the jobs are created; they never appear in the command, the plan or a log.
 * A job can sit in SCHEDULING for hours when hardware is short. Past ``scheduling_deadline_s`` it is
   reported ``unscheduled``; the launcher cancels it and the run goes on without it.
+* Cancelling a job that has already ended is answered with a 4xx, which is not an error here.
+* The API's refusals are the user's to fix (401 token, 402 credits, 403 permissions, 404 namespace: exit 2)
+  or transient (429, 5xx, the network: retried, honouring ``Retry-After``, then exit 1); creating a job is
+  retried only after a labelled listing shows the failed request did not create it.
 * Logs are for people: progress and outcome come from the store and the job's stage, never from a log
   stream (streams stall and drop lines).
 
@@ -23,16 +29,20 @@ package pinned to a commit), otherwise the image must already contain it (deploy
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shlex
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from composer_serverless.config import DEFAULT_HF_JOBS_IMAGE, RunConfig
 from composer_serverless.config.hardware import HF_FLAVOR_PRICES
+from composer_serverless.executors import retrying
 from composer_serverless.executors.base import (
+    Journal,
     LaunchPlan,
+    LaunchRecord,
     ReplicaHandle,
     ReplicaSpec,
     ReplicaStatus,
@@ -45,6 +55,7 @@ from composer_serverless.executors.environment import (
     secret_name_problems,
     secret_value,
 )
+from composer_serverless.executors.hf_errors import classify, is_gone
 from composer_serverless.executors.pricing import estimate_cost
 
 if TYPE_CHECKING:
@@ -60,13 +71,19 @@ _STAGES = {
     "ERROR": "failed",
     "DELETED": "failed",
 }
+_TERMINAL_STAGES = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
+# How often cancel lists the run again to see its jobs end, and for how long.
+CANCEL_CHECKS = 5
+CANCEL_CHECK_S = 1.0
+T = TypeVar("T")
 
 
 class HFJobsExecutor:
     name = "hf_jobs"
 
-    def __init__(self, api: HfApi | None = None) -> None:
+    def __init__(self, api: HfApi | None = None, retry_s: float = 60.0) -> None:
         self._api_instance = api
+        self._retry_s = retry_s
 
     @property
     def _api(self) -> HfApi:
@@ -75,6 +92,14 @@ class HFJobsExecutor:
 
             self._api_instance = HfApi(token=secret_value(HUB_TOKEN))
         return self._api_instance
+
+    def _call(self, what: str, fn: Callable[[], T], namespace: str | None = None) -> T:
+        return retrying.call(
+            fn,
+            lambda e: classify(e, what, namespace, self._api.endpoint),
+            budget_s=self._retry_s,
+            what=what,
+        )
 
     def plan(self, config: RunConfig, run_url: str) -> LaunchPlan:
         ex = config.executor
@@ -101,7 +126,7 @@ class HFJobsExecutor:
                 "flavor": ex.flavor,
                 "timeout_s": ex.timeout_s,
                 "namespace": ex.namespace,
-                "labels": {"run_id": config.run_id or "", "rank": "<rank>"},
+                "labels": {"run_id": config.run_id or "", "rank": "<rank>", "attempt": "<attempt>"},
                 "scheduling_deadline_s": ex.scheduling_deadline_s,
             },
             ranks_per_replica=config.ranks_per_replica,
@@ -119,58 +144,196 @@ class HFJobsExecutor:
             )
         return problems
 
-    def launch(self, plan: LaunchPlan) -> list[ReplicaHandle]:
+    def check_access(self, plan: LaunchPlan) -> None:
+        """One labelled listing in the namespace: a rejected token (401), a namespace the token may not use
+        (403) or that does not exist (404) fails here, before the run is written to the store."""
+        namespace = self._namespace(plan)
+        self._jobs(namespace, {"run_id": plan.run_id}, "checking access to HF Jobs")
+
+    def _namespace(self, plan: LaunchPlan) -> str:
+        namespace = plan.resources["namespace"]
+        if namespace:
+            return namespace
+        return self._call("finding your Hub user name", lambda: self._api.whoami(cache=True)["name"])
+
+    def launch(self, plan: LaunchPlan, journal: Journal) -> list[ReplicaHandle]:
         res = plan.resources
-        namespace = res["namespace"] or self._api.whoami(cache=True)["name"]
+        namespace = self._namespace(plan)
         handles: list[ReplicaHandle] = []
-        try:
-            for spec in plan.replicas:
-                job = self._api.run_job(
-                    image=res["image"],
-                    command=list(spec.command),
-                    env=dict(spec.env),
-                    secrets={name: value for name in spec.secrets if (value := secret_value(name))},
-                    flavor=res["flavor"],
-                    timeout=res["timeout_s"],
-                    labels={"run_id": plan.run_id, "rank": str(spec.rank)},
-                    name=f"{plan.run_id}-r{spec.rank}",
-                    namespace=namespace,
-                )
-                meta = {
-                    "namespace": namespace,
-                    "run_id": plan.run_id,
-                    "launched_at": f"{time.time():.3f}",
-                    "scheduling_deadline_s": str(res["scheduling_deadline_s"]),
-                }
-                handles.append(ReplicaHandle(spec.rank, job.id, job.url, meta=meta))
-        except BaseException:
-            self.cancel(handles)  # never leave half a run billing
-            raise
+        for spec in plan.replicas:
+            meta = {
+                "namespace": namespace,
+                "run_id": plan.run_id,
+                "launched_at": f"{time.time():.3f}",
+                "scheduling_deadline_s": str(res["scheduling_deadline_s"]),
+            }
+            pending = journal.launching(spec.rank, meta)
+            job = self._create(plan, spec, namespace, _labels(pending))
+            handle = dataclasses.replace(pending, backend_id=job.id, log=job.url)
+            journal.launched(handle)
+            handles.append(handle)
         return handles
+
+    def _create(self, plan: LaunchPlan, spec: ReplicaSpec, namespace: str, labels: dict[str, str]) -> Any:
+        """``run_job`` for one attempt. A retry first lists the attempt's labels: a request that failed after
+        the server created the job must not create a second one."""
+        res = plan.resources
+        tries = 0
+
+        def create() -> Any:
+            nonlocal tries
+            tries += 1
+            if tries > 1:
+                created = self._jobs(
+                    namespace, labels, "looking for a job a failed request created", once=True
+                )
+                if created:
+                    return created[0]
+            return self._api.run_job(
+                image=res["image"],
+                command=list(spec.command),
+                env=dict(spec.env),
+                secrets={name: value for name in spec.secrets if (value := secret_value(name))},
+                flavor=res["flavor"],
+                timeout=res["timeout_s"],
+                labels=labels,
+                name=f"{plan.run_id}-r{labels['rank']}-a{labels['attempt']}",
+                namespace=namespace,
+            )
+
+        return self._call(f"creating the job of replica {spec.rank}", create, namespace)
+
+    def _jobs(self, namespace: str, labels: dict[str, str], what: str, *, once: bool = False) -> list[Any]:
+        def listing() -> list[Any]:
+            return list(self._api.list_jobs(namespace=namespace, labels=labels))
+
+        if once:
+            return listing()
+        return self._call(what, listing, namespace)
+
+    def _inspect(self, handle: ReplicaHandle) -> Any | None:
+        """The job of ``handle`` asked for by id, or None if the Hub no longer knows it."""
+        from huggingface_hub.errors import HfHubHTTPError
+
+        namespace = handle.meta["namespace"]
+
+        def inspect() -> Any | None:
+            try:
+                return self._api.inspect_job(job_id=handle.backend_id, namespace=namespace)
+            except HfHubHTTPError as e:
+                if is_gone(e):
+                    return None
+                raise
+
+        return self._call(f"asking for job {handle.backend_id}", inspect, namespace)
 
     def status(self, handles: list[ReplicaHandle]) -> list[ReplicaStatus]:
         if not handles:
             return []
         meta = handles[0].meta
-        jobs = {
-            job.id: job
-            for job in self._api.list_jobs(namespace=meta["namespace"], labels={"run_id": meta["run_id"]})
-        }
-        return [_status(handle, jobs.get(handle.backend_id)) for handle in handles]
+        jobs = self._jobs(meta["namespace"], {"run_id": meta["run_id"]}, "listing the run's jobs")
+        by_id = {job.id: job for job in jobs}
+        by_attempt = {_attempt_of(job): job for job in jobs}
+        statuses = []
+        for handle in handles:
+            if handle.created:
+                job = by_id.get(handle.backend_id)
+                if job is None:  # a listing can leave a live job out: ask for it by id before concluding
+                    job = self._inspect(handle)
+                statuses.append(_status(handle, job))
+            else:
+                job = by_attempt.get((str(handle.rank), str(handle.attempt)))
+                statuses.append(_status(handle, job) if job is not None else _never_created(handle))
+        return statuses
 
-    def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
-        yield from self._api.fetch_job_logs(
-            job_id=handle.backend_id, namespace=handle.meta["namespace"], follow=follow
-        )
+    def logs(self, handle: ReplicaHandle, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        """The job's log lines. A transient failure before the stream ends is retried by reading the log
+        again and skipping the lines already given (the server replays it from the start)."""
+        job_id = handle.backend_id or self._job_id_of(handle)
+        namespace = handle.meta["namespace"]
+        what = f"reading the log of replica {handle.rank}"
+        backoff = retrying.Backoff(self._retry_s, what)
+        given = 0
+        while True:
+            try:
+                lines = self._api.fetch_job_logs(job_id=job_id, namespace=namespace, follow=follow, tail=tail)
+                for index, line in enumerate(lines):
+                    if index >= given:
+                        given += 1
+                        yield line
+                return
+            except Exception as e:
+                refusal = classify(e, what, namespace, self._api.endpoint)
+                if refusal is None:
+                    raise
+                backoff.wait(refusal)
+
+    def _job_id_of(self, handle: ReplicaHandle) -> str:
+        labels = _labels(handle)
+        found = self._jobs(handle.meta["namespace"], labels, "finding the job of an attempt")
+        if not found:
+            raise FileNotFoundError(
+                f"replica {handle.rank}'s attempt {handle.attempt} was being created when the launcher stopped, "
+                "and no job carries its labels: it has no log"
+            )
+        return found[0].id
 
     def cancel(self, handles: list[ReplicaHandle]) -> None:
+        """Cancel these attempts: by id, or by their labels when the id was never recorded."""
+        if not handles:
+            return
+        meta = handles[0].meta
+        wanted = {(str(h.rank), str(h.attempt)) for h in handles}
+        self._cancel_where(
+            meta["namespace"],
+            meta["run_id"],
+            {h.backend_id for h in handles if h.created},
+            lambda job: _attempt_of(job) in wanted,
+        )
+
+    def cancel_run(self, record: LaunchRecord) -> None:
+        """Cancel every job labelled with the run, every attempt, and every job the record names by id."""
+        if not record.handles:
+            return
+        meta = record.handles[0].meta
+        ids = {h.backend_id for h in record.handles if h.created}
+        self._cancel_where(meta["namespace"], meta["run_id"], ids, lambda job: True)
+
+    def _cancel_where(
+        self, namespace: str, run_id: str, ids: set[str], chosen: Callable[[Any], bool]
+    ) -> None:
+        """Cancel the run's listed jobs that ``chosen`` picks and the jobs ``ids`` name, until a listing
+        shows none of them running (a few checks, a second apart)."""
+        asked: set[str] = set()
+        for check in range(CANCEL_CHECKS):
+            jobs = self._jobs(namespace, {"run_id": run_id}, "listing the run's jobs to cancel them")
+            live = {
+                job.id
+                for job in jobs
+                if _stage(job) not in _TERMINAL_STAGES and (job.id in ids or chosen(job))
+            }
+            unlisted = ids - {job.id for job in jobs} - asked  # a listing may leave a job out: cancel by id
+            if not live and not unlisted:
+                return
+            for job_id in sorted(live | unlisted):
+                self._cancel_job(namespace, job_id)
+                asked.add(job_id)
+            if check + 1 < CANCEL_CHECKS:
+                time.sleep(CANCEL_CHECK_S)
+        logger.warning("jobs of run %s were asked to cancel but still listed as running", run_id)
+
+    def _cancel_job(self, namespace: str, job_id: str) -> None:
         from huggingface_hub.errors import HfHubHTTPError
 
-        for handle in handles:
+        def cancel() -> None:
             try:
-                self._api.cancel_job(job_id=handle.backend_id, namespace=handle.meta["namespace"])
+                self._api.cancel_job(job_id=job_id, namespace=namespace)
             except HfHubHTTPError as e:  # a job that has already ended cannot be cancelled; that is fine
-                logger.info("replica %d (job %s) not cancelled: %s", handle.rank, handle.backend_id, e)
+                if not is_gone(e):
+                    raise
+                logger.info("job %s not cancelled: %s", job_id, e)
+
+        self._call(f"cancelling job {job_id}", cancel, namespace)
 
 
 def _command(run_url: str, rank: int, package: str | None) -> tuple[str, ...]:
@@ -181,10 +344,35 @@ def _command(run_url: str, rank: int, package: str | None) -> tuple[str, ...]:
     return ("bash", "-c", f"{install} && exec {shlex.join(worker)}")
 
 
+def _labels(handle: ReplicaHandle) -> dict[str, str]:
+    return {"run_id": handle.meta["run_id"], "rank": str(handle.rank), "attempt": str(handle.attempt)}
+
+
+def _attempt_of(job: Any) -> tuple[str, str]:
+    labels = job.labels or {}
+    return labels.get("rank", ""), labels.get("attempt", "")
+
+
+def _stage(job: Any) -> str:
+    stage = job.status.stage
+    return str(getattr(stage, "value", stage))
+
+
+def _never_created(handle: ReplicaHandle) -> ReplicaStatus:
+    return ReplicaStatus(
+        handle.rank,
+        "failed",
+        None,
+        "its launch was interrupted before a job was created (no job has its labels)",
+    )
+
+
 def _status(handle: ReplicaHandle, job: Any) -> ReplicaStatus:
     if job is None:
-        return ReplicaStatus(handle.rank, "failed", None, f"job {handle.backend_id} is not listed any more")
-    stage, message = str(job.status.stage), job.status.message or ""
+        return ReplicaStatus(
+            handle.rank, "failed", None, f"job {handle.backend_id} is gone (the Hub does not know it)"
+        )
+    stage, message = _stage(job), job.status.message or ""
     if stage == "SCHEDULING":
         waited = time.time() - float(handle.meta["launched_at"])
         deadline = float(handle.meta["scheduling_deadline_s"])

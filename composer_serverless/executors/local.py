@@ -9,12 +9,15 @@ Handles carry the process's identity (pid, process group, creation time and the 
 psutil reads them on Linux and macOS alike, host), so a later ``status`` or ``cancel`` from another process
 signals a pid only while it still belongs to the replica that was started: a recycled pid is never
 signalled. When the process is gone and was not ours to reap, its
-outcome comes from the replica's final heartbeat in the store.
+outcome comes from the replica's final heartbeat in the store. A process started but not yet recorded (the
+launcher killed in between) is found by its command line, which names the run and the rank.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -31,7 +34,9 @@ from composer_serverless.config import ConfigError, RunConfig
 from composer_serverless.executors.base import (
     WORKER_MODULE,
     CostEstimate,
+    Journal,
     LaunchPlan,
+    LaunchRecord,
     ReplicaHandle,
     ReplicaSpec,
     ReplicaStatus,
@@ -102,11 +107,15 @@ class LocalProcessExecutor:
     def preflight(self, plan: LaunchPlan) -> list[str]:
         return []  # replicas inherit this environment, credentials included
 
-    def launch(self, plan: LaunchPlan) -> list[ReplicaHandle]:
+    def check_access(self, plan: LaunchPlan) -> None:
+        return None  # no API between this machine and its own processes
+
+    def launch(self, plan: LaunchPlan, journal: Journal) -> list[ReplicaHandle]:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         handles = []
         for spec in plan.replicas:
             log = self._log_dir / f"rank-{spec.rank}.log"
+            pending = journal.launching(spec.rank, {"host": socket.gethostname(), "boot_time": _boot_time()})
             with open(log, "ab") as out:
                 proc = subprocess.Popen(
                     spec.command,
@@ -117,13 +126,20 @@ class LocalProcessExecutor:
                     start_new_session=True,
                 )
             self._procs[proc.pid] = proc
-            handles.append(ReplicaHandle(spec.rank, str(proc.pid), str(log), meta=_identity_meta(proc.pid)))
+            handle = dataclasses.replace(
+                pending, backend_id=str(proc.pid), log=str(log), meta=_identity_meta(proc.pid)
+            )
+            journal.launched(handle)
+            handles.append(handle)
         return handles
 
     def status(self, handles: list[ReplicaHandle]) -> list[ReplicaStatus]:
         beats = None
         statuses = []
         for handle in handles:
+            if not handle.created:
+                statuses.append(self._unrecorded_status(handle))
+                continue
             status = self._own_status(handle) or self._foreign_status(handle)
             if status is None:
                 beats = read_heartbeats(self._run) if beats is None else beats
@@ -149,7 +165,17 @@ class LocalProcessExecutor:
         """A replica another process started: running while its identity holds, else None (see beats)."""
         return ReplicaStatus(handle.rank, "running") if _verified_alive(handle, self._run) else None
 
-    def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
+    def _unrecorded_status(self, handle: ReplicaHandle) -> ReplicaStatus:
+        """An attempt recorded as being started but never with its pid: its process, if it runs, is found by
+        its command line."""
+        found = _worker_processes(self._run, handle.rank)
+        if found:
+            return ReplicaStatus(handle.rank, "running", None, f"pid {found[0].pid}, never recorded")
+        return ReplicaStatus(
+            handle.rank, "failed", None, "its launch was interrupted before a process started"
+        )
+
+    def logs(self, handle: ReplicaHandle, follow: bool = False, tail: int | None = None) -> Iterator[str]:
         # launch.json is data in the store: a log path outside this run's log directory is not printed.
         if handle.log is not None and not Path(handle.log).resolve().is_relative_to(self._log_dir.resolve()):
             raise FileNotFoundError(
@@ -162,6 +188,9 @@ class LocalProcessExecutor:
                 f"{handle.meta.get('host', 'another host')})"
             )
         with open(handle.log, errors="replace") as f:
+            if tail is not None:
+                yield from (line.rstrip("\n") for line in collections.deque(f, maxlen=tail))
+                return
             while True:
                 line = f.readline()
                 if line:
@@ -174,18 +203,39 @@ class LocalProcessExecutor:
     def cancel(self, handles: list[ReplicaHandle], grace_s: float = CANCEL_GRACE_S) -> None:
         """SIGTERM each live replica's process group, then SIGKILL what is left after ``grace_s``.
 
-        A process is signalled only after its identity (start time, group) is checked against the handle.
+        A process is signalled only after its identity (start time, group) is checked against the handle; an
+        attempt recorded without its pid is found by its command line (this run's worker, its rank).
         """
-        live = [h for h in handles if self._alive(h)]
+        created = [h for h in handles if h.created]
+        ranks = {h.rank for h in handles if not h.created}
+        self._end([h for h in created if self._alive(h)], _worker_processes(self._run, ranks=ranks), grace_s)
+
+    def cancel_run(self, record: LaunchRecord, grace_s: float = CANCEL_GRACE_S) -> None:
+        """Every attempt the record names, and any other process running this run's worker here."""
+        created = [h for h in record.handles if h.created and self._alive(h)]
+        named = {int(h.backend_id) for h in created}
+        strays = [p for p in _worker_processes(self._run) if p.pid not in named]
+        self._end(created, strays, grace_s)
+
+    def _end(self, live: list[ReplicaHandle], strays: list[psutil.Process], grace_s: float) -> None:
+        """SIGTERM the groups of ``live`` and of ``strays`` (each leads its own session), SIGKILL after
+        ``grace_s`` what is left."""
         for handle in live:
             self._cancelled.add(int(handle.backend_id))
             _signal_group(handle, signal.SIGTERM)
+        for process in strays:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for handle in live:
             while self._alive(handle) and time.monotonic() < deadline:
                 time.sleep(0.05)
             if self._alive(handle):
                 _signal_group(handle, signal.SIGKILL)
+        _, left = psutil.wait_procs(strays, timeout=max(0.0, deadline - time.monotonic()))
+        for process in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
 
     def _alive(self, handle: ReplicaHandle) -> bool:
         """Whether the replica's own process still runs; our children are also reaped here."""
@@ -303,6 +353,28 @@ def _verified_alive(handle: ReplicaHandle, run: ObjectStore) -> bool:
         return False
     located = _argument(command, "--run")
     return WORKER_MODULE in command and located is not None and run.is_at(located)
+
+
+def _worker_processes(
+    run: ObjectStore, rank: int | None = None, ranks: set[int] | None = None
+) -> list[psutil.Process]:
+    """The processes on this machine running this run's worker (of ``rank``, or of any of ``ranks``; of any
+    rank when neither is given), each the leader of its own session as the executor starts them."""
+    wanted = {rank} if rank is not None else ranks
+    if wanted is not None and not wanted:
+        return []
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        command = process.info["cmdline"] or []
+        located, ranked = _argument(command, "--run"), _argument(command, "--rank")
+        if WORKER_MODULE not in command or located is None or not run.is_at(located):
+            continue
+        if wanted is not None and (ranked is None or not ranked.isdigit() or int(ranked) not in wanted):
+            continue
+        with contextlib.suppress(psutil.Error):
+            if os.getpgid(process.pid) == process.pid and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
 
 
 def _argument(command: list[str], flag: str) -> str | None:

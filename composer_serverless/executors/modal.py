@@ -1,4 +1,4 @@
-"""``ModalExecutor``: one Modal function call per replica, spawned inside a detached app.
+"""``ModalExecutor``: one Modal function call per replica, each spawned in a detached app of its own.
 
 What Modal teaches (see the project's research notes on Modal):
 
@@ -6,28 +6,40 @@ What Modal teaches (see the project's research notes on Modal):
   id to poll, read logs from and cancel, and Modal's own retries restart it after a preemption or crash
   (``Retries`` with a fixed delay; each attempt gets a fresh container and a full timeout). The launcher
   therefore does not relaunch Modal replicas itself.
-* The app runs **detached**: leaving a plain ``app.run()`` block would stop every spawned replica.
+* Each call runs in a **detached** app of its own (leaving a plain ``app.run()`` block would stop the
+  replicas). The app's id is recorded before the call is spawned, and stopping that app ends whatever it
+  holds, so a replica is never out of ``cancel``'s reach, even one whose call id never got recorded.
+* ``app.run(detach=True)`` swallows a KeyboardInterrupt raised inside its block (Modal's runner prints "the
+  detached App will keep running" and returns): the spawn here keeps such an interrupt and raises it after
+  the block, so the launcher still asks whether to cancel or detach.
+* A call that was cancelled (``cancel RUN``, the dashboard, ``modal app stop``) comes back as a terminated
+  result, which the client raises as ``RemoteError`` (``modal._utils.function_utils._process_result``): that
+  is a cancellation, not a failure. The replica's own exception comes back as itself.
+* Log entries are chunks of the container's output as it wrote them, not lines: they are joined and split
+  again into whole lines.
 * The timeout is always explicit (Modal's default of 300 s kills a real run) and the function has no
   container cap, since a cap below N would queue replicas behind a sync barrier that waits for them.
 * GPU type, timeout, retries, secrets and environment are per-run options (``with_options``), not decorator
   arguments: decorator arguments are evaluated again in every container, where the launcher's config is gone.
 * Secrets go to Modal as a ``Secret`` built from this environment at spawn time (plus any named secrets of
   the workspace); their values never enter the plan, the command or a log.
-
-Every call that needs Modal's servers sits behind ``ModalCalls``, a seam of four methods; ``ModalSDKCalls``
-is the real one, and tests substitute a fake that records the calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Protocol
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 from composer_serverless.config import RunConfig
 from composer_serverless.config.hardware import MODAL_GPU_PRICES
+from composer_serverless.executors import retrying
 from composer_serverless.executors.base import (
+    BackendError,
+    Journal,
     LaunchPlan,
+    LaunchRecord,
     ReplicaHandle,
     ReplicaSpec,
     ReplicaState,
@@ -41,6 +53,7 @@ from composer_serverless.executors.environment import (
     secret_name_problems,
     secret_value,
 )
+from composer_serverless.executors.modal_errors import classify
 from composer_serverless.executors.modal_image import (
     APP_NAME,
     IMAGE_REQUIREMENTS,
@@ -49,108 +62,20 @@ from composer_serverless.executors.modal_image import (
 )
 from composer_serverless.executors.pricing import estimate_cost
 
-
-@dataclass(frozen=True)
-class SpawnRequest:
-    """What to spawn: plain values only, so a fake can record it and a test can assert it."""
-
-    run_url: str
-    ranks: tuple[int, ...]
-    gpu: str
-    timeout_s: int
-    retries: int
-    env: dict[str, str]
-    secret_env: tuple[str, ...]
-    modal_secrets: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Spawned:
-    app_id: str
-    call_ids: dict[int, str]
-
-
-class ModalCalls(Protocol):
-    """The seam: each method is one conversation with Modal's servers, and nothing else talks to them."""
-
-    def spawn(self, request: SpawnRequest) -> Spawned: ...
-
-    def poll(self, call_id: str) -> tuple[ReplicaState, str]:
-        """(state, detail) of one call: running, succeeded, failed or cancelled."""
-        ...
-
-    def logs(self, call_id: str, follow: bool) -> Iterator[str]: ...
-
-    def cancel(self, call_id: str) -> None: ...
-
-
-class ModalSDKCalls:
-    """``ModalCalls`` through the modal SDK (needs a Modal token and Modal's servers)."""
-
-    def spawn(self, request: SpawnRequest) -> Spawned:
-        import modal
-
-        from composer_serverless.executors.modal_app import app, train_replica
-
-        secrets = [modal.Secret.from_name(name) for name in request.modal_secrets]
-        if request.secret_env:
-            secrets.insert(
-                0, modal.Secret.from_dict({name: secret_value(name) for name in request.secret_env})
-            )
-        function = train_replica.with_options(
-            gpu=request.gpu,
-            timeout=request.timeout_s,
-            retries=modal.Retries(
-                max_retries=request.retries, initial_delay=RETRY_DELAY_S, backoff_coefficient=1.0
-            ),
-            secrets=secrets,
-            env=dict(request.env),
-        )
-        with modal.enable_output(), app.run(detach=True):
-            calls = {rank: function.spawn(request.run_url, rank) for rank in request.ranks}
-            app_id = app.app_id or ""
-        return Spawned(app_id, {rank: call.object_id for rank, call in calls.items()})
-
-    def poll(self, call_id: str) -> tuple[ReplicaState, str]:
-        import modal
-
-        try:
-            modal.FunctionCall.from_id(call_id).get(timeout=0)
-        except TimeoutError:  # the built-in one: no result yet (modal's own TimeoutError is not a subclass)
-            return "running", ""
-        except modal.exception.FunctionTimeoutError as e:
-            return "failed", f"timed out after its retries: {e}"
-        except modal.exception.InputCancellation:
-            return "cancelled", "cancelled"
-        except Exception as e:  # the replica's own exception, re-raised here once Modal's retries are spent
-            return "failed", f"{type(e).__name__}: {e}"
-        return "succeeded", ""
-
-    def logs(self, call_id: str, follow: bool) -> Iterator[str]:
-        import modal
-
-        call = modal.FunctionCall.from_id(call_id)
-        entries = call.logs.stream() if follow else call.logs.fetch()
-        for entry in entries:
-            yield from entry.message.splitlines()
-
-    def cancel(self, call_id: str) -> None:
-        import modal
-
-        modal.FunctionCall.from_id(call_id).cancel(terminate_containers=True)
+T = TypeVar("T")
+# Log entries asked for per line wanted, when only the end of a log is read (an entry is a chunk of output,
+# usually a line or less).
+TAIL_ENTRIES_PER_LINE = 4
 
 
 class ModalExecutor:
     name = "modal"
 
-    def __init__(self, calls: ModalCalls | None = None) -> None:
-        self._calls_instance = calls
+    def __init__(self, retry_s: float = 60.0) -> None:
+        self._retry_s = retry_s
 
-    @property
-    def _calls(self) -> ModalCalls:
-        if self._calls_instance is None:
-            self._calls_instance = ModalSDKCalls()
-        return self._calls_instance
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        return retrying.call(fn, lambda e: classify(e, what), budget_s=self._retry_s, what=what)
 
     def plan(self, config: RunConfig, run_url: str) -> LaunchPlan:
         ex = config.executor
@@ -185,6 +110,7 @@ class ModalExecutor:
                 "image": {"python": PYTHON_VERSION, "requirements": list(IMAGE_REQUIREMENTS)},
                 "modal_secrets": list(ex.modal_secrets),
                 "detached": True,
+                "app_per_replica": True,
             },
             ranks_per_replica=config.ranks_per_replica,
             launcher_restarts=0,
@@ -206,38 +132,169 @@ class ModalExecutor:
             )
         return problems
 
-    def launch(self, plan: LaunchPlan) -> list[ReplicaHandle]:
+    def check_access(self, plan: LaunchPlan) -> None:
+        """Modal's hello with this machine's token: a rejected token fails here, before anything is written."""
+        import modal
+
+        self._call("checking the Modal token", lambda: modal.Client.from_env().hello())
+
+    def launch(self, plan: LaunchPlan, journal: Journal) -> list[ReplicaHandle]:
+        import modal
+
+        from composer_serverless.executors.modal_app import train_replica
+
         res = plan.resources
         first = plan.replicas[0]
-        request = SpawnRequest(
-            run_url=plan.run_url,
-            ranks=tuple(spec.rank for spec in plan.replicas),
+        secrets = [modal.Secret.from_name(name) for name in res["modal_secrets"]]
+        if first.secrets:
+            secrets.insert(0, modal.Secret.from_dict({name: secret_value(name) for name in first.secrets}))
+        function = train_replica.with_options(
             gpu=res["gpu"],
-            timeout_s=res["timeout_s"],
-            retries=res["retries"],
+            timeout=res["timeout_s"],
+            retries=modal.Retries(
+                max_retries=res["retries"], initial_delay=RETRY_DELAY_S, backoff_coefficient=1.0
+            ),
+            secrets=secrets,
             env=dict(first.env),
-            secret_env=first.secrets,
-            modal_secrets=tuple(res["modal_secrets"]),
         )
-        spawned = self._calls.spawn(request)
-        return [
-            ReplicaHandle(rank, call_id, f"modal call {call_id}", meta={"app_id": spawned.app_id})
-            for rank, call_id in sorted(spawned.call_ids.items())
-        ]
+        handles = []
+        for index, spec in enumerate(plan.replicas):
+            what = f"starting replica {spec.rank} on Modal"
+            try:
+                # Modal's output (the image build, the first time) is shown for the first app only.
+                handles.append(self._spawn(function, plan, spec.rank, journal, show_output=index == 0))
+            except Exception as e:  # no retry: a second spawn could start a second replica
+                refusal = classify(e, what)
+                if refusal is None:
+                    raise
+                raise BackendError(refusal.message, 1 if refusal.transient else 2) from None
+        return handles
+
+    def _spawn(
+        self, function: Any, plan: LaunchPlan, rank: int, journal: Journal, *, show_output: bool
+    ) -> ReplicaHandle:
+        """Spawn replica ``rank`` in a detached app of its own, recorded (the app) before the call exists."""
+        import modal
+
+        from composer_serverless.executors.modal_app import app
+
+        kept: BaseException | None = None
+        handle = None
+        output = modal.enable_output() if show_output else contextlib.nullcontext()
+        with output, app.run(detach=True, name=f"{plan.run_id} replica {rank}"):
+            try:
+                pending = journal.launching(rank, {"app_id": app.app_id or "", "own_app": "true"})
+                call = function.spawn(plan.run_url, rank)
+                handle = dataclasses.replace(
+                    pending, backend_id=call.object_id, log=f"modal call {call.object_id}"
+                )
+                journal.launched(handle)
+            except BaseException as e:  # app.run would swallow a KeyboardInterrupt: keep it for after
+                kept = e
+        if kept is not None:
+            raise kept
+        assert handle is not None
+        return handle
 
     def status(self, handles: list[ReplicaHandle]) -> list[ReplicaStatus]:
         statuses = []
         for handle in handles:
-            state, detail = self._calls.poll(handle.backend_id)
+            if not handle.created:
+                detail = (
+                    "the launcher stopped while spawning it, before its call id was recorded; "
+                    f"cancelling the run stops its app {handle.meta.get('app_id')}"
+                )
+                statuses.append(ReplicaStatus(handle.rank, "failed", None, detail))
+                continue
+            state, detail = self._call(f"asking Modal about replica {handle.rank}", lambda h=handle: _poll(h))
             statuses.append(ReplicaStatus(handle.rank, state, 0 if state == "succeeded" else None, detail))
         return statuses
 
-    def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
-        yield from self._calls.logs(handle.backend_id, follow)
+    def logs(self, handle: ReplicaHandle, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        """The call's log as whole lines (Modal's entries are chunks of output; a line may span several)."""
+        import modal
+
+        if not handle.created:
+            raise FileNotFoundError(f"replica {handle.rank}'s call id was never recorded: it has no log here")
+        call = modal.FunctionCall.from_id(handle.backend_id)
+        what = f"reading the log of replica {handle.rank}"
+        if tail is not None:
+            wanted = tail * TAIL_ENTRIES_PER_LINE
+            entries = self._call(what, lambda: [e.message for e in call.logs.tail(entries=wanted)])
+            lines = list(whole_lines(entries))
+            # A window that did not reach the start of the log may begin in the middle of a line.
+            yield from (lines[1:] if len(entries) >= wanted else lines)[-tail:]
+            return
+        if follow:
+            yield from whole_lines(entry.message for entry in call.logs.stream())
+            return
+        yield from whole_lines(self._call(what, lambda: [e.message for e in call.logs.fetch()]))
 
     def cancel(self, handles: list[ReplicaHandle]) -> None:
+        """Cancel each call and stop the app that holds it (which also ends a call whose id was never
+        recorded); calls and apps that have already ended are left alone."""
         for handle in handles:
-            self._calls.cancel(handle.backend_id)
+            if handle.created:
+                self._call(f"cancelling replica {handle.rank}", lambda h=handle: _cancel_call(h.backend_id))
+            app_id = handle.meta.get("app_id")
+            if app_id and handle.meta.get("own_app") == "true":
+                self._call(f"stopping the app of replica {handle.rank}", lambda a=app_id: _stop_app(a))
+
+    def cancel_run(self, record: LaunchRecord) -> None:
+        self.cancel(list(record.handles))
+
+
+def whole_lines(chunks: Iterable[str]) -> Iterator[str]:
+    """The lines of the text ``chunks`` make when joined, without their line ends; a last line without one is
+    given at the end."""
+    partial = ""
+    for chunk in chunks:
+        *complete, partial = (partial + chunk).split("\n")
+        yield from (line.rstrip("\r") for line in complete)
+    if partial:
+        yield partial.rstrip("\r")
+
+
+def _poll(handle: ReplicaHandle) -> tuple[ReplicaState, str]:
+    """(state, detail) of a call, from what ``FunctionCall.get(timeout=0)`` returns or raises."""
+    import modal
+    from modal import exception as mx
+
+    try:
+        modal.FunctionCall.from_id(handle.backend_id).get(timeout=0)
+    except TimeoutError:  # the built-in one: no result yet (modal's own TimeoutError is not a subclass)
+        return "running", ""
+    except mx.OutputExpiredError:
+        return "failed", "ended so long ago that Modal no longer keeps its result"
+    except mx.FunctionTimeoutError as e:
+        return "failed", f"timed out after its retries: {e}"
+    except mx.ImageBuildError as e:
+        return "failed", f"its image failed to build: {e}"
+    except mx.RemoteError as e:  # a terminated result: the call was cancelled (here, the dashboard, app stop)
+        return "cancelled", f"cancelled on Modal ({e})" if str(e) else "cancelled on Modal"
+    except mx.NotFoundError:
+        return "failed", "Modal does not know this call (any more)"
+    except Exception as e:
+        if classify(e, "") is not None:
+            raise  # the API's, not the replica's: retried or reported by the caller
+        return "failed", f"{type(e).__name__}: {e}"  # the replica's own, after Modal's retries
+    return "succeeded", ""
+
+
+def _cancel_call(call_id: str) -> None:
+    import modal
+    from modal import exception as mx
+
+    with contextlib.suppress(mx.NotFoundError):  # gone already
+        modal.FunctionCall.from_id(call_id).cancel(terminate_containers=True)
+
+
+def _stop_app(app_id: str) -> None:
+    import modal
+    from modal import exception as mx
+
+    with contextlib.suppress(mx.NotFoundError):  # gone already
+        modal.App.lookup(app_id).stop()
 
 
 def _gpu_option(gpu: str, count: int) -> str:

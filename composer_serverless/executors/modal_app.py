@@ -34,7 +34,12 @@ app = modal.App(APP_NAME, image=image)
     single_use_containers=True,
 )
 def train_replica(run_url: str, rank: int) -> int:
-    """Run replica ``rank`` of the run at ``run_url`` here; raises on failure, so Modal retries it."""
+    """Run replica ``rank`` of the run at ``run_url`` here; raises on failure, so Modal retries it (a
+    returned value, whatever it is, is a success to Modal: a replica of several ranks reports a dead rank
+    with its exit status, which is turned into an exception here)."""
     from composer_serverless.replicas.worker import main
 
-    return main(["--run", run_url, "--rank", str(rank)])
+    code = main(["--run", run_url, "--rank", str(rank)])
+    if code != 0:
+        raise RuntimeError(f"replica {rank} exited with status {code} (its log says why)")
+    return code

@@ -26,6 +26,6 @@ IMAGE_REQUIREMENTS = (
     "xxhash>=3.4",
     "s3fs>=2025.1",
     "boto3>=1.35.21",
-    "huggingface_hub>=1.0",
+    "huggingface_hub>=1.24",
 )
 RETRY_DELAY_S = 10.0

@@ -3,7 +3,11 @@
 The real ``huggingface_hub`` client talks to it through ``HF_ENDPOINT``; it follows the wire contract in the
 project's HF Jobs research notes (JobInfo JSON with ``Z`` dates and no ``endpoint`` key, SSE logs that replay
 from the start on every connection and stay open until the process has exited, labelled listing, a 4xx for
-cancelling a terminal job, a SCHEDULING phase before each job starts).
+cancelling a terminal job, a SCHEDULING phase before each job starts, ``{"error": ...}`` bodies that the
+client shows as the server's message). What a real server also does now and then, tests can ask for:
+``omit_once`` leaves a job out of the next listing that would show it, and ``refuse`` answers the next
+requests to a route with an error status (401, 402, 403, 429 with ``Retry-After``, 5xx). ``max_live`` is
+the most jobs of one (run, rank) that were ever live (SCHEDULING or RUNNING) at once.
 
 A job runs in a minimal "image" environment plus the job's ``environment`` and ``secrets`` and nothing of the
 test process's environment, so a credential the executor forgot to pass is really missing in the replica.
@@ -87,6 +91,13 @@ class FakeHFJobs:
         self.hold: Callable[[dict[str, Any]], bool] = lambda spec: False
         self.jobs: dict[str, FakeJob] = {}
         self.requests: list[tuple[str, str]] = []
+        self.request_times: list[tuple[str, str, float]] = []
+        # Jobs the next listing that would show one of them leaves out (once each)
+        self.omitted: list[Callable[[FakeJob], bool]] = []
+        self.refusals: list[
+            tuple[str, str, int, dict[str, str]]
+        ] = []  # (method, path prefix, status, headers)
+        self.max_live: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
@@ -111,7 +122,39 @@ class FakeHFJobs:
         with self._lock:
             self.jobs.clear()
             self.requests.clear()
+            self.request_times.clear()
+            self.omitted.clear()
+            self.refusals.clear()
+            self.max_live.clear()
         self.hold = lambda spec: False
+
+    def omit_once(self, which: Callable[[FakeJob], bool]) -> None:
+        """The next listing that shows a job ``which`` picks leaves it out (the Hub's listings are not always
+        complete); later listings show it again."""
+        self.omitted.append(which)
+
+    def refuse(
+        self,
+        method: str,
+        path_prefix: str,
+        status: int,
+        times: int = 1,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """Answer the next ``times`` ``method`` requests whose path starts with ``path_prefix`` with ``status``."""
+        self.refusals += [(method, path_prefix, status, headers or {})] * times
+
+    def live_jobs(self) -> list[FakeJob]:
+        return [job for job in self.jobs.values() if job.stage[0] in ("SCHEDULING", "RUNNING")]
+
+    def _count_live(self) -> None:
+        counts: dict[tuple[str, str], int] = {}
+        for job in self.live_jobs():
+            labels = job.spec.get("labels", {})
+            key = (labels.get("run_id", ""), labels.get("rank", ""))
+            counts[key] = counts.get(key, 0) + 1
+        for key, count in counts.items():
+            self.max_live[key] = max(self.max_live.get(key, 0), count)
 
     def kill_all(self) -> None:
         for job in list(self.jobs.values()):
@@ -128,6 +171,7 @@ class FakeHFJobs:
         job = FakeJob(uuid.uuid4().hex[:24], namespace, spec, _now_z())
         with self._lock:
             self.jobs[job.id] = job
+            self._count_live()
         if not self.hold(spec):
             threading.Timer(self.scheduling_s, self._run, args=(job,)).start()
         return job
@@ -175,11 +219,13 @@ class FakeHFJobs:
             def log_message(self, *args: Any) -> None:  # keep test output clean
                 pass
 
-            def _json(self, code: int, body: Any) -> None:
+            def _json(self, code: int, body: Any, headers: dict[str, str] | None = None) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -189,12 +235,26 @@ class FakeHFJobs:
                 self._json(401, {"error": "Invalid credentials in Authorization header"})
                 return False
 
+            def _refused(self, method: str, path: str) -> bool:
+                for refusal in fake.refusals:
+                    wanted, prefix, status, headers = refusal
+                    if wanted == method and path.startswith(prefix):
+                        fake.refusals.remove(refusal)
+                        self._json(status, {"error": f"refused by the test ({status})"}, headers)
+                        return True
+                return False
+
             def _route(self, method: str) -> None:
                 parts = urlsplit(self.path)
                 fake.requests.append((method, self.path))
+                fake.request_times.append((method, self.path, time.monotonic()))
+                with fake._lock:
+                    fake._count_live()
                 segments = [s for s in parts.path.split("/") if s]
                 if parts.path == "/api/agent-harnesses":
                     return self._json(200, {"standardEnvVars": [], "harnesses": {}})
+                if self._refused(method, parts.path):
+                    return None
                 if not self._authorised():
                     return None
                 if parts.path == "/api/whoami-v2":
@@ -225,13 +285,19 @@ class FakeHFJobs:
             def _list(self, query: list[tuple[str, str]]) -> None:
                 stages = {v for k, v in query if k == "stage"}
                 labels = dict(v.split("=", 1) for k, v in query if k == "label")
-                jobs = [
-                    job.info()
+                shown = [
+                    job
                     for job in fake.jobs.values()
                     if (not stages or job.stage[0] in stages)
                     and all(job.spec.get("labels", {}).get(k) == v for k, v in labels.items())
                 ]
-                self._json(200, jobs)
+                left_out = set()
+                for which in list(fake.omitted):
+                    picked = [job for job in shown if which(job)]
+                    if picked:
+                        fake.omitted.remove(which)
+                        left_out.add(picked[0].id)
+                self._json(200, [job.info() for job in shown if job.id not in left_out])
 
             def _logs(self, job: FakeJob, tail: str | None) -> None:
                 self.send_response(200)

@@ -23,7 +23,7 @@ from rich.console import Console
 from composer_serverless.config import validate_config
 from composer_serverless.executors import base
 from composer_serverless.executors.base import LaunchRecord, ReplicaHandle
-from composer_serverless.executors.local import LocalProcessExecutor, _identity_meta
+from composer_serverless.executors.local import LocalProcessExecutor, _identity_meta, _worker_processes
 from composer_serverless.launcher import launch
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
@@ -213,6 +213,36 @@ def test_sigterm_to_the_launcher_cancels_its_replicas(tmp_path):
     assert all(_state(pid) in ("Z", "gone") for pid in pids)  # the replicas' own sessions did not save them
     status = cli("status", str(store / "local-term"), env=env)
     assert "(cancelled)" in status.stdout, status.stdout + status.stderr
+
+
+def test_a_launcher_killed_with_sigkill_is_resumed_by_adopting_its_live_replicas(tmp_path):
+    """kill -9 leaves the launcher no chance to clean up; its replicas (own sessions) go on. `launch --resume`
+    then watches those two again instead of starting two more, and `cancel` ends them all."""
+    store, launcher, env = _launch_until_training(tmp_path, "local-kill")
+    run_url = str(store / "local-kill")
+    record_path = store / "local-kill" / layout.LAUNCH_RECORD
+    pids = sorted(h.backend_id for h in LaunchRecord.from_json(record_path.read_bytes()).current())
+    launcher.kill()
+    launcher.communicate()
+    assert all(_state(pid) == "alive" for pid in pids)
+
+    first = LaunchRecord.from_json(record_path.read_bytes()).created_at
+    resumed = cli_background("launch", "--resume", run_url, env=env)
+    while LaunchRecord.from_json(record_path.read_bytes()).created_at == first:
+        assert resumed.poll() is None, resumed.communicate()
+        time.sleep(0.3)
+    time.sleep(2)  # long enough for a resume that started replicas to have started them
+    workers = _worker_processes(ObjectStore(run_url))
+    assert sorted(str(p.pid) for p in workers) == pids
+    record = LaunchRecord.from_json(record_path.read_bytes())
+    assert [(h.rank, h.attempt) for h in record.handles] == [(0, 1), (1, 1)]
+
+    cancel = cli("cancel", run_url, env=env)
+    assert cancel.returncode == 0, cancel.stderr
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 1 and "cancelled" in err, out + err
+    assert "still has live replicas (0, 1): watching them again instead of starting a second set" in out
+    assert all(_state(pid) in ("Z", "gone") for pid in pids) and not _worker_processes(ObjectStore(run_url))
 
 
 def test_cancel_never_signals_a_process_it_did_not_start(tmp_path):

@@ -1,6 +1,7 @@
-"""Modal without a Modal account: the plan (no network), the replica function's body through Modal's
-own ``.local()``, the launcher driving ``ModalExecutor`` through a fake of its server seam, and
-``modal run --help``.
+"""Modal without a Modal account: the plan (no network), the replica function's body through Modal's own
+``.local()``, ``modal run --help``, and the executor against a fake of the Modal SDK that behaves as the real
+client does (``fake_modal.py``): the launch with Ctrl-C at every point of the spawn loop, cancellation from
+the dashboard, logs in chunks, API errors, and (slow) whole runs.
 """
 
 from __future__ import annotations
@@ -14,20 +15,23 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from modal import exception as mx
 from rich.console import Console
 
-from composer_serverless import runs
+from composer_serverless import runs, watch
 from composer_serverless.config import validate_config
-from composer_serverless.executors import modal as modal_executor
-from composer_serverless.executors.base import LaunchPlan, worker_argv
-from composer_serverless.executors.modal import ModalExecutor
+from composer_serverless.executors.base import BackendError, LaunchPlan, LaunchRecord, worker_argv
+from composer_serverless.executors.modal import ModalExecutor, whole_lines
 from composer_serverless.executors.modal_image import IMAGE_REQUIREMENTS
 from composer_serverless.launcher import create_run, launch, prepare, start
+from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
+from composer_serverless.supervisor import RunCancelled, Supervisor
 from tests.conftest import TINY
-from tests.executors.fake_modal import FakeModalCalls
+from tests.executors.fake_modal import FakeModal, interrupt_points, unrecorded_live_calls
 
 REPO = Path(__file__).resolve().parents[2]
+WAIT = [sys.executable, "-c", "import time; time.sleep(120)"]
 
 
 def _config(store: str, replicas: int = 2, rounds: int = 2, **executor):
@@ -39,19 +43,29 @@ def _config(store: str, replicas: int = 2, rounds: int = 2, **executor):
             "data": {"seq_len": 32, "batch_size": 4},
             "diloco": {"replicas": replicas, "sync_every": 3, "rounds": rounds},
             "eval": {"sequences": 8},
-            "executor": {"type": "modal", **executor},
+            "executor": {"type": "modal", "private_store_endpoint": True, **executor},
         }
     )
 
 
 @pytest.fixture
 def fake_modal(tmp_path, monkeypatch):
-    FakeModalCalls.reset(tmp_path)
-    monkeypatch.setattr(modal_executor, "ModalSDKCalls", FakeModalCalls)
+    fake = FakeModal(tmp_path)
+    fake.install(monkeypatch)
     monkeypatch.setenv("MODAL_TOKEN_ID", "ak-fake")  # a user who ran `modal token new`
     monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-fake")
-    yield FakeModalCalls
-    FakeModalCalls.kill_all()
+    yield fake
+    fake.kill_all()
+
+
+def _supervisor(tmp_path, replicas: int = 2, retry_s: float = 60.0) -> Supervisor:
+    """A started-to-be run of ``replicas`` Modal replicas whose record lives in a local directory."""
+    config = _config("s3://bucket/runs", replicas=replicas, api_retry_s=retry_s)
+    executor = ModalExecutor(retry_s=retry_s)
+    plan = executor.plan(config, "s3://bucket/runs/modal-run")
+    supervisor = Supervisor(ObjectStore(str(tmp_path / "run")), executor, LaunchRecord(plan, ()))
+    supervisor.save()
+    return supervisor
 
 
 def test_plan_without_network(monkeypatch, tmp_path):
@@ -73,6 +87,7 @@ def test_plan_without_network(monkeypatch, tmp_path):
     res = plan.resources
     assert res["gpu"] == "A100-80GB:2" and res["timeout_s"] == 7200 and res["retries"] == 3
     assert res["max_containers"] is None and res["detached"] is True and res["single_use_containers"] is True
+    assert res["app_per_replica"] is True
     assert res["image"] == {"python": "3.11", "requirements": list(IMAGE_REQUIREMENTS)}
     assert plan.launcher_restarts == 0  # Modal's retries restart replicas, not the launcher
     assert [s.rank for s in plan.replicas] == [0, 1, 2, 3]
@@ -103,6 +118,8 @@ def test_image_installs_what_pyproject_declares():
     assert sorted(map(name, IMAGE_REQUIREMENTS)) == sorted(set(map(name, declared)))
     pinned = (REPO / "Makefile").read_text().split("pip install --quiet torch==")[1].split()[0]
     assert f"torch=={pinned}" in IMAGE_REQUIREMENTS
+    hub = next(r for r in IMAGE_REQUIREMENTS if r.startswith("huggingface_hub"))
+    assert hub in project["optional-dependencies"]["hf"]  # the same floor in the image as in the package
 
 
 def test_replica_function_body_runs_through_modal_local(tmp_path):
@@ -115,38 +132,161 @@ def test_replica_function_body_runs_through_modal_local(tmp_path):
     assert run.exists("final/config.json")
 
 
+def test_a_replica_that_exits_non_zero_raises_so_modal_retries_it(monkeypatch):
+    """A replica of several ranks reports a dead rank with its exit status; Modal takes any returned value
+    for a success, so the function raises instead."""
+    from composer_serverless.executors.modal_app import train_replica
+    from composer_serverless.replicas import worker
+
+    monkeypatch.setattr(worker, "main", lambda argv: 1)
+    with pytest.raises(RuntimeError, match="replica 3 exited with status 1"):
+        train_replica.local("s3://bucket/runs/x", 3)
+
+
+@pytest.mark.parametrize("choice", ["cancel", "detach"])
+@pytest.mark.parametrize(("point", "rank"), interrupt_points(2), ids=lambda v: str(v))
+def test_ctrl_c_at_any_point_of_the_spawn_loop_leaves_nothing_unrecorded(
+    tmp_path, fake_modal, point, rank, choice
+):
+    """A real SIGINT at each point of the two replicas' spawn sequence (before an app exists, once it does,
+    before a call exists, once it exists but before its id is returned, after, as the app's block is left).
+    The launch finishes recording what it started, then the user's choice is honoured: cancel leaves
+    nothing running, detach leaves every replica running and named in launch.json."""
+    fake_modal.command = lambda run_url, r: WAIT
+    fake_modal.interrupt_at = [(point, rank)]
+    supervisor = _supervisor(tmp_path)
+    supervisor.start(supervisor.record.plan, note=lambda line: None)
+    assert supervisor.held_interrupt is not None and not fake_modal.interrupt_at
+
+    config = _config("s3://bucket/runs")
+    followed = watch.Followed(supervisor, config)
+    console = Console(file=io.StringIO())
+    record = lambda: LaunchRecord.from_json(supervisor.run.get("launch.json"))  # noqa: E731
+    if choice == "cancel":
+        with pytest.raises(RunCancelled, match="cancelled at your request"):
+            watch.follow([followed], watch.ReplicaView(followed, console), lambda: "cancel", fail_fast=True)
+        assert fake_modal.live() == [] and all(app.stopped for app in fake_modal.apps.values())
+        assert record().cancelled
+    else:
+        assert not watch.follow(
+            [followed], watch.ReplicaView(followed, console), lambda: "detach", fail_fast=True
+        )
+        assert len(fake_modal.live()) == 2 and not any(app.stopped for app in fake_modal.apps.values())
+    assert unrecorded_live_calls(fake_modal, record()) == []
+    assert sorted(h.rank for h in record().handles if h.created) == [0, 1]
+
+
+def test_a_second_ctrl_c_stops_the_launch_at_once_and_cancels_what_it_started(tmp_path, fake_modal):
+    """Two Ctrl-C while replica 0's call is being created: the launch stops there, and the call, recorded
+    only by its app (its id was not returned yet), is ended by stopping that app."""
+    fake_modal.command = lambda run_url, r: WAIT
+    fake_modal.interrupt_at = [("spawn.created", 0), ("spawn.created", 0)]
+    supervisor = _supervisor(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        supervisor.start(supervisor.record.plan, note=lambda line: None)
+    (handle,) = LaunchRecord.from_json(supervisor.run.get("launch.json")).handles
+    assert handle.rank == 0 and not handle.created and handle.meta["app_id"] in fake_modal.apps
+    assert len(fake_modal.calls) == 1 and fake_modal.live() == []
+    assert all(app.stopped for app in fake_modal.apps.values())
+
+
+def test_a_call_cancelled_on_modal_reads_cancelled_not_failed(tmp_path, fake_modal):
+    """The dashboard's cancel, and `modal app stop`, end a call with a terminated result, which the client
+    raises as RemoteError: the replica is cancelled, and the watch ends the run as cancelled."""
+    fake_modal.command = lambda run_url, r: WAIT
+    supervisor = _supervisor(tmp_path)
+    zero, one = supervisor.start(supervisor.record.plan, note=lambda line: None)
+    executor = supervisor.executor
+    assert [s.state for s in executor.status([zero, one])] == ["running", "running"]
+
+    fake_modal.terminate(zero.backend_id)  # the dashboard's cancel
+    fake_modal._stop(fake_modal.apps[one.meta["app_id"]])  # `modal app stop`
+    statuses = executor.status([zero, one])
+    assert [s.state for s in statuses] == ["cancelled", "cancelled"], statuses
+    assert all("cancelled on Modal" in s.detail for s in statuses)
+    with pytest.raises(RunCancelled, match="replica 0 was cancelled"):
+        supervisor.poll()
+
+
+def test_logs_come_in_whole_lines_and_tail_gives_the_last_ones(tmp_path, fake_modal):
+    lines = [f"[replica 0] line {i} " + "x" * (i % 17) for i in range(40)]
+    fake_modal.command = lambda run_url, r: [sys.executable, "-c", f"print({chr(10).join(lines)!r})"]
+    supervisor = _supervisor(tmp_path, replicas=1)
+    (handle,) = supervisor.start(supervisor.record.plan, note=lambda line: None)
+    fake_modal.calls[handle.backend_id].proc.wait()
+    chunks = [e.message for e in fake_modal._entries(fake_modal.calls[handle.backend_id])]
+    assert any(not chunk.endswith("\n") and "\n" not in chunk for chunk in chunks)  # lines span entries
+    executor = supervisor.executor
+    assert list(executor.logs(handle)) == lines
+    assert list(executor.logs(handle, tail=5)) == lines[-5:]
+    assert list(executor.logs(handle, follow=True)) == lines
+    assert list(whole_lines(["a", "b\nc", "\n", "d"])) == ["ab", "c", "d"]
+
+
+def test_api_errors_read_as_messages_with_their_exit_status(tmp_path, fake_modal):
+    executor = ModalExecutor(retry_s=0)
+    supervisor = _supervisor(tmp_path, replicas=1, retry_s=0)
+    fake_modal.fail("hello", mx.AuthError("Token ID is malformed"))
+    with pytest.raises(BackendError, match="Modal rejected the token while checking the Modal token") as e:
+        executor.check_access(supervisor.record.plan)
+    assert e.value.exit_code == 2 and "modal token new" in str(e.value)
+
+    fake_modal.command = lambda run_url, r: WAIT
+    (handle,) = supervisor.start(supervisor.record.plan, note=lambda line: None)
+    fake_modal.fail("get", mx.ResourceExhaustedError("Too many requests"))
+    with pytest.raises(BackendError, match="Modal is refusing requests for now") as e:
+        supervisor.executor.status([handle])
+    assert e.value.exit_code == 1
+    fake_modal.fail("cancel", mx.PermissionDeniedError("not your workspace"))
+    with pytest.raises(
+        BackendError, match="Modal denied the token permission while cancelling replica 0"
+    ) as e:
+        supervisor.executor.cancel([handle])
+    assert e.value.exit_code == 2
+
+
+def test_a_transient_error_is_retried_until_it_passes(tmp_path, fake_modal):
+    fake_modal.command = lambda run_url, r: WAIT
+    supervisor = _supervisor(tmp_path, replicas=1)
+    (handle,) = supervisor.start(supervisor.record.plan, note=lambda line: None)
+    fake_modal.fail("get", mx.ConnectionError("connection reset"), mx.ResourceExhaustedError("slow down"))
+    assert supervisor.executor.status([handle])[0].state == "running"
+    assert fake_modal.requests.count("get") == 3
+
+
 @pytest.mark.slow
-def test_launcher_drives_modal_through_the_seam(tmp_path, s3_store, fake_modal):
+def test_launcher_drives_modal_through_the_sdk(tmp_path, s3_store, fake_modal):
     store, _ = s3_store
     out = io.StringIO()
     summary = launch(_config(store, status_poll_s=0.5), "modal.toml", Console(file=out, width=120))
     assert summary is not None and summary["rounds_committed"] == 2, out.getvalue()
 
-    (request,) = fake_modal.spawned
-    assert request.ranks == (0, 1) and request.gpu == "H100" and request.timeout_s == 6 * 3600
-    assert request.retries == 2 and request.run_url == f"{store}/modal-run"
-    assert request.secret_env == ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-    assert request.env["AWS_ENDPOINT_URL_S3"] == os.environ["AWS_ENDPOINT_URL_S3"]
-    assert set(fake_modal.polled) == set(fake_modal.procs)
+    (options,) = fake_modal.options
+    assert options["gpu"] == "H100" and options["timeout"] == 6 * 3600
+    assert options["retries"].max_retries == 2
+    assert options["env"]["AWS_ENDPOINT_URL_S3"] == os.environ["AWS_ENDPOINT_URL_S3"]
+    assert len(fake_modal.apps) == 2 and all(app.detach for app in fake_modal.apps.values())
+    assert fake_modal.requests.count("hello") == 1  # the token was checked before anything was written
 
     # Another process: a fresh executor finds the calls through launch.json alone.
     opened, rows = runs.status(f"{store}/modal-run")
     assert [r.state for r in rows] == ["succeeded", "succeeded"]
-    assert {r.backend_id for r in rows} == set(fake_modal.procs)
-    assert all(h.meta == {"app_id": "ap-fake"} for h in opened.record.handles)
-    assert any("[replica 1]" in line for line in runs.logs(f"{store}/modal-run", 1, follow=False))
+    assert {r.backend_id for r in rows} == set(fake_modal.calls)
+    assert {h.meta["app_id"] for h in opened.record.handles} == set(fake_modal.apps)
+    log = list(runs.logs(f"{store}/modal-run", 1, follow=False))
+    call = fake_modal.calls[rows[1].backend_id]
+    assert log == call.log.read_text().splitlines() and any("[replica 1]" in line for line in log)
 
 
 @pytest.mark.slow
-def test_cancel_from_another_process_through_the_seam(tmp_path, s3_store, fake_modal):
+def test_cancel_from_another_process_ends_every_call_and_app(tmp_path, s3_store, fake_modal):
     store, _ = s3_store
     start(
         prepare(_config(store, rounds=500, run_id="modal-cancel"), "modal.toml"), Console(file=io.StringIO())
     )
     statuses = runs.cancel(f"{store}/modal-cancel")
-    assert sorted(fake_modal.cancelled) == sorted(fake_modal.procs)
     assert [s.state for s in statuses] == ["cancelled", "cancelled"]
-    assert all(proc.poll() is not None for proc in fake_modal.procs.values())
+    assert fake_modal.live() == [] and all(app.stopped for app in fake_modal.apps.values())
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ replica that got no hardware, stop when cancelled elsewhere; Ctrl-C cancels or d
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Iterator
 
@@ -12,6 +13,7 @@ from rich.console import Console
 from composer_serverless.config import validate_config
 from composer_serverless.executors.base import (
     CostEstimate,
+    Journal,
     LaunchPlan,
     LaunchRecord,
     ReplicaHandle,
@@ -26,14 +28,21 @@ from tests.conftest import TINY
 
 
 class ScriptedExecutor:
-    """Answers ``status`` from a script of states per (rank, attempt); records launches and cancels."""
+    """Answers ``status`` from a script of states per (rank, attempt); records launches and cancels.
+
+    With ``ending`` set, a cancelled attempt reads as scripted for ``ending`` more polls, then "cancelled" (a
+    backend takes a moment to stop a job); without, cancelling changes nothing the script says. The script's
+    last state repeats.
+    """
 
     name = "scripted"
 
-    def __init__(self, script: dict[tuple[int, int], list[str]]) -> None:
+    def __init__(self, script: dict[tuple[int, int], list[str]], ending: int | None = None) -> None:
         self.script = script
+        self.ending = ending
         self.launched: list[int] = []
         self.cancelled: list[str] = []
+        self.polled_after_cancel: dict[str, int] = {}
 
     def plan(self, config, run_url):  # pragma: no cover - the tests build plans by hand
         raise AssertionError
@@ -41,24 +50,43 @@ class ScriptedExecutor:
     def preflight(self, plan: LaunchPlan) -> list[str]:
         return []
 
-    def launch(self, plan: LaunchPlan) -> list[ReplicaHandle]:
-        self.launched += [s.rank for s in plan.replicas]
-        attempt = self.launched.count(plan.replicas[0].rank)
-        return [ReplicaHandle(s.rank, f"r{s.rank}a{attempt}", None, attempt) for s in plan.replicas]
+    def check_access(self, plan: LaunchPlan) -> None:
+        return None
+
+    def launch(self, plan: LaunchPlan, journal: Journal) -> list[ReplicaHandle]:
+        handles = []
+        for spec in plan.replicas:
+            self.launched.append(spec.rank)
+            pending = journal.launching(spec.rank, {})
+            handle = dataclasses.replace(pending, backend_id=f"r{spec.rank}a{pending.attempt}")
+            journal.launched(handle)
+            handles.append(handle)
+        return handles
 
     def status(self, handles: list[ReplicaHandle]) -> list[ReplicaStatus]:
         out = []
         for h in handles:
-            states = self.script[(h.rank, int(h.backend_id.split("a")[1]))]
+            if self.ending is not None and h.backend_id in self.cancelled:
+                polls = self.polled_after_cancel[h.backend_id] = (
+                    self.polled_after_cancel.get(h.backend_id, 0) + 1
+                )
+                if polls > self.ending:
+                    out.append(ReplicaStatus(h.rank, "cancelled", None, "cancelled"))
+                    continue
+            states = self.script[(h.rank, h.attempt)]
             state = states.pop(0) if len(states) > 1 else states[0]
             out.append(ReplicaStatus(h.rank, state, None if state != "failed" else 3, f"{state} detail"))
         return out
 
-    def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
-        yield from (f"{handle.backend_id} line {i}" for i in range(50))
+    def logs(self, handle: ReplicaHandle, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        lines = [f"{handle.backend_id} line {i}" for i in range(50)]
+        yield from lines[-tail:] if tail else lines
 
     def cancel(self, handles: list[ReplicaHandle]) -> None:
         self.cancelled += [h.backend_id for h in handles]
+
+    def cancel_run(self, record: LaunchRecord) -> None:
+        self.cancel(list(record.handles))
 
 
 def _supervisor(tmp_path, executor: ScriptedExecutor, replicas: int = 2, restarts: int = 1) -> Supervisor:
@@ -67,9 +95,9 @@ def _supervisor(tmp_path, executor: ScriptedExecutor, replicas: int = 2, restart
     plan = LaunchPlan(
         "scripted", "run", "url", specs, CostEstimate(0, "free", 0, 0, 0), launcher_restarts=restarts
     )
-    handles = executor.launch(plan)
-    supervisor = Supervisor(ObjectStore(str(tmp_path / "run")), executor, LaunchRecord(plan, tuple(handles)))
+    supervisor = Supervisor(ObjectStore(str(tmp_path / "run")), executor, LaunchRecord(plan, ()))
     supervisor.save()
+    supervisor.start(plan, note=lambda line: None)
     return supervisor
 
 
@@ -92,6 +120,34 @@ def test_dead_replica_is_relaunched_and_recorded(tmp_path):
     assert events == ["replica 1 died (failed detail); started it again (attempt 2 of 2): r1a2"]
     saved = LaunchRecord.from_json(supervisor.run.get("launch.json"))
     assert [h.backend_id for h in saved.current()] == ["r0a1", "r1a2"]
+    assert [h.backend_id for h in saved.handles] == ["r0a1", "r1a1", "r1a2"]  # every attempt kept
+
+
+def test_a_replica_reported_dead_is_relaunched_only_once_its_attempt_is_seen_ended(tmp_path, monkeypatch):
+    """Reported failed, but still running (a listing that missed it): it is cancelled and polled until the
+    backend says it ended, and only then started again; never two attempts of one rank alive at once."""
+    from composer_serverless import supervisor as supervisor_module
+
+    monkeypatch.setattr(supervisor_module, "GONE_POLL_S", 0.0)
+    executor = ScriptedExecutor(
+        {(0, 1): ["running", "succeeded"], (1, 1): ["failed", "running"], (1, 2): ["succeeded"]}, ending=3
+    )
+    supervisor = _supervisor(tmp_path, executor)
+    _until_finished(supervisor)
+    assert executor.cancelled == ["r1a1"] and executor.polled_after_cancel == {"r1a1": 4}
+    assert executor.launched == [0, 1, 1]
+
+
+def test_a_replica_that_will_not_end_is_not_started_twice(tmp_path, monkeypatch):
+    from composer_serverless import supervisor as supervisor_module
+
+    monkeypatch.setattr(supervisor_module, "GONE_POLL_S", 0.0)
+    monkeypatch.setattr(supervisor_module, "GONE_TIMEOUT_S", 0.0)
+    executor = ScriptedExecutor({(0, 1): ["running"], (1, 1): ["failed", "running"]}, ending=10**6)
+    supervisor = _supervisor(tmp_path, executor)
+    with pytest.raises(RunFailed, match="still running .* not starting a second one"):
+        supervisor.poll()
+    assert executor.launched == [0, 1]
 
 
 def test_replica_that_keeps_failing_fails_the_run_with_its_log_tail(tmp_path):
@@ -154,7 +210,7 @@ def test_ctrl_c_asks_whether_to_cancel_or_detach(tmp_path, answer, cancelled):
     if cancelled:
         with pytest.raises(RunCancelled):
             follow(supervisor, config, Console(file=out), on_interrupt=lambda: answer)
-        assert executor.cancelled == ["r0a1", "r1a1"]
+        assert sorted(executor.cancelled) == ["r0a1", "r1a1"]
         assert LaunchRecord.from_json(supervisor.run.get("launch.json")).cancelled
     else:
         assert follow(supervisor, config, Console(file=out), on_interrupt=lambda: answer) is None

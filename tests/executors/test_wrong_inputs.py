@@ -16,7 +16,9 @@ from composer_serverless.executors.modal import ModalExecutor
 from tests.executors.conftest import HF_TOKEN, store_objects, write_config
 
 S3 = "s3://bucket/runs"
-HF = [
+# The tests' S3 server is on loopback, which cloud replicas could not reach: the flag says they can.
+PRIVATE_OK = ["--set", "executor.private_store_endpoint=true"]
+HF_UNFLAGGED = [
     "--executor",
     "hf_jobs",
     "--set",
@@ -24,7 +26,8 @@ HF = [
     "--set",
     "executor.image=ghcr.io/example/composer-serverless:1",
 ]
-MODAL = ["--executor", "modal", "--set", f"store={S3}"]
+HF = [*HF_UNFLAGGED, *PRIVATE_OK]
+MODAL = ["--executor", "modal", "--set", f"store={S3}", *PRIVATE_OK]
 
 # (what is wrong, CLI arguments, environment changes (None unsets), what the message must say)
 CASES = [
@@ -97,6 +100,22 @@ CASES = [
         ["cannot write to store s3://bucket/runs", "Could not connect to the endpoint URL"],
     ),
     (
+        "store endpoint on loopback for cloud replicas",
+        ["launch", "{cfg}", *HF_UNFLAGGED],
+        {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9000"},
+        [
+            "AWS_ENDPOINT_URL_S3=http://127.0.0.1:9000 points the replicas at loopback (127.0.0.1), which HF "
+            "Jobs replicas cannot reach",
+            "--set executor.private_store_endpoint=true",
+        ],
+    ),
+    (
+        "store endpoint on a private network for cloud replicas",
+        ["launch", "{cfg}", "--executor", "modal", "--set", f"store={S3}"],
+        {"AWS_ENDPOINT_URL": "https://10.20.30.40:9000"},
+        ["AWS_ENDPOINT_URL=https://10.20.30.40:9000 points the replicas at a private address (10.20.30.40)"],
+    ),
+    (
         "local store with a cloud executor",
         ["launch", "{cfg}", "--executor", "hf_jobs"],
         {},
@@ -107,7 +126,7 @@ CASES = [
     ),
     (
         "stock image without the package",
-        ["launch", "{cfg}", "--executor", "hf_jobs", "--set", f"store={S3}"],
+        ["launch", "{cfg}", "--executor", "hf_jobs", "--set", f"store={S3}", *PRIVATE_OK],
         {},
         [
             "does not contain composer-serverless, and executor.package is not set",

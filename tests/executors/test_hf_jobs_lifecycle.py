@@ -1,0 +1,201 @@
+"""HF Jobs, what a real service does that the happy path never shows: a listing that leaves a live job out,
+a launcher killed with SIGKILL and resumed, and the API refusing (401, 402, 403, 429 with Retry-After) at
+launch, status, logs and cancel. The real CLI and the real ``huggingface_hub`` client against the fake Jobs
+API on loopback (``fake_hf_jobs.py``); replicas sync through a moto S3 server.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from composer_serverless.config import validate_config
+from composer_serverless.executors.base import LaunchRecord, ReplicaHandle
+from composer_serverless.executors.hf_jobs import HFJobsExecutor
+from tests.conftest import TINY
+from tests.executors.conftest import NAMESPACE, cli, cli_background, store_objects
+from tests.executors.test_hf_jobs import _config, _training
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_job_left_out_of_a_listing_is_not_started_twice(tmp_path, s3_store, fake_hf, hf_env):
+    """The old executor took a job missing from one listing for failed and started a second beside it. Now
+    it asks for the job by id: the run completes with one job per rank, and nothing runs after cancel."""
+    store, client = s3_store
+    fake_hf.omit_once(lambda job: job.stage[0] == "RUNNING" and job.spec["labels"]["rank"] == "1")
+    result = cli("launch", str(_config(tmp_path, store, "hf-omit", rounds=3, restarts=2)), env=hf_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not fake_hf.omitted  # the listing did leave the job out once
+    assert len(fake_hf.jobs) == 2 and fake_hf.max_live == {("hf-omit", "0"): 1, ("hf-omit", "1"): 1}
+    (rank1,) = [job for job in fake_hf.jobs.values() if job.spec["labels"]["rank"] == "1"]
+    assert f"/api/jobs/{NAMESPACE}/{rank1.id}" in [path for _, path in fake_hf.requests]  # asked by id
+    summary = json.loads(client.get_object(Bucket="bucket", Key="runs/hf-omit/summary.json")["Body"].read())
+    assert summary["rounds_committed"] == 3 and summary["replicas_bit_identical"] is True
+
+    cancel = cli("cancel", f"{store}/hf-omit", env=hf_env)
+    assert cancel.returncode == 0, cancel.stderr
+    assert not fake_hf.live_jobs()
+
+
+def test_a_launcher_killed_with_sigkill_is_resumed_by_adopting_its_jobs(tmp_path, s3_store, fake_hf, hf_env):
+    """kill -9 of the launcher, then `launch --resume`: the two jobs still running are watched again, no
+    second set is started, and `cancel` from a third process leaves nothing running."""
+    store, client = s3_store
+    run_url = f"{store}/hf-kill"
+    launcher = cli_background("launch", str(_config(tmp_path, store, "hf-kill", rounds=300)), env=hf_env)
+    while not _training(client, "hf-kill", ranks=2):
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.5)
+    launcher.kill()
+    launcher.communicate()
+    first = _record(client, "hf-kill").created_at
+
+    resumed = cli_background("launch", "--resume", run_url, env=hf_env)
+    while _record(client, "hf-kill").created_at == first:
+        assert resumed.poll() is None, resumed.communicate()
+        time.sleep(0.3)
+    time.sleep(2)  # long enough for a resume that started jobs to have started them
+    assert len(fake_hf.jobs) == 2 and len(fake_hf.live_jobs()) == 2
+    assert fake_hf.max_live == {("hf-kill", "0"): 1, ("hf-kill", "1"): 1}
+
+    cancel = cli("cancel", run_url, env=hf_env)
+    assert cancel.returncode == 0, cancel.stderr
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 1 and "cancelled" in err, out + err
+    assert "still has live replicas (0, 1): watching them again instead of starting a second set" in out
+    assert not fake_hf.live_jobs() and all(job.proc.wait() != 0 for job in fake_hf.jobs.values())
+
+
+def _record(client, run_id: str) -> LaunchRecord:
+    return LaunchRecord.from_json(
+        client.get_object(Bucket="bucket", Key=f"runs/{run_id}/launch.json")["Body"].read()
+    )
+
+
+# In one interpreter whose environment points at the fake from the start: each CLI call's exit code and output.
+# (Loggers bind the stream they find when they are set up: the CLI's is set up for each call, as a process
+# would; huggingface_hub's when it is imported, before the first call captures the output.)
+# A request to /next-call marks in the fake's log where each call starts.
+_CLI_CALLS = """
+import json, logging, os, sys, urllib.request
+import huggingface_hub.utils.logging
+from typer.testing import CliRunner
+from composer_serverless.cli import app
+results = []
+for argv in json.loads(sys.argv[1]):
+    logging.root.handlers.clear()
+    try:
+        urllib.request.urlopen(os.environ["HF_ENDPOINT"] + "/next-call")
+    except OSError:
+        pass
+    r = CliRunner().invoke(app, argv)
+    results.append({"argv": argv, "code": r.exit_code, "output": " ".join(r.output.split())})
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "says"),
+    [
+        (401, 2, "the Hugging Face Hub rejected the token"),
+        (402, 2, "payment required (HTTP 402"),
+        (403, 2, "the token may not use HF Jobs in namespace 'tester'"),
+        (429, 1, "the Hub is rate-limiting this token (HTTP 429)"),
+    ],
+)
+def test_api_refusals_at_launch_status_logs_and_cancel_read_as_messages(
+    tmp_path, s3_store, fake_hf, hf_env, status, code, says
+):
+    """Each refusal, at each command: exit 2 (the user must fix something) or 1 (transient, after retries that
+    waited as long as Retry-After asked), one message with the fix, no traceback; a launch refused is
+    refused before anything is written to the store."""
+    store, client = s3_store
+    existing = _existing_run(store, fake_hf)
+    config = _config(tmp_path, store, f"hf-{status}", extra="api_retry_s = 3")
+    for method in ("GET", "POST"):
+        fake_hf.refuse(method, "/api/jobs", status, times=1000, headers={"Retry-After": "1"})
+    calls = _cli_calls(
+        hf_env,
+        ["launch", str(config)],
+        ["status", existing],
+        ["logs", existing, "--rank", "0"],
+        ["cancel", existing],
+    )
+    for call in calls:
+        assert call["code"] == code, call
+        assert says in call["output"] and "fix:" in call["output"], call
+        assert "Traceback" not in call["output"], call
+    assert not [key for key in store_objects(client) if key.startswith(f"runs/hf-{status}/")]
+    if status == 429:  # every command asked again, and every retry waited the second Retry-After asked for
+        calls, times = [], []
+        for _, path, t in fake_hf.request_times:
+            if path == "/next-call":
+                calls.append(times := [])
+            elif path.startswith("/api/jobs"):
+                times.append(t)
+        assert len(calls) == 4 and all(len(times) > 1 for times in calls), calls
+        assert min(b - a for times in calls for a, b in zip(times, times[1:], strict=False)) >= 1.0
+
+
+def test_no_credits_when_the_jobs_are_created_stops_the_launch_with_the_fix(
+    tmp_path, s3_store, fake_hf, hf_env
+):
+    """The Hub says 402 only when a job is created, after the run was written: the launch stops with the fix
+    and no job of the run exists; the attempt it recorded first says so."""
+    store, client = s3_store
+    fake_hf.refuse("POST", f"/api/jobs/{NAMESPACE}", 402, times=1000)
+    (call,) = _cli_calls(hf_env, ["launch", str(_config(tmp_path, store, "hf-broke"))])
+    assert call["code"] == 2 and "payment required (HTTP 402" in call["output"], call
+    assert "https://huggingface.co/settings/billing" in call["output"]
+    assert not fake_hf.jobs
+    (handle,) = _record(client, "hf-broke").handles
+    assert handle.rank == 0 and not handle.created  # the attempt was recorded before the request
+
+
+def _cli_calls(env: dict[str, str], *argvs: list[str]) -> list[dict]:
+    result = subprocess.run(
+        [sys.executable, "-c", _CLI_CALLS, json.dumps(list(argvs))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def _existing_run(store: str, fake_hf) -> str:
+    """A launched run whose one job waits for hardware: run.json and launch.json in the store, the job in
+    the fake, written directly (no replica process)."""
+    from composer_serverless.rendezvous.store import ObjectStore
+
+    run_url = f"{store}/hf-existing"
+    config = validate_config(
+        {
+            "run_id": "hf-existing",
+            "store": store,
+            "model": {"tiny": TINY.model_dump()},
+            "diloco": {"replicas": 1, "sync_every": 3, "rounds": 2},
+            "executor": {
+                "type": "hf_jobs",
+                "image": "ghcr.io/example/composer-serverless:test",
+                "namespace": NAMESPACE,
+                "private_store_endpoint": True,
+                "api_retry_s": 3,
+            },
+        }
+    )
+    plan = HFJobsExecutor().plan(config, run_url)
+    fake_hf.hold = lambda spec: True
+    job = fake_hf._create(NAMESPACE, {"command": ["true"], "labels": {"run_id": "hf-existing", "rank": "0"}})
+    meta = {"namespace": NAMESPACE, "run_id": "hf-existing", "launched_at": f"{time.time():.3f}"}
+    handle = ReplicaHandle(0, job.id, "", meta={**meta, "scheduling_deadline_s": "1e9"})
+    run = ObjectStore(run_url)
+    run.put("run.json", config.resolved_json().encode())
+    run.put("launch.json", LaunchRecord(plan, (handle,), created_at=time.time()).to_json())
+    return run_url
