@@ -52,6 +52,8 @@ from composer_serverless.watch import Choice, Followed, ReplicaView, cancel_on_i
 
 # Loading a config and a tokenizer from the Hub and building the model on the meta device: seconds to a minute.
 MODEL_CHECK_TIMEOUT_S = 300.0
+# The states of a replica that a resume starts again beside live ones.
+_RESTARTED = frozenset({"failed", "cancelled", "unscheduled"})
 
 __all__ = ["Prepared", "prepare", "start", "launch", "resume", "follow", "create_run"]
 
@@ -325,10 +327,6 @@ def _adopt(
     record = dataclasses.replace(earlier, created_at=now, earlier_wall_s=wall)
     supervisor = _start_replicas(run, executor, record, config, console, restart=ended)
     return follow(supervisor, config, console, on_interrupt)
-
-
-# The states of a replica that a resume starts again beside live ones.
-_RESTARTED = frozenset({"failed", "cancelled", "unscheduled"})
 
 
 def _launch_record(run: ObjectStore) -> LaunchRecord | None:

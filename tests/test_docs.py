@@ -37,3 +37,17 @@ def test_the_layers_are_the_import_contract() -> None:
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
     assert _code_block_after("## Layers") == layers
+
+
+def test_the_table_of_wrong_inputs_is_the_wrong_inputs_test() -> None:
+    """docs/executors.md lists every wrong input the test checks, in its order, each with what it says."""
+    from tests.executors.test_wrong_inputs import CASES
+
+    executors = (ROOT / "docs" / "executors.md").read_text()
+    table = executors[
+        executors.index("| wrong input | exit |") : executors.index("What a backend's API answers")
+    ]
+    rows = [line.split(" | ") for line in table.splitlines()[2:] if line.startswith("| ")]
+    assert [row[0].removeprefix("| ") for row in rows] == [case[0] for case in CASES]
+    for row, (name, _, _, expected) in zip(rows, CASES, strict=True):
+        assert row[1] == "2" and expected[0] in row[2], name

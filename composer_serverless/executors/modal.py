@@ -179,7 +179,7 @@ class ModalExecutor:
         from composer_serverless.executors.modal_app import app
 
         kept: BaseException | None = None
-        handle = None
+        pending = handle = None
         output = modal.enable_output() if show_output else contextlib.nullcontext()
         with output, app.run(detach=True, name=f"{plan.run_id} replica {rank}"):
             try:
@@ -192,6 +192,9 @@ class ModalExecutor:
             except BaseException as e:  # app.run would swallow a KeyboardInterrupt: keep it for after
                 kept = e
         if kept is not None:
+            if pending is None and app.app_id:  # an app nobody recorded: it holds no call; do not leave it
+                with contextlib.suppress(Exception):
+                    _stop_app(app.app_id)
             raise kept
         assert handle is not None
         return handle

@@ -148,13 +148,20 @@ def test_no_credits_when_the_jobs_are_created_stops_the_launch_with_the_fix(
     """The Hub says 402 only when a job is created, after the run was written: the launch stops with the fix
     and no job of the run exists; the attempt it recorded first says so."""
     store, client = s3_store
+    existing = _existing_run(store, fake_hf)  # its job waits for hardware
     fake_hf.refuse("POST", f"/api/jobs/{NAMESPACE}", 402, times=1000)
-    (call,) = _cli_calls(hf_env, ["launch", str(_config(tmp_path, store, "hf-broke"))])
-    assert call["code"] == 2 and "payment required (HTTP 402" in call["output"], call
-    assert "https://huggingface.co/settings/billing" in call["output"]
-    assert not fake_hf.jobs
+    launch, status = _cli_calls(
+        hf_env, ["launch", str(_config(tmp_path, store, "hf-broke"))], ["status", existing]
+    )
+    assert launch["code"] == 2 and "payment required (HTTP 402" in launch["output"], launch
+    assert "https://huggingface.co/settings/billing" in launch["output"]
+    assert [job.spec["labels"]["run_id"] for job in fake_hf.jobs.values()] == ["hf-existing"]
     (handle,) = _record(client, "hf-broke").handles
     assert handle.rank == 0 and not handle.created  # the attempt was recorded before the request
+    # The SCHEDULING stage, as status shows it.
+    assert (
+        status["code"] == 0 and "pending" in status["output"] and "Waiting for hardware" in status["output"]
+    )
 
 
 def _cli_calls(env: dict[str, str], *argvs: list[str]) -> list[dict]:

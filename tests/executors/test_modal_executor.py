@@ -190,6 +190,22 @@ def test_a_second_ctrl_c_stops_the_launch_at_once_and_cancels_what_it_started(tm
     assert all(app.stopped for app in fake_modal.apps.values())
 
 
+def test_a_replica_that_cannot_be_recorded_is_not_started(tmp_path, fake_modal):
+    """The store refuses the record of the attempt: no call is spawned, and the app made for it is stopped."""
+
+    class Unwritable:
+        def launching(self, rank, meta):
+            raise OSError("the store refused the write")
+
+        def launched(self, handle):  # pragma: no cover - never reached
+            raise AssertionError
+
+    supervisor = _supervisor(tmp_path, replicas=1)
+    with pytest.raises(OSError, match="refused"):
+        supervisor.executor.launch(supervisor.record.plan, Unwritable())
+    assert not fake_modal.calls and [app.stopped for app in fake_modal.apps.values()] == [True]
+
+
 def test_a_call_cancelled_on_modal_reads_cancelled_not_failed(tmp_path, fake_modal):
     """The dashboard's cancel, and `modal app stop`, end a call with a terminated result, which the client
     raises as RemoteError: the replica is cancelled, and the watch ends the run as cancelled."""
