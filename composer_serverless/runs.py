@@ -191,6 +191,7 @@ def cancel(url: str) -> list[ReplicaStatus]:
     attempt the record names, and on HF Jobs every job labelled with the run); ended ones are left alone.
     Returns each replica's state afterwards."""
     run = open_run(url)
+    run.executor.check_access(run.record.plan)  # a refused token must not leave a run marked cancelled
     run.record = dataclasses.replace(run.record, cancelled=True)
     run.save()
     run.executor.cancel_run(run.record)

@@ -131,6 +131,7 @@ def test_api_refusals_at_launch_status_logs_and_cancel_read_as_messages(
         assert says in call["output"] and "fix:" in call["output"], call
         assert "Traceback" not in call["output"], call
     assert not [key for key in store_objects(client) if key.startswith(f"runs/hf-{status}/")]
+    assert not LaunchRecord.from_json(store_objects(client)["runs/hf-existing/launch.json"]).cancelled
     if status == 429:  # every command asked again, and every retry waited the second Retry-After asked for
         calls, times = [], []
         for _, path, t in fake_hf.request_times:
