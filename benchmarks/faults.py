@@ -224,8 +224,8 @@ class Killer(threading.Thread):
         uploaded = self._uploaded(round_index)
         for rank in victim_order(i, self.replicas):
             handle, beat = handles.get(rank), beats.get(rank, {})
-            if handle is None or not _alive(int(handle.backend_id)):
-                continue
+            if handle is None or not handle.created or not _alive(int(handle.backend_id)):
+                continue  # (an attempt being started has no pid yet)
             if self.run_store.exists(layout.metrics(rank, round_index)):
                 continue
             training = beat.get("state") == "training" and beat.get("round") == round_index

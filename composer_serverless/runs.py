@@ -147,7 +147,7 @@ def status(url: str) -> tuple[OpenRun, list[ReplicaRow]]:
                 step=f"{beat['step']}/{beat['steps']}" if "step" in beat else "-",
                 loss=f"{beat['loss']:.4f}" if "loss" in beat else "-",
                 heartbeat_age_s=now - beat["time"] if "time" in beat else None,
-                backend_id=handle.backend_id,
+                backend_id=handle.backend_id or "(not recorded)",
                 detail=st.detail or beat.get("state", ""),
             )
         )

@@ -128,10 +128,10 @@ class FakeHFJobs:
             self.max_live.clear()
         self.hold = lambda spec: False
 
-    def omit_once(self, which: Callable[[FakeJob], bool]) -> None:
-        """The next listing that shows a job ``which`` picks leaves it out (the Hub's listings are not always
-        complete); later listings show it again."""
-        self.omitted.append(which)
+    def omit_once(self, which: Callable[[FakeJob], bool], listings: int = 1) -> None:
+        """The next ``listings`` listings that show a job ``which`` picks leave it out (the Hub's listings
+        are not always complete); later listings show it again."""
+        self.omitted += [which] * listings
 
     def refuse(
         self,
@@ -293,7 +293,7 @@ class FakeHFJobs:
                 ]
                 left_out = set()
                 for which in list(fake.omitted):
-                    picked = [job for job in shown if which(job)]
+                    picked = [job for job in shown if which(job) and job.id not in left_out]
                     if picked:
                         fake.omitted.remove(which)
                         left_out.add(picked[0].id)

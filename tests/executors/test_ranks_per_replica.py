@@ -44,6 +44,8 @@ def test_the_plan_of_every_backend_shows_the_ranks_of_a_replica(
 ) -> None:
     """Every GPU billed is a rank (a CPU flavor runs one CPU rank)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the local plan on any machine: CPU ranks
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):  # (another test's loopback S3 server)
+        monkeypatch.delenv(name, raising=False)
     config = _config(executor)
     if executor["type"] == "local":
         config = config.model_copy(update={"store": str(tmp_path)})
