@@ -158,7 +158,7 @@ def test_help_lists_only_working_subcommands():
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0
     commands = set(typer.main.get_command(app).commands)
-    assert commands == {"launch", "status", "logs", "cancel", "export", "sweep"}
+    assert commands == {"launch", "status", "logs", "cancel", "export", "sweep", "harvest"}
     assert all(name in result.output for name in commands)
 
 
