@@ -16,6 +16,10 @@ from composer_serverless.config.executors import EXECUTOR_TYPES
 from composer_serverless.config.harvest import HarvestConfig
 from composer_serverless.config.run import RunConfig
 
+# Fields whose value an error message never repeats: a key pasted where its variable's name belongs would
+# otherwise be printed (and end up in a terminal's scrollback, a CI log).
+NEVER_ECHOED = ("api_key_env",)
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -158,7 +162,8 @@ def _explain(error: ValidationError, raw: dict[str, Any], source: str) -> str:
             lines.append(f"  {key}: required but not set\n    fix: add it to {source}{via_set}")
             continue
         message = item["msg"].removeprefix("Value error, ")
-        got = "" if isinstance(item.get("input"), dict) else f" (got {item['input']!r})"
+        echo = not isinstance(item.get("input"), dict) and loc[-1] not in NEVER_ECHOED
+        got = f" (got {item['input']!r})" if echo else ""
         lines.append(f"  {key}: {message}{got}")
         description = _fields_at(loc[:-1]).get(loc[-1]) if loc else None
         if description:

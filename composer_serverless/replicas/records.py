@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 PROMPT_KEYS = ("prompt", "answer", "tests", "hint", "task", "meta")
-PAIR_KEYS = ("prompt", "chosen", "rejected", "chosen_ref_logp", "rejected_ref_logp")
+# ``provenance``: where a harvested pair came from (its teachers, their answers, agreement, cost); not read.
+PAIR_KEYS = ("prompt", "chosen", "rejected", "chosen_ref_logp", "rejected_ref_logp", "provenance")
 
 
 class RecordError(ValueError):
