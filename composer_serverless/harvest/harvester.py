@@ -10,6 +10,7 @@ nothing; an answer is cached as soon as it arrives, so an interrupted harvest lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -67,7 +68,7 @@ class _Harvest:
         config: HarvestConfig,
         cache: AnswerCache,
         budget: Budget,
-        http: httpx.AsyncClient,
+        http: dict[str, httpx.AsyncClient],
         progress: Progress | None,
         seed: int | None,
     ) -> None:
@@ -75,7 +76,7 @@ class _Harvest:
         self.cache = cache
         self.budget = budget
         rng = random.Random(seed)
-        self.clients = {t.name: TeacherClient(t, http, config, rng) for t in config.teachers}
+        self.clients = {t.name: TeacherClient(t, http[t.name], config, rng) for t in config.teachers}
         self.stats = {t.name: TeacherStats(t.name) for t in config.teachers}
         self.progress = progress
         self.done = 0
@@ -208,24 +209,28 @@ async def harvest(
     budget: Budget,
     *,
     progress: Progress | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
     seed: int | None = None,
 ) -> HarvestResult:
     """Ask the teachers about ``states`` under ``budget`` and return the pairs and the figures.
 
+    Each teacher has a connection pool of its own, as large as its concurrency: one teacher's slow or dead
+    connections never hold up another's, and httpx's pool, which scans its connections for every request it
+    places, scans only those.
+
     Args:
-        transport: httpx's transport (the default opens real connections).
         seed: of the backoff jitter (None: from the system's randomness).
     """
     started = time.monotonic()
     spent_before = budget.spent
     prompts = select_prompts(states, config.max_states)
-    slots = sum(t.concurrency for t in config.teachers)
-    async with httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=slots, max_keepalive_connections=slots),
-        timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s),
-        transport=transport,
-    ) as http:
+    timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+    tls = httpx.create_ssl_context()  # one for all: loading the CA bundle takes tens of milliseconds
+    async with contextlib.AsyncExitStack() as stack:
+        http = {}
+        for t in config.teachers:
+            limits = httpx.Limits(max_connections=t.concurrency, max_keepalive_connections=t.concurrency)
+            client = httpx.AsyncClient(limits=limits, timeout=timeout, verify=tls)
+            http[t.name] = await stack.enter_async_context(client)
         run = _Harvest(config, cache, budget, http, progress, seed)
         queries = [(prompt, teacher) for prompt in prompts for teacher in config.teachers]
         run.total = len(queries)

@@ -77,6 +77,14 @@ class Seen:
     time: float
 
 
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, and a listen backlog as deep as uvicorn's (2048): http.server's default of 5
+    drops the SYNs of a client opening many connections at once, which then wait a second to retry."""
+
+    daemon_threads = True
+    request_queue_size = 2048
+
+
 @dataclass
 class FakeTeacher:
     key: str | None
@@ -91,8 +99,7 @@ class FakeTeacher:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
@@ -267,3 +274,28 @@ class FakeTeacher:
                 return 200
 
         return Handler
+
+
+def main() -> None:
+    """``python -m tests.harvest.fake_teacher TEACHERS LATENCY_S``: serve that many teachers answering "42"
+    after LATENCY_S, with the key in ``$FAKE_TEACHER_KEY``, in a process of their own; print their base URLs
+    (one JSON line), then for every line read print each one's most requests in flight at once, until EOF."""
+    import os
+    import sys
+
+    count, latency = int(sys.argv[1]), float(sys.argv[2])
+    fakes = [
+        FakeTeacher(
+            key=os.environ["FAKE_TEACHER_KEY"], script=lambda p, a: Behaviour(answer="42", delay_s=latency)
+        )
+        for _ in range(count)
+    ]
+    print(json.dumps([f.base_url for f in fakes]), flush=True)
+    for _ in sys.stdin:
+        print(json.dumps([f.max_in_flight for f in fakes]), flush=True)
+    for fake in fakes:
+        fake.stop()
+
+
+if __name__ == "__main__":
+    main()
