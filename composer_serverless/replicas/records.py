@@ -85,6 +85,11 @@ def read_pairs(url: str) -> list[PreferencePair]:
     return [_pair_record(obj, where) for obj, where in read_rows(url)]
 
 
+def pairs_from_jsonl(data: bytes, name: str) -> list[PreferencePair]:
+    """The pairs of one JSON-lines object read from a store (``name`` for messages); none if it is empty."""
+    return [_pair_record(obj, f"{name}:{n}") for n, obj in _json_lines(io.BytesIO(data), name)]
+
+
 def shard_records(records: list[Any], rank: int, replicas: int) -> list[Any]:
     """Record i goes to rank ``i % replicas``: disjoint shards that each mix a file sorted by task."""
     if len(records) < replicas:
