@@ -33,6 +33,7 @@ from composer_serverless import watch
 from composer_serverless.config import ConfigError, RunConfig, validate_config
 from composer_serverless.executors import make_executor
 from composer_serverless.executors.base import LaunchPlan, LaunchRecord, ServerlessExecutor, model_plan
+from composer_serverless.harvest import plan as harvest_plan
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.store import ObjectStore
@@ -116,7 +117,18 @@ def prepare(config: RunConfig, source: str) -> Prepared:
     run = open_store(store, fix=STORE_HINT).child(run_id)
     executor = make_executor(resolved, run)
     plan = _plan(executor, resolved, run)
-    return Prepared(resolved, source, run, executor, plan, executor.preflight(plan))
+    return Prepared(resolved, source, run, executor, plan, _preflight(executor, plan, resolved))
+
+
+def _preflight(executor: ServerlessExecutor, plan: LaunchPlan, config: RunConfig) -> list[str]:
+    """What this machine lacks for the launch: the executor's credentials, and the teachers' keys of a live
+    harvest (the launcher harvests, so they are needed here, never by the replicas)."""
+    problems = executor.preflight(plan)
+    if config.live_harvest and config.harvest is not None:
+        missing = harvest_plan.missing_keys(config.harvest)
+        if missing:
+            problems.append(harvest_plan.key_problem(missing))
+    return problems
 
 
 def _plan(executor: ServerlessExecutor, config: RunConfig, run: ObjectStore) -> LaunchPlan:
@@ -229,7 +241,7 @@ def resume(
     run, config = open_created(run_url)
     executor = make_executor(config, run)
     plan = _plan(executor, config, run)
-    problems = executor.preflight(plan)
+    problems = _preflight(executor, plan, config)
     if problems:
         raise ConfigError("cannot resume:\n" + "\n".join(textwrap.indent(p, "  ") for p in problems))
     if run.exists(layout.SUMMARY):

@@ -260,6 +260,19 @@ class RunConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _teacher_keys_stay_here(self) -> RunConfig:
+        if self.harvest is None:
+            return self
+        keys = {t.api_key_env for t in self.harvest.teachers if t.api_key_env}
+        sent = sorted(keys & set(getattr(self.executor, "secrets", ())))
+        if sent:
+            raise ValueError(
+                f"executor.secrets names {', '.join(sent)}, a harvest teacher's key: the launcher harvests, "
+                "and replicas never need it; remove it from executor.secrets"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _fragments_fit_tiny_model(self) -> RunConfig:
         if self.diloco.fragments > 1 and self.model.tiny is not None:
             layers = self.model.tiny.num_layers

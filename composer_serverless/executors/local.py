@@ -37,7 +37,7 @@ from composer_serverless.executors.base import (
     ReplicaStatus,
     worker_argv,
 )
-from composer_serverless.executors.environment import REPLICA_ENV, store_protocol
+from composer_serverless.executors.environment import REPLICA_ENV, store_protocol, teacher_key_names
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 
@@ -94,6 +94,8 @@ class LocalProcessExecutor:
                 "devices": "cpu" if devices is None else {str(r): d for r, d in enumerate(devices)},
                 "log_dir": str(self._log_dir),
                 "secrets": "inherited environment",
+                # The teachers' keys stay with the launcher, which harvests: replicas never need them.
+                "withheld_env": teacher_key_names(config),
             },
             launcher_restarts=ex.max_restarts,
             ranks_per_replica=ranks,
@@ -104,13 +106,15 @@ class LocalProcessExecutor:
 
     def launch(self, plan: LaunchPlan) -> list[ReplicaHandle]:
         self._log_dir.mkdir(parents=True, exist_ok=True)
+        withheld = set(plan.resources.get("withheld_env", ()))
+        inherited = {name: value for name, value in os.environ.items() if name not in withheld}
         handles = []
         for spec in plan.replicas:
             log = self._log_dir / f"rank-{spec.rank}.log"
             with open(log, "ab") as out:
                 proc = subprocess.Popen(
                     spec.command,
-                    env={**os.environ, **spec.env},
+                    env={**inherited, **spec.env},
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -86,3 +87,31 @@ def test_live_and_a_source_of_its_own_exclude_each_other():
     raw = _edited("harvest.traces", "trace.jsonl")
     with pytest.raises(ConfigError, match="a live harvest reads the run's own rollouts"):
         validate_config(raw)
+
+
+def test_the_shipped_example_dry_runs_offline_without_the_training_stack(monkeypatch):
+    from tests.conftest import cli_in_fresh_process
+
+    result, loaded = cli_in_fresh_process("harvest", "deploy/configs/harvest-teachers.toml", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert loaded == []
+    plan = json.loads(result.stdout.rsplit("LOADED ", 1)[0])
+    assert [t["name"] for t in plan["teachers"]] == ["openai", "gemini", "local"]
+    assert plan["prompts"] == 200 and plan["worst_usd"] <= plan["max_usd"]
+
+
+def test_a_launch_with_a_live_harvest_needs_the_keys_here(monkeypatch, tmp_path):
+    from composer_serverless.launcher import prepare
+
+    tasks = "deploy/data/composer-tasks"
+    raw = copy.deepcopy(RUN)
+    raw["composer"]["data"] = {"prompts": f"{tasks}/train.jsonl", "heldout": f"{tasks}/heldout.jsonl"}
+    raw["store"] = str(tmp_path)
+    monkeypatch.delenv("EXAMPLE_KEY", raising=False)
+    prepared = prepare(validate_config(raw), "live.toml")
+    assert any("the teachers' keys are not in the environment: EXAMPLE_KEY" in p for p in prepared.problems)
+    assert prepared.plan.resources["withheld_env"] == ["EXAMPLE_KEY"]
+    monkeypatch.setenv("EXAMPLE_KEY", "x")
+    assert prepare(validate_config(raw), "live.toml").problems == []
+    with pytest.raises(ConfigError, match="executor.secrets names EXAMPLE_KEY"):
+        validate_config({**raw, "executor": {"type": "modal", "secrets": ["EXAMPLE_KEY"]}})
