@@ -29,3 +29,10 @@ def test_a_small_measurement(tmp_path: Path):
         pytest.approx(0.1),
     )
     assert results["wall_s"] >= results["ideal_s"] and code in (0, 1)
+
+
+def test_the_served_harvest_spreads_its_states_over_the_tasks():
+    serve = load_script("harvest_serve")
+    traces = [{"task": t, "n": i} for t in ("a", "b", "c") for i in range(3)]
+    picked = serve.spread(traces, 5)
+    assert [(p["task"], p["n"]) for p in picked] == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("b", 1)]
