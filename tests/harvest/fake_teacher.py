@@ -100,7 +100,8 @@ class FakeTeacher:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), self._handler())
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # A short poll: stopping waits for it, and the tests stop three fakes each.
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True)
         self._thread.start()
 
     @property

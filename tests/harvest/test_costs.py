@@ -12,6 +12,7 @@ import pytest
 from composer_serverless.config import HarvestConfig, TeacherConfig
 from composer_serverless.harvest.costs import Budget, Price, input_token_bound, worst_case
 from composer_serverless.harvest.harvester import messages, request_body
+from tests.conftest import CHATML
 
 TEACHER = TeacherConfig(
     name="t",
@@ -23,11 +24,7 @@ TEACHER = TeacherConfig(
     extra_input_tokens=7,
 )
 
-# ChatML (Qwen, many others) and Llama 3's template, as their tokenizer_config.json ship them, in Jinja.
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Llama 3's template as its tokenizer_config.json ships it (ChatML, Qwen's and many others', from conftest).
 LLAMA3 = (
     "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
     "{{ m['content'] }}<|eot_id|>{% endfor %}"
