@@ -160,8 +160,9 @@ def check_model(config: RunConfig) -> None:
         )
 
 
-# What the model check reads of a run; a sweep's cells that agree on these are checked once.
-_CHECKED = ("model", "data", "train", "composer", "diloco")
+# What the model check reads of a run; a sweep's cells that agree on these are checked once. The harvest table
+# goes with them: a live harvest is what lets the replay channel start without a pairs file.
+_CHECKED = ("model", "data", "train", "composer", "diloco", "harvest")
 
 
 @functools.lru_cache(maxsize=8)

@@ -17,6 +17,7 @@ in flight at its worst case, since those requests may still be billed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -87,7 +88,8 @@ class LiveHarvester:
         self._stopping.set()
         loop, task = self._loop, self._task
         if loop is not None and task is not None:
-            loop.call_soon_threadsafe(task.cancel)
+            with contextlib.suppress(RuntimeError):  # the loop has already ended
+                loop.call_soon_threadsafe(task.cancel)
         self._thread.join(timeout=30)
 
     def _main(self) -> None:

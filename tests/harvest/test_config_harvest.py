@@ -115,3 +115,13 @@ def test_a_launch_with_a_live_harvest_needs_the_keys_here(monkeypatch, tmp_path)
     assert prepare(validate_config(raw), "live.toml").problems == []
     with pytest.raises(ConfigError, match="executor.secrets names EXAMPLE_KEY"):
         validate_config({**raw, "executor": {"type": "modal", "secrets": ["EXAMPLE_KEY"]}})
+
+
+def test_what_the_model_check_validates_of_a_live_run_is_valid():
+    """The model check validates a run's model, data and objective tables on their own: a live harvest's
+    replay channel without a pairs file is valid only with the harvest table beside them."""
+    from composer_serverless.launcher import _CHECKED
+
+    config = validate_config(RUN)
+    checked = {k: v for k, v in json.loads(config.resolved_json()).items() if k in _CHECKED}
+    assert validate_config({**checked, "executor": {"type": "local"}}).live_harvest
