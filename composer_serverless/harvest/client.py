@@ -230,6 +230,8 @@ class TeacherClient:
                     return reply
                 wait = await self._attempt(body, worst, budget, idempotency, reply)
                 if wait is None:
+                    if reply.outcome != "answered":
+                        logger.warning("teacher %s: %s (not retried)", self.teacher.name, reply.error)
                     return reply
                 if retry < self._retries:
                     logger.info(
