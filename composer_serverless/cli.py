@@ -16,22 +16,24 @@ import signal
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.prompt import Prompt
 from rich.table import Table
 
-from composer_serverless.config import ConfigError, load_config
+from composer_serverless.config import ConfigError, load_config, load_harvest_config
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import StoreError
 from composer_serverless.report import outcome
 
 if TYPE_CHECKING:
+    from composer_serverless.harvest.plan import Prepared as HarvestPrepared
     from composer_serverless.launcher import Prepared
 
 app = typer.Typer(
@@ -70,6 +72,8 @@ def _main(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # httpx logs every request at INFO; the harvest's own lines say what matters (retries, give-ups).
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @contextlib.contextmanager
@@ -312,6 +316,77 @@ def sweep(
     console.print(f"runs: {grid_sweep.runs_root(finished)}/<run>", markup=False, highlight=False)
     if any(cell.state != "succeeded" for cell in finished):
         raise typer.Exit(1)
+
+
+@app.command()
+def harvest(
+    config: Annotated[
+        Path, typer.Argument(help="TOML file with a [harvest] table (a run's config, or that table alone)")
+    ],
+    set_: SetOption = [],  # noqa: B006
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="print the plan and its worst-case and expected cost; send nothing"),
+    ] = False,
+) -> None:
+    """Ask the [harvest] teachers about each state (a trace file, or a run's latest rollouts) and write the
+    preference pairs they agree on, under the max_usd cap; answers are cached in the store."""
+    from composer_serverless.harvest import plan
+
+    with _user_errors():
+        prepared = plan.prepare(load_harvest_config(config, set_))
+        if dry_run:
+            _print_harvest_plan(prepared)
+            return
+        with _harvest_progress() as progress:
+            result = plan.run(prepared, progress)
+    from composer_serverless.harvest.stats import summary_lines, table
+
+    _print_table(table(result))
+    for line in summary_lines(result):
+        console.print(line, markup=False, highlight=False)
+    console.print(f"pairs: {prepared.output_url}", markup=False, highlight=False)
+    if result.problems:
+        for problem in result.problems:
+            err_console.print(f"[red]error:[/] {escape(problem)}", highlight=False)
+        raise typer.Exit(1)
+
+
+def _print_harvest_plan(prepared: HarvestPrepared) -> None:
+    from composer_serverless.harvest import plan
+
+    doc = plan.plan_json(prepared, plan.estimate(prepared))
+    typer.echo(json.dumps(doc, indent=2))
+    worst, cap = doc["worst_usd"], doc["max_usd"]
+    err_console.print(
+        f"estimated cost: expected ${doc['expected_usd']:.4f}, at most ${worst:.4f} (cap ${cap:.2f})"
+        + ("; the cap will stop the harvest before it is done" if worst > cap else ""),
+        markup=False,
+        highlight=False,
+    )
+    if prepared.missing_keys:
+        err_console.print(
+            textwrap.indent(plan.key_problem(prepared.missing_keys), "  "), markup=False, highlight=False
+        )
+
+
+@contextlib.contextmanager
+def _harvest_progress() -> Iterator[Callable[[int, int, float], None]]:
+    """A bar over the prompt-teacher queries, with the money spent so far."""
+    bar = Progress(
+        TextColumn("harvest"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("${task.fields[spent]:.4f} spent"),
+        console=err_console,
+    )
+    task = bar.add_task("", total=None, spent=0.0)
+
+    def update(done: int, total: int, spent: float) -> None:
+        bar.update(task, completed=done, total=total, spent=spent)
+
+    with bar:
+        yield update
 
 
 def run(argv: list[str]) -> int:

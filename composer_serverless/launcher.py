@@ -41,6 +41,7 @@ from composer_serverless.executors.base import (
     ServerlessExecutor,
     model_plan,
 )
+from composer_serverless.harvest import plan as harvest_plan
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.store import ObjectStore
@@ -126,7 +127,18 @@ def prepare(config: RunConfig, source: str) -> Prepared:
     run = open_store(store, fix=STORE_HINT).child(run_id)
     executor = make_executor(resolved, run)
     plan = _plan(executor, resolved, run)
-    return Prepared(resolved, source, run, executor, plan, executor.preflight(plan))
+    return Prepared(resolved, source, run, executor, plan, _preflight(executor, plan, resolved))
+
+
+def _preflight(executor: ServerlessExecutor, plan: LaunchPlan, config: RunConfig) -> list[str]:
+    """What this machine lacks for the launch: the executor's credentials, and the teachers' keys of a live
+    harvest (the launcher harvests, so they are needed here, never by the replicas)."""
+    problems = executor.preflight(plan)
+    if config.live_harvest and config.harvest is not None:
+        missing = harvest_plan.missing_keys(config.harvest)
+        if missing:
+            problems.append(harvest_plan.key_problem(missing))
+    return problems
 
 
 def _plan(executor: ServerlessExecutor, config: RunConfig, run: ObjectStore) -> LaunchPlan:
@@ -161,8 +173,9 @@ def check_model(config: RunConfig) -> None:
         )
 
 
-# What the model check reads of a run; a sweep's cells that agree on these are checked once.
-_CHECKED = ("model", "data", "train", "composer", "diloco")
+# What the model check reads of a run; a sweep's cells that agree on these are checked once. The harvest table
+# goes with them: a live harvest is what lets the replay channel start without a pairs file.
+_CHECKED = ("model", "data", "train", "composer", "diloco", "harvest")
 
 
 @functools.lru_cache(maxsize=8)
@@ -254,7 +267,7 @@ def resume(
     run, config = open_created(run_url)
     executor = make_executor(config, run)
     plan = _plan(executor, config, run)
-    problems = executor.preflight(plan)
+    problems = _preflight(executor, plan, config)
     if problems:
         raise ConfigError("cannot resume:\n" + "\n".join(textwrap.indent(p, "  ") for p in problems))
     if run.exists(layout.SUMMARY):

@@ -8,7 +8,9 @@ ends the watch, leaving the replicas running, with how to reach them. Whatever e
 replicas or detach from them (a detached run keeps going; ``status``, ``logs`` and ``cancel`` reach it through
 its URL), SIGTERM (``Terminated``) cancels them, and any other failure cancels them too. A run that fails while
 others go on (a sweep cell) is cancelled and marked; with ``fail_fast`` (a single launch) its failure ends the
-watch. A launch shows a bar per replica; a sweep a bar per run (``ReplicaView``, ``RunView``).
+watch. A launch shows a bar per replica; a sweep a bar per run (``ReplicaView``, ``RunView``). A run with a
+live harvest is harvested between its rounds while it is watched (``harvest/live.py``), and no longer once
+the watch ends, a detach included.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressC
 
 from composer_serverless.config import RunConfig
 from composer_serverless.executors.base import BackendError
+from composer_serverless.harvest.live import LiveHarvester
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
 from composer_serverless.report import eval_headline, outcome, write_report
@@ -89,6 +92,11 @@ def follow(
         RunCancelled: cancelled here (Ctrl-C, then "cancel"; SIGTERM), or, with ``fail_fast``, elsewhere.
         RunFailed: with ``fail_fast``, a replica failed for good; every run's replicas were cancelled.
     """
+    harvesters = [
+        LiveHarvester(run.supervisor.run, run.config, view.console) for run in runs if run.config.live_harvest
+    ]
+    for harvester in harvesters:
+        harvester.start()
     try:
         with view:
             _watch(runs, view, fail_fast)
@@ -111,6 +119,9 @@ def follow(
     except BaseException:
         _cancel(runs, record=False)  # a failed launch must not keep its replicas billing
         raise
+    finally:
+        for harvester in harvesters:  # a detached launcher harvests no more: it holds the teachers' keys
+            harvester.stop()
     return True
 
 

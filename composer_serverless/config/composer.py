@@ -175,7 +175,9 @@ class ComposerDataConfig(StrictModel):
     )
     heldout: str = Field(description="RL prompts the global model is evaluated on (greedy decoding)")
     pairs: str | None = Field(
-        None, description="preference pairs: {prompt, chosen, rejected, chosen_ref_logp?, rejected_ref_logp?}"
+        None,
+        description="preference pairs: {prompt, chosen, rejected, chosen_ref_logp?, rejected_ref_logp?, "
+        "provenance?}; with a live harvest, optional (the harvested pairs join them)",
     )
 
 
@@ -205,11 +207,8 @@ class ComposerConfig(StrictModel):
         description="render every prompt (and the SDPO teacher's hinted prompt) as a user turn with the "
         "tokenizer's chat template, as an instruct model expects; false: the prompt text as it is",
     )
-
-    @model_validator(mode="after")
-    def _replay_has_pairs(self) -> ComposerConfig:
-        # The converse (pairs with beta = 0) is allowed and leaves the pairs unread, so that a sweep or an
-        # ablation can switch the channel off with one override.
-        if self.beta > 0 and self.data.pairs is None:
-            raise ValueError("beta > 0 needs preference pairs: set composer.data.pairs")
-        return self
+    record_rollouts: bool = Field(
+        False,
+        description="write each round's rollouts (prompt, sampled completion, reward) to the store, where "
+        "`composer-serverless harvest` reads them (harvest.run); always on with a live harvest",
+    )

@@ -11,9 +11,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ValidationError
 
-from composer_serverless.config.base import ConfigError
+from composer_serverless.config.base import ConfigError, StrictModel
 from composer_serverless.config.executors import EXECUTOR_TYPES
+from composer_serverless.config.harvest import HarvestConfig
 from composer_serverless.config.run import RunConfig
+
+# Fields whose value an error message never repeats: a key pasted where its variable's name belongs would
+# otherwise be printed (and end up in a terminal's scrollback, a CI log).
+NEVER_ECHOED = ("api_key_env",)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,6 +40,45 @@ def load_config(
             is invalid. The message names every offending key and how to fix it.
     """
     path = Path(path)
+    raw = read_toml(path)
+    if executor_type is not None:
+        select_executor(raw, executor_type)
+    for override in overrides:
+        apply_override(raw, override)
+    return validate_config(raw, source=str(path))
+
+
+def load_harvest_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> HarvestConfig:
+    """The ``[harvest]`` table of a TOML file (a run's config, or a file holding only that table), with
+    ``--set harvest.key=value`` overrides applied; the file's other tables are not read.
+
+    Raises:
+        ConfigError: as ``load_config``, or the file has no ``[harvest]`` table.
+    """
+    path = Path(path)
+    raw = read_toml(path)
+    for override in overrides:
+        apply_override(raw, override)
+    table = raw.get("harvest")
+    if not isinstance(table, dict):
+        close = difflib.get_close_matches("harvest", list(raw), n=1)
+        hint = f"; did you mean [harvest] instead of [{close[0]}]?" if close else ""
+        raise ConfigError(
+            f"{path} has no [harvest] table{hint}\n  fix: add [harvest] with its [[harvest.teachers]] "
+            "(docs/harvest.md)"
+        )
+    try:
+        return _HarvestFile.model_validate({"harvest": table}).harvest
+    except ValidationError as e:
+        raise ConfigError(_explain(e, raw, str(path))) from None
+
+
+class _HarvestFile(StrictModel):
+    harvest: HarvestConfig
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The TOML file at ``path`` as a mapping (ConfigError when it is missing, unreadable or not TOML)."""
     if not path.is_file():
         raise ConfigError(
             f"config file not found: {path}\n  fix: pass the path of a TOML file, e.g. deploy/configs/local-demo.toml"
@@ -52,11 +96,7 @@ def load_config(
         raise ConfigError(
             f"cannot read {path}: {e.strerror or e}\n  fix: check the file's permissions"
         ) from e
-    if executor_type is not None:
-        select_executor(raw, executor_type)
-    for override in overrides:
-        apply_override(raw, override)
-    return validate_config(raw, source=str(path))
+    return raw
 
 
 def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
@@ -122,7 +162,8 @@ def _explain(error: ValidationError, raw: dict[str, Any], source: str) -> str:
             lines.append(f"  {key}: required but not set\n    fix: add it to {source}{via_set}")
             continue
         message = item["msg"].removeprefix("Value error, ")
-        got = "" if isinstance(item.get("input"), dict) else f" (got {item['input']!r})"
+        echo = not isinstance(item.get("input"), dict) and loc[-1] not in NEVER_ECHOED
+        got = f" (got {item['input']!r})" if echo else ""
         lines.append(f"  {key}: {message}{got}")
         description = _fields_at(loc[:-1]).get(loc[-1]) if loc else None
         if description:

@@ -14,6 +14,7 @@ from composer_serverless.config.base import StrictModel
 from composer_serverless.config.composer import ComposerConfig
 from composer_serverless.config.data import DataConfig
 from composer_serverless.config.executors import ExecutorConfig, HFJobsExecutorConfig, LocalExecutorConfig
+from composer_serverless.config.harvest import HarvestConfig
 from composer_serverless.config.model import ModelConfig
 
 RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -179,6 +180,11 @@ class RunConfig(StrictModel):
     diloco: DiLoCoConfig
     eval: EvalConfig = EvalConfig()
     composer: ComposerConfig | None = Field(None, description="settings of train.objective = 'composer'")
+    harvest: HarvestConfig | None = Field(
+        None,
+        description="teachers asked for preference pairs: by `composer-serverless harvest`, or between rounds "
+        "with harvest.live",
+    )
     executor: ExecutorConfig = LocalExecutorConfig()
 
     @field_validator("store")
@@ -223,6 +229,46 @@ class RunConfig(StrictModel):
             raise ValueError(
                 f"[composer] is set but train.objective = {self.train.objective!r}; "
                 "set train.objective = 'composer'"
+            )
+        return self
+
+    @property
+    def live_harvest(self) -> bool:
+        """Whether the launcher harvests pairs between rounds (and the replicas record rollouts for it)."""
+        return self.harvest is not None and self.harvest.live
+
+    @model_validator(mode="after")
+    def _replay_has_pairs(self) -> RunConfig:
+        # Pairs with beta = 0 are allowed and left unread, so that a sweep or an ablation can switch the
+        # channel off with one override.
+        composer = self.composer
+        if (
+            composer is not None
+            and composer.beta > 0
+            and composer.data.pairs is None
+            and not self.live_harvest
+        ):
+            raise ValueError(
+                "composer.beta > 0 needs preference pairs: set composer.data.pairs, or harvest them live "
+                "([harvest] with live = true)"
+            )
+        if self.live_harvest and (composer is None or composer.beta == 0):
+            raise ValueError(
+                "harvest.live feeds the replay channel: it needs train.objective = 'composer' with "
+                "composer.beta > 0"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_keys_stay_here(self) -> RunConfig:
+        if self.harvest is None:
+            return self
+        keys = {t.api_key_env for t in self.harvest.teachers if t.api_key_env}
+        sent = sorted(keys & set(getattr(self.executor, "secrets", ())))
+        if sent:
+            raise ValueError(
+                f"executor.secrets names {', '.join(sent)}, a harvest teacher's key: the launcher harvests, "
+                "and replicas never need it; remove it from executor.secrets"
             )
         return self
 

@@ -152,3 +152,10 @@ def private_host(url: str) -> str | None:
 def forwarded_settings() -> dict[str, str]:
     """The non-secret S3 settings set here, passed to replicas as plain environment variables."""
     return {name: os.environ[name] for name in FORWARDED_SETTINGS if os.environ.get(name)}
+
+
+def teacher_key_names(config: RunConfig) -> list[str]:
+    """The environment variables holding the harvest teachers' keys: the launcher's alone, never a replica's."""
+    if config.harvest is None:
+        return []
+    return sorted({t.api_key_env for t in config.harvest.teachers if t.api_key_env})

@@ -42,7 +42,7 @@ from composer_serverless.executors.base import (
     ReplicaStatus,
     worker_argv,
 )
-from composer_serverless.executors.environment import REPLICA_ENV, store_protocol
+from composer_serverless.executors.environment import REPLICA_ENV, store_protocol, teacher_key_names
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 
@@ -99,6 +99,8 @@ class LocalProcessExecutor:
                 "devices": "cpu" if devices is None else {str(r): d for r, d in enumerate(devices)},
                 "log_dir": str(self._log_dir),
                 "secrets": "inherited environment",
+                # The teachers' keys stay with the launcher, which harvests: replicas never need them.
+                "withheld_env": teacher_key_names(config),
             },
             launcher_restarts=ex.max_restarts,
             ranks_per_replica=ranks,
@@ -112,6 +114,8 @@ class LocalProcessExecutor:
 
     def launch(self, plan: LaunchPlan, journal: Journal) -> list[ReplicaHandle]:
         self._log_dir.mkdir(parents=True, exist_ok=True)
+        withheld = set(plan.resources.get("withheld_env", ()))
+        inherited = {name: value for name, value in os.environ.items() if name not in withheld}
         handles = []
         for spec in plan.replicas:
             log = self._log_dir / f"rank-{spec.rank}.log"
@@ -119,7 +123,7 @@ class LocalProcessExecutor:
             with open(log, "ab") as out:
                 proc = subprocess.Popen(
                     spec.command,
-                    env={**os.environ, **spec.env},
+                    env={**inherited, **spec.env},
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -219,23 +223,30 @@ class LocalProcessExecutor:
 
     def _end(self, live: list[ReplicaHandle], strays: list[psutil.Process], grace_s: float) -> None:
         """SIGTERM the groups of ``live`` and of ``strays`` (each leads its own session), SIGKILL after
-        ``grace_s`` what is left."""
+        ``grace_s`` what is left, and return once every one has ended: a cancel that returns has ended them."""
         for handle in live:
             self._cancelled.add(int(handle.backend_id))
             _signal_group(handle, signal.SIGTERM)
         for process in strays:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for handle in live:
-            while self._alive(handle) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if self._alive(handle):
-                _signal_group(handle, signal.SIGKILL)
+        if not self._wait(live, strays, grace_s):
+            for handle in live:
+                if self._alive(handle):
+                    _signal_group(handle, signal.SIGKILL)
+            for process in strays:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+            self._wait(live, strays, grace_s)
+
+    def _wait(self, live: list[ReplicaHandle], strays: list[psutil.Process], timeout_s: float) -> bool:
+        """Whether all of them ended within ``timeout_s`` (our children are reaped by their Popen, so that
+        their exit status stays ours to read; the others are watched through psutil)."""
+        deadline = time.monotonic() + timeout_s
+        while any(self._alive(h) for h in live) and time.monotonic() < deadline:
+            time.sleep(0.05)
         _, left = psutil.wait_procs(strays, timeout=max(0.0, deadline - time.monotonic()))
-        for process in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+        return not left and not any(self._alive(h) for h in live)
 
     def _alive(self, handle: ReplicaHandle) -> bool:
         """Whether the replica's own process still runs; our children are also reaped here."""

@@ -180,10 +180,11 @@ def advance(store: ObjectStore, round_index: int, *, checkpoint: bool) -> None:
 
 
 def prune_exchanges(store: ObjectStore, round_index: int) -> None:
-    """Drop the exchange objects and evaluation shares of rounds before the last ``KEEP_ROUNDS``: a replica
-    that is further behind catches up from a published state instead."""
-    _prune_numbered(store, layout.ROUNDS, keep_from=round_index - KEEP_ROUNDS + 1)
-    _prune_numbered(store, layout.EVALS, keep_from=round_index - KEEP_ROUNDS + 1)
+    """Drop the exchange objects, evaluation shares and recorded rollouts of rounds before the last
+    ``KEEP_ROUNDS``: a replica that is further behind catches up from a published state instead, and a
+    harvest reads the latest rollouts."""
+    for prefix in (layout.ROUNDS, layout.EVALS, layout.ROLLOUTS):
+        _prune_numbered(store, prefix, keep_from=round_index - KEEP_ROUNDS + 1)
 
 
 def load_global(store: ObjectStore, round_index: int, local: int = 0) -> Any:

@@ -48,6 +48,19 @@ REPLICAS = "replicas"
 FINAL = "final"
 """The final global model and tokenizer (save_pretrained format), written by the last round's publisher."""
 
+ROLLOUTS = "rollouts"
+"""Each round's rollouts, per replica (composer runs that record them: ``composer.record_rollouts``, or a live
+harvest), for the harvest to read."""
+
+# --- written by the harvest (the launcher, with a live harvest; ``composer-serverless harvest``) ----------
+
+HARVEST = "harvest"
+HARVEST_CACHE = f"{HARVEST}/cache"
+"""The run's answer cache: a teacher's answer under the hash of its endpoint, model and request body."""
+HARVEST_PAIRS = f"{HARVEST}/pairs"
+"""Pairs harvested live, one file per round of rollouts; the replicas take new ones at round boundaries."""
+HARVEST_REPORTS = f"{HARVEST}/reports"
+
 # Inside a sync's prefix.
 SYNC_INPUTS = "in"
 SYNC_OUTPUTS = "out"
@@ -134,6 +147,32 @@ def replica_state(rank: int, round_index: int, local: int = 0) -> str:
     return f"{replica_states(rank)}/{round_index}/{local}"
 
 
+def rollouts_dir(round_index: int) -> str:
+    return f"{ROLLOUTS}/{round_index}"
+
+
+def rollouts(round_index: int, rank: int) -> str:
+    """Replica ``rank``'s rollouts of round ``round_index``: JSON lines {id, prompt, student, reward, task}."""
+    return f"{rollouts_dir(round_index)}/{rank}.jsonl"
+
+
+def cache_entry(digest: str) -> str:
+    """Relative to an answer cache's root (``HARVEST_CACHE`` in a run, or the store ``harvest.cache`` names):
+    the answer whose request hashes to ``digest``."""
+    return f"{digest}.json"
+
+
+def harvested_pairs(round_index: int) -> str:
+    """The pairs a live harvest made of round ``round_index``'s rollouts; zero-padded, so a listing is in
+    round order."""
+    return f"{HARVEST_PAIRS}/{round_index:06d}.jsonl"
+
+
+def harvest_report(round_index: int) -> str:
+    """What the live harvest of round ``round_index``'s rollouts did and spent."""
+    return f"{HARVEST_REPORTS}/{round_index:06d}.json"
+
+
 def snapshot_file(prefix: str, name: str) -> str:
     return f"{prefix}/{name}"
 
@@ -175,6 +214,13 @@ def describe() -> list[tuple[str, str]]:
             f"{replica_state(rank, k, local)}/",
             "inner optimizer, schedule, RNG, data position, per local rank",
         ),
+        (rollouts(k, rank), "a replica's rollouts of round k: prompt, completion, reward (when recorded)"),
+        (
+            f"{HARVEST_CACHE}/{cache_entry(placeholder('digest'))}",
+            "a teacher's answer under the hash of its endpoint, model and request",
+        ),
+        (harvested_pairs(k), "pairs a live harvest made of round k's rollouts"),
+        (harvest_report(k), "that harvest's requests, failures, latency, tokens and USD per teacher"),
         (f"{FINAL}/", "the final global model and tokenizer (Hugging Face format)"),
         (SUMMARY, "the report's figures, written at the end"),
         (LOSS_PLOT, "held-out and training loss per round"),

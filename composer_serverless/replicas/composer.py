@@ -7,6 +7,15 @@ reports the mean reward, overall and per task. The data position (two cursors) i
 
 The launcher reads the same inputs before any replica starts (`inputs.py`), so a malformed record or a reward
 that does not import is reported with its file and line, or its import path, at launch.
+
+At each round's end (`round_ended`) the objective writes the round's rollouts to the store when they are
+recorded (`composer.record_rollouts`, or a live harvest), and with a live harvest takes the pair files the
+launcher has harvested since into its replay set, this replica's share of each (pair i to replica
+i mod N). For DPO their reference log-probabilities are computed then, once, by the global model of that
+round, the same on every replica: the pairs are the current student's mistakes, and the policy that made them
+is the reference iterative DPO takes (Yuan et al. 2024, Self-Rewarding Language Models), where the initial
+model would need a second copy kept in memory for the whole run. They are kept in the objective's state, so a
+resumed replica replays the same pairs with the same references.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,12 +39,21 @@ from composer_serverless.losses.grpo import GRPOSettings
 from composer_serverless.losses.logprobs import completion_logprobs
 from composer_serverless.losses.replay import ReplaySettings
 from composer_serverless.losses.sdpo import SDPOSettings
+from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas import inputs
 from composer_serverless.replicas.chat import chat_prompt
 from composer_serverless.replicas.evaluation import EvalPart, share
 from composer_serverless.replicas.hints import HintBuilder
 from composer_serverless.replicas.pairs import ReplayPairs
-from composer_serverless.replicas.records import Cycle, PromptRecord, read_pairs, shard_records
+from composer_serverless.replicas.records import (
+    Cycle,
+    PreferencePair,
+    PromptRecord,
+    pairs_from_jsonl,
+    read_pairs,
+    shard_records,
+)
 from composer_serverless.replicas.rewards import RewardSet
 from composer_serverless.replicas.rollout import RolloutSettings, as_is, generate, rollout
 
@@ -129,13 +148,29 @@ class ComposerObjective:
         rank: this replica's rank; it selects the data shard and seeds the data order.
         adapters: the peft wrapper of a LoRA run: the KL term's reference is then the base model with the
             adapters switched off, not a second copy of the model.
+        run: the run's store, where rollouts are recorded and harvested pairs are found (None: neither).
     """
 
     def __init__(
-        self, config: RunConfig, model: nn.Module, tokenizer: Any, rank: int, adapters: Any = None
+        self,
+        config: RunConfig,
+        model: nn.Module,
+        tokenizer: Any,
+        rank: int,
+        adapters: Any = None,
+        run: ObjectStore | None = None,
     ) -> None:
         composer = inputs.composer_table(config)
         replicas = config.diloco.replicas
+        self._run = run
+        self._rank = rank
+        self._replicas = replicas
+        self._record = run is not None and (composer.record_rollouts or config.live_harvest)
+        self._live = run is not None and config.live_harvest
+        self._recorded: dict[tuple[str, str], dict[str, Any]] = {}
+        # The pair files in the replay set: the static file's URL, then each harvested file's key in the run.
+        self._pair_files: list[str] = []
+        self._harvested: list[dict[str, Any]] = []
         self._tokenizer = tokenizer
         self._settings = loss_settings(composer)
         self._rewards = RewardSet(composer.rewards)
@@ -166,14 +201,18 @@ class ComposerObjective:
         elif composer.grpo.kl > 0:
             self._reference = copy.deepcopy(model).eval().requires_grad_(False)
         self._pairs = None
+        self._dpo = composer.replay.kind == "dpo"
         if composer.beta > 0:
-            assert composer.data.pairs is not None  # the config validates this
+            static: list[PreferencePair] = []
+            if composer.data.pairs is not None:  # else a live harvest brings them (the config checks)
+                static = shard_records(read_pairs(composer.data.pairs), rank, replicas)
+                self._pair_files.append(composer.data.pairs)
             self._pairs = ReplayPairs(
-                shard_records(read_pairs(composer.data.pairs), rank, replicas),
+                static,
                 tokenizer,
                 per_step=composer.replay.pairs_per_step,
                 seed=config.seed * 7919 + rank,
-                reference=model if composer.replay.kind == "dpo" else None,
+                reference=model if self._dpo else None,
                 chunk_tokens=composer.chunk_tokens,
                 render=self._rollout.render,
             )
@@ -204,6 +243,16 @@ class ComposerObjective:
 
     def loss(self, model: nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
         rolled = rollout(model, self._tokenizer, self._draw, self._rewards, self._hints, self._rollout)
+        if self._record:
+            for record, text, reward in zip(
+                rolled.records, rolled.samples.texts, rolled.scored.totals, strict=True
+            ):
+                # An empty completion is no action to prefer another over (a pair's sides are non-empty).
+                if text.strip():
+                    self._recorded.setdefault(
+                        (record.prompt, text),
+                        {"prompt": record.prompt, "student": text, "reward": reward, "task": record.task},
+                    )
         replay = None if self._pairs is None else self._pairs.next(next(model.parameters()).device)
         batch = LossBatch(rl=self._with_reference(rolled.rl), hint=rolled.hint, replay=replay)
         loss, metrics = three_channel_loss(model, batch, self._settings)
@@ -236,13 +285,64 @@ class ComposerObjective:
             out.update({f"eval/task/{task}/{name}": (sum(v), len(v)) for task, v in sorted(by_task.items())})
         return out
 
+    def round_ended(
+        self, round_index: int, global_model: Callable[[], contextlib.AbstractContextManager[nn.Module]]
+    ) -> dict[str, Any]:
+        """Record the round's rollouts and take newly harvested pairs (see the module); returns the pair files
+        the round replayed (``replay_files``) and, with a live harvest, those taken for the next rounds."""
+        fields: dict[str, Any] = {}
+        if self._pairs is not None:
+            fields["replay_files"] = list(self._pair_files)
+        if self._record and self._run is not None:
+            rows = [
+                {"id": f"r{self._rank}-k{round_index}-{n}", **row}
+                for n, row in enumerate(self._recorded.values())
+            ]
+            data = "".join(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows)
+            self._run.put(layout.rollouts(round_index, self._rank), data.encode())
+            self._recorded = {}
+        if self._live and self._pairs is not None:
+            fields["replay_files_new"] = self._take_harvested(global_model)
+        return fields
+
+    def _take_harvested(
+        self, global_model: Callable[[], contextlib.AbstractContextManager[nn.Module]]
+    ) -> list[str]:
+        assert self._run is not None and self._pairs is not None
+        taken = {h["file"] for h in self._harvested}
+        new = [name for name in self._run.list(layout.HARVEST_PAIRS) if name not in taken]
+        if not new:
+            return []
+        with global_model() as model:
+            for name in new:
+                shard = self._harvested_shard(name)
+                refs = self._pairs.extend(shard, model if self._dpo else None)
+                self._harvested.append({"file": name, "refs": refs})
+                self._pair_files.append(f"{layout.HARVEST_PAIRS}/{name}")
+                logger.info("replaying %d harvested pairs of %s from now on", len(shard), name)
+        return [f"{layout.HARVEST_PAIRS}/{name}" for name in new]
+
+    def _harvested_shard(self, name: str) -> list[PreferencePair]:
+        assert self._run is not None
+        key = f"{layout.HARVEST_PAIRS}/{name}"
+        pairs = pairs_from_jsonl(self._run.get(key), self._run.url_of(key))
+        return pairs[self._rank :: self._replicas]
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"prompts": self._cycle.state_dict()}
         if self._pairs is not None:
             state["pairs"] = self._pairs.state_dict()
+        if self._live:
+            state["harvested"] = self._harvested
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._cycle.load_state_dict(state["prompts"])
         if self._pairs is not None:
+            for harvested in state.get("harvested", []):
+                if harvested["file"] in {h["file"] for h in self._harvested}:
+                    continue
+                self._pairs.extend(self._harvested_shard(harvested["file"]), None, refs=harvested["refs"])
+                self._harvested.append(harvested)
+                self._pair_files.append(f"{layout.HARVEST_PAIRS}/{harvested['file']}")
             self._pairs.load_state_dict(state["pairs"])

@@ -7,11 +7,14 @@ only backpropagates what ``loss`` returns and checkpoints what ``state_dict`` re
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from composer_serverless.config import RunConfig
+from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.composer import ComposerObjective
 from composer_serverless.replicas.corpus import documents, shuffled
 from composer_serverless.replicas.data import IGNORE, Batches
@@ -39,6 +42,14 @@ class Objective(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def round_ended(
+        self, round_index: int, global_model: Callable[[], contextlib.AbstractContextManager[torch.nn.Module]]
+    ) -> dict[str, Any]:
+        """Called once per committed round, before its metrics row is written: whatever the objective does
+        between rounds (the composer objective records its rollouts and takes harvested pairs). Entering
+        ``global_model()`` swaps the round's global parameters into the model. Returns fields for the row."""
+        ...
 
 
 class LMObjective:
@@ -122,6 +133,11 @@ class LMObjective:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._train.load_state_dict(state["train"])
 
+    def round_ended(
+        self, round_index: int, global_model: Callable[[], contextlib.AbstractContextManager[torch.nn.Module]]
+    ) -> dict[str, Any]:
+        return {}
+
 
 def _targets(labels: torch.Tensor) -> int:
     """How many tokens of a batch are predicted and trained on (a row's first token is never predicted)."""
@@ -141,14 +157,16 @@ def make_objective(
     model: torch.nn.Module,
     adapters: Any = None,
     node: Node = SOLO,
+    run: ObjectStore | None = None,
 ) -> Objective:
     """The objective ``config.train.objective`` names.
 
     ``model`` must still hold the run's initial weights: objectives with a frozen reference (DPO, a KL term)
-    take it from the model they are built with (with LoRA, the base model with ``adapters`` off).
+    take it from the model they are built with (with LoRA, the base model with ``adapters`` off). ``run`` is
+    the run's store, for what an objective keeps there between rounds (recorded rollouts, harvested pairs).
     """
     if config.train.objective == "composer":  # one rank per replica (RunConfig refuses more)
-        return ComposerObjective(config, model, tokenizer, rank, adapters)
+        return ComposerObjective(config, model, tokenizer, rank, adapters, run)
     return LMObjective(config, tokenizer, rank, node)
 
 

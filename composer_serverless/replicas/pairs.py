@@ -6,7 +6,7 @@ also teaches where an answer ends. DPO needs log pi_ref of both completions. Pai
 (`chosen_ref_logp`, `rejected_ref_logp`, computed under the same convention) use them as given; for the
 others they are computed here, once, with the model the objective is built with, which must be the run's
 initial model (TRL's `precompute_ref_log_probs`). That costs one forward pass per pair and no second copy of
-the model.
+the model. Pairs a live harvest adds later are scored by the model they are added with (``extend``).
 SimPO needs no reference, and nothing is computed for it.
 """
 
@@ -46,8 +46,12 @@ def _right(rows: Sequence[list[int]], pad: int) -> tuple[torch.Tensor, torch.Ten
 class ReplayPairs:
     """This replica's preference pairs, `per_step` at a time as `ReplayBatch`es.
 
+    The set may grow (a live harvest adds pairs at round boundaries, ``extend``): each extension starts a new
+    seeded pass over all the pairs held, so new pairs are drawn within one pass of their arrival. A set with
+    no pairs yet gives no batch.
+
     Args:
-        pairs: the shard's pairs.
+        pairs: the shard's pairs (may be empty when a live harvest will bring them).
         tokenizer: the run's tokenizer.
         per_step: pairs per batch.
         seed: order of the passes over the pairs.
@@ -67,28 +71,69 @@ class ReplayPairs:
         chunk_tokens: int,
         render: Callable[[str], str] = lambda text: text,
     ) -> None:
-        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-        self._prompts = [tokenizer(render(p.prompt))["input_ids"] for p in pairs]
-        self._chosen = [tokenizer(p.chosen, add_special_tokens=False)["input_ids"] + [eos] for p in pairs]
-        self._rejected = [tokenizer(p.rejected, add_special_tokens=False)["input_ids"] + [eos] for p in pairs]
-        empty = next((p for p, ids in zip(pairs, self._prompts, strict=True) if not ids), None)
-        if empty is not None:
-            raise ValueError(f"{empty.source}: the prompt encodes to no tokens")
-        self._pad = pad
+        self._tokenizer = tokenizer
+        self._render = render
+        self._pad = tokenizer.pad_token_id
         self._per_step = per_step
-        self._cycle = Cycle(len(pairs), seed)
-        self._refs: torch.Tensor | None = None
-        if reference is not None:
-            self._refs = self._reference_logps(pairs, reference, chunk_tokens)
+        self._seed = seed
+        self._chunk_tokens = chunk_tokens
+        self._needs_reference = reference is not None
+        self._prompts: list[list[int]] = []
+        self._chosen: list[list[int]] = []
+        self._rejected: list[list[int]] = []
+        self._refs: torch.Tensor | None = torch.zeros(0, 2) if self._needs_reference else None
+        self._cycle: Cycle | None = None
+        self.extend(pairs, reference)
 
     def __len__(self) -> int:
         return len(self._prompts)
 
-    def _batch(self, index: Sequence[int], device: torch.device) -> ReplayBatch:
+    def extend(
+        self,
+        pairs: Sequence[PreferencePair],
+        reference: nn.Module | None,
+        refs: Sequence[Sequence[float]] | None = None,
+    ) -> list[list[float]] | None:
+        """Add ``pairs`` and start a new pass over every pair held.
+
+        For DPO their reference log-probs are ``refs`` when given (a resumed replica's, as it computed them),
+        else the pairs' own, else computed with ``reference``. Returns the (chosen, rejected) reference
+        log-probs added, None for SimPO.
+        """
+        if not pairs:
+            return [] if self._needs_reference else None
+        eos = self._tokenizer.eos_token_id
+        prompts = [self._tokenizer(self._render(p.prompt))["input_ids"] for p in pairs]
+        empty = next((p for p, ids in zip(pairs, prompts, strict=True) if not ids), None)
+        if empty is not None:
+            raise ValueError(f"{empty.source}: the prompt encodes to no tokens")
+        start = len(self._prompts)
+        self._prompts += prompts
+        self._chosen += [
+            self._tokenizer(p.chosen, add_special_tokens=False)["input_ids"] + [eos] for p in pairs
+        ]
+        self._rejected += [
+            self._tokenizer(p.rejected, add_special_tokens=False)["input_ids"] + [eos] for p in pairs
+        ]
+        added = None
+        if self._refs is not None:
+            if refs is not None:
+                new = torch.tensor([list(r) for r in refs], dtype=torch.float32).reshape(-1, 2)
+            else:
+                assert reference is not None, "DPO pairs need a reference model or given log-probs"
+                new = self._reference_logps(pairs, range(start, len(self._prompts)), reference)
+            self._refs = torch.cat([self._refs, new])
+            added = new.tolist()
+        epoch = -1 if self._cycle is None else self._cycle.state_dict()["epoch"]
+        self._cycle = Cycle(len(self._prompts), self._seed)
+        self._cycle.load_state_dict({"epoch": epoch + 1, "index": 0})
+        return added
+
+    def _batch(self, index: Sequence[int], device: torch.device, *, with_refs: bool = True) -> ReplayBatch:
         prompt_ids, prompt_mask = _left([self._prompts[i] for i in index], self._pad)
         chosen_ids, chosen_mask = _right([self._chosen[i] for i in index], self._pad)
         rejected_ids, rejected_mask = _right([self._rejected[i] for i in index], self._pad)
-        refs = None if self._refs is None else self._refs[list(index)].to(device)
+        refs = None if self._refs is None or not with_refs else self._refs[list(index)].to(device)
         return ReplayBatch(
             prompt_ids=prompt_ids.to(device),
             prompt_mask=prompt_mask.to(device),
@@ -101,9 +146,10 @@ class ReplayPairs:
         )
 
     def _reference_logps(
-        self, pairs: Sequence[PreferencePair], model: nn.Module, chunk_tokens: int
+        self, pairs: Sequence[PreferencePair], rows: range, model: nn.Module
     ) -> torch.Tensor:
-        """(N, 2) log pi_ref of (chosen, rejected): given values where the pair has them, else computed."""
+        """(N, 2) log pi_ref of (chosen, rejected) of ``pairs`` (held at ``rows``): given values where the pair
+        has them, else computed with ``model``."""
         given = [(p.chosen_ref_logp, p.rejected_ref_logp) for p in pairs]
         refs = torch.tensor([g if g[0] is not None else (0.0, 0.0) for g in given], dtype=torch.float32)
         missing = [i for i, g in enumerate(given) if g[0] is None]
@@ -116,27 +162,33 @@ class ReplayPairs:
             with torch.no_grad():
                 for start in range(0, len(missing), REFERENCE_BATCH):
                     index = missing[start : start + REFERENCE_BATCH]
-                    batch = self._batch(index, device)
+                    batch = self._batch([rows[i] for i in index], device, with_refs=False)
                     for column, (ids, mask) in enumerate(
                         ((batch.chosen_ids, batch.chosen_mask), (batch.rejected_ids, batch.rejected_mask))
                     ):
                         logps = completion_logprobs(
-                            model, batch.prompt_ids, batch.prompt_mask, ids, mask, chunk_tokens=chunk_tokens
+                            model,
+                            batch.prompt_ids,
+                            batch.prompt_mask,
+                            ids,
+                            mask,
+                            chunk_tokens=self._chunk_tokens,
                         )
                         refs[index, column] = logps.sum(dim=-1).float().cpu()
         finally:
             model.train(was_training)
-        logger.info(
-            "computed reference log-probs of %d of %d pairs with the initial model", len(missing), len(pairs)
-        )
+        logger.info("computed reference log-probs of %d of %d pairs", len(missing), len(pairs))
         return refs
 
-    def next(self, device: torch.device) -> ReplayBatch:
-        """The next `per_step` pairs."""
+    def next(self, device: torch.device) -> ReplayBatch | None:
+        """The next `per_step` pairs; None while there are none."""
+        if self._cycle is None:
+            return None
         return self._batch(self._cycle.take(self._per_step), device)
 
     def state_dict(self) -> dict[str, int]:
-        return self._cycle.state_dict()
+        return {} if self._cycle is None else self._cycle.state_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._cycle.load_state_dict(state)
+        if self._cycle is not None:
+            self._cycle.load_state_dict(state)

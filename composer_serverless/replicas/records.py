@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 PROMPT_KEYS = ("prompt", "answer", "tests", "hint", "task", "meta")
-PAIR_KEYS = ("prompt", "chosen", "rejected", "chosen_ref_logp", "rejected_ref_logp")
+# ``provenance``: where a harvested pair came from (its teachers, their answers, agreement, cost); not read.
+PAIR_KEYS = ("prompt", "chosen", "rejected", "chosen_ref_logp", "rejected_ref_logp", "provenance")
 
 
 class RecordError(ValueError):
@@ -82,6 +83,11 @@ def read_prompts(url: str) -> list[PromptRecord]:
 def read_pairs(url: str) -> list[PreferencePair]:
     """Every preference pair of the JSONL file(s) at ``url``; errors as ``read_prompts``."""
     return [_pair_record(obj, where) for obj, where in read_rows(url)]
+
+
+def pairs_from_jsonl(data: bytes, name: str) -> list[PreferencePair]:
+    """The pairs of one JSON-lines object read from a store (``name`` for messages); none if it is empty."""
+    return [_pair_record(obj, f"{name}:{n}") for n, obj in _json_lines(io.BytesIO(data), name)]
 
 
 def shard_records(records: list[Any], rank: int, replicas: int) -> list[Any]:

@@ -25,6 +25,7 @@ import logging
 import math
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +170,7 @@ class Replica:
         self.total_steps = dl.rounds * dl.sync_every
         with self._compute():  # a reference the objective scores now is scored as training will score
             self.objective: Objective = make_objective(
-                config, tokenizer, rank, model=model, adapters=adapters, node=node
+                config, tokenizer, rank, model=model, adapters=adapters, node=node, run=run
             )
         self.inner = make_inner_optimizer(model, config.train)
         # Registered before DiLoCo's own hook, so it runs first: the inner gradients are spent once the step
@@ -300,6 +301,7 @@ class Replica:
             scored = self._evaluate(round_index, outcome.participants, params)
             if scored is not None:
                 row["eval"] = scored
+        row.update(self.objective.round_ended(round_index, lambda: self._global_model(params)))
         # Recorded before publishing: a publisher that dies while it publishes loses no point of the curve.
         self.reporter.round(round_index, row)
         # A checkpoint every checkpoint_every rounds and at the last: the global state and every replica's own.
@@ -343,6 +345,12 @@ class Replica:
                 row["train_loss"],
                 outcome.participants,
             )
+
+    @contextlib.contextmanager
+    def _global_model(self, params: dict[str, torch.Tensor]) -> Iterator[nn.Module]:
+        """The model holding the round's global parameters (in the precision training computes in)."""
+        with swapped_in(self.model, params), self._compute():
+            yield self.model
 
     def _replica_totals(self, row: dict[str, Any]) -> dict[str, Any]:
         """A replica's figures from its ranks' own: the train loss averaged (each rank's is of its equal share

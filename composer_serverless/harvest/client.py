@@ -1,0 +1,351 @@
+"""One teacher asked over HTTP: ``POST {base_url}/chat/completions`` with httpx's async client, under the
+teacher's concurrency limit, the cap (``costs.Budget``), timeouts and retries.
+
+Retries follow the ``openai`` client's rules (``openai/_base_client.py``), so a teacher behaves here as it
+does under the official SDK: 408, 409, 429 and 5xx are retried, and so are connection failures, timeouts and
+answers that are not a chat completion; ``x-should-retry`` overrules the status; the wait is the server's
+``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP date) when it gives one, else exponential backoff
+from 0.5 s doubling to at most 8 s, shortened by up to a quarter at random so that requests refused together
+do not come back together. A server asking for more than ``max_retry_after_s`` is not retried. A 429 pauses
+the whole teacher for its wait, not only the request that got it. 401, 403 and 404 mean the key or the model
+is wrong: the teacher is asked nothing more.
+
+The key is read from the environment variable the config names when each request is sent, goes only into the
+Authorization header, and is scrubbed from any error text a server echoes before it is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import logging
+import math
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import httpx
+
+from composer_serverless.config import HarvestConfig, TeacherConfig
+from composer_serverless.harvest.costs import Budget, Price
+
+logger = logging.getLogger(__name__)
+
+INITIAL_RETRY_DELAY_S = 0.5
+MAX_RETRY_DELAY_S = 8.0
+RETRIED_STATUSES = frozenset({408, 409, 429})
+FATAL_STATUSES = {401: "unauthorized", 403: "forbidden", 404: "not found (the base URL or the model)"}
+# Transport failures before a byte of the request left: the server cannot have billed them.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+class MalformedAnswer(ValueError):
+    """A 2xx response that is not a chat completion with a message."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What a chat completion says: the first choice's text (None for a refusal or a tool call), the tokens
+    its usage reports (None when it reports none) and why it stopped."""
+
+    content: str | None
+    usage: tuple[int, int] | None
+    finish_reason: str | None
+    model: str | None
+
+
+def parse_completion(data: bytes) -> Completion:
+    """Read an OpenAI chat completion (``choices[0].message.content``, ``usage.prompt_tokens`` and
+    ``completion_tokens``).
+
+    Raises:
+        MalformedAnswer: not JSON, or no ``choices[0].message``.
+    """
+    try:
+        obj = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MalformedAnswer(f"the response is not JSON ({e})") from None
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise MalformedAnswer("the response has no choices")
+    message = choices[0].get("message")
+    if not isinstance(message, dict):
+        raise MalformedAnswer("the first choice has no message")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise MalformedAnswer(f"the message's content is a {type(content).__name__}, not text")
+    return Completion(
+        content, usage_of(obj), choices[0].get("finish_reason"), obj.get("model") if "model" in obj else None
+    )
+
+
+def usage_of(obj: Any) -> tuple[int, int] | None:
+    """(prompt_tokens, completion_tokens) of a response, when it reports both as counts."""
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        return tokens[0], tokens[1]
+    return None
+
+
+def retry_after_s(headers: httpx.Headers, now: float) -> float | None:
+    """The wait a response asks for: ``retry-after-ms``, else ``Retry-After`` in seconds or as an HTTP date
+    (``now`` is ``time.time()``); None when it asks for none or says it unreadably."""
+    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value) / divisor
+        except ValueError:
+            continue
+        return seconds if math.isfinite(seconds) else None
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        parsed = email.utils.parsedate_tz(value)
+        return None if parsed is None else float(email.utils.mktime_tz(parsed) - now)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def backoff_s(retry: int, rng: random.Random) -> float:
+    """Exponential backoff before retry number ``retry`` (0 first): 0.5 s doubling to at most 8 s, less up to
+    a quarter at random."""
+    return min(INITIAL_RETRY_DELAY_S * 2.0**retry, MAX_RETRY_DELAY_S) * (1 - 0.25 * rng.random())
+
+
+def should_retry(status: int, headers: httpx.Headers) -> bool:
+    """The ``openai`` client's rule: ``x-should-retry`` if the server sets it, else 408, 409, 429 and 5xx."""
+    told = headers.get("x-should-retry")
+    if told in ("true", "false"):
+        return told == "true"
+    return status in RETRIED_STATUSES or status >= 500
+
+
+def error_text(response: httpx.Response, secret: str | None) -> str:
+    """A one-line reason from an error response (the OpenAI ``{"error": {"message"}}`` body, else its start),
+    with the key removed wherever the server echoed it."""
+    try:
+        body = response.json()
+        message = body["error"]["message"] if isinstance(body.get("error"), dict) else str(body)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message = response.text
+    message = " ".join(str(message).split())[:200]
+    return scrub(f"HTTP {response.status_code}: {message}", secret)
+
+
+def scrub(text: str, secret: str | None) -> str:
+    return text.replace(secret, "***") if secret else text
+
+
+@dataclass
+class Attempt:
+    """One HTTP request: its latency, status (None: no response), tokens charged and USD charged."""
+
+    latency_s: float
+    status: int | None
+    ok: bool
+    tokens_in: int = 0
+    tokens_out: int = 0
+    usd: Fraction = Fraction(0)
+    error: str | None = None
+
+
+@dataclass
+class Reply:
+    """A teacher's answer to one prompt, after every attempt.
+
+    Attributes:
+        outcome: "answered", "failed" (retries spent or not retryable), "refused" (the cap did not allow a
+            request) or "disabled" (the teacher was disabled: key or model wrong).
+        completion: the answer, when answered.
+        attempts: every request sent for it.
+    """
+
+    outcome: str
+    completion: Completion | None = None
+    attempts: list[Attempt] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def usd(self) -> Fraction:
+        return sum((a.usd for a in self.attempts), Fraction(0))
+
+    @property
+    def latency_s(self) -> float | None:
+        return self.attempts[-1].latency_s if self.outcome == "answered" else None
+
+
+class TeacherClient:
+    """Asks one teacher, ``concurrency`` requests at a time, through a shared ``httpx.AsyncClient``."""
+
+    def __init__(
+        self, teacher: TeacherConfig, http: httpx.AsyncClient, config: HarvestConfig, rng: random.Random
+    ) -> None:
+        self.teacher = teacher
+        self._http = http
+        self._url = f"{teacher.base_url}/chat/completions"
+        self._price = Price.of(teacher)
+        self._retries = config.retries
+        self._max_retry_after_s = config.max_retry_after_s
+        self._timeout_s = config.timeout_s
+        self._rng = rng
+        self._slots = asyncio.Semaphore(teacher.concurrency)
+        self._not_before = 0.0  # time.monotonic() before which no request goes out (after a 429)
+        self.disabled: str | None = None
+
+    def _key(self) -> str | None:
+        name = self.teacher.api_key_env
+        if name is None:
+            return None
+        key = os.environ.get(name)
+        if not key:
+            self.disabled = f"the environment variable {name} is not set"
+        return key
+
+    async def ask(self, body: bytes, worst: Fraction, budget: Budget) -> Reply:
+        """Send ``body`` until it is answered, fails for good, or the cap refuses it."""
+        reply = Reply("failed")
+        idempotency = f"composer-serverless-{uuid.uuid4()}"
+        async with self._slots:
+            for retry in range(self._retries + 1):
+                pause = self._not_before - time.monotonic()
+                if pause > 0:
+                    await asyncio.sleep(pause)
+                if self.disabled:
+                    reply.outcome, reply.error = "disabled", self.disabled
+                    return reply
+                if not await budget.reserve(worst):
+                    reply.outcome = "refused"
+                    reply.error = budget.broken or "the spending cap"
+                    return reply
+                wait = await self._attempt(body, worst, budget, idempotency, reply)
+                if wait is None:
+                    if reply.outcome != "answered":
+                        logger.warning("teacher %s: %s (not retried)", self.teacher.name, reply.error)
+                    return reply
+                if retry < self._retries:
+                    logger.info(
+                        "teacher %s: %s; retry %d of %d in %.2f s",
+                        self.teacher.name,
+                        reply.error,
+                        retry + 1,
+                        self._retries,
+                        wait,
+                    )
+                    await asyncio.sleep(wait)
+        logger.warning(
+            "teacher %s: gave up after %d attempts: %s", self.teacher.name, len(reply.attempts), reply.error
+        )
+        return reply
+
+    async def _attempt(
+        self, body: bytes, worst: Fraction, budget: Budget, idempotency: str, reply: Reply
+    ) -> float | None:
+        """One request, settled with the budget and recorded in ``reply``; the wait before retrying, or None
+        when there is nothing to retry (answered, or failed for good)."""
+        retry_index = len(reply.attempts)
+        key = self._key()
+        if self.disabled:
+            await budget.settle(worst, Fraction(0))
+            reply.outcome, reply.error = "disabled", self.disabled
+            return None
+        headers = {"content-type": "application/json", "idempotency-key": idempotency}
+        if key is not None:
+            headers["authorization"] = f"Bearer {key}"
+        started = time.monotonic()
+        try:
+            response = await asyncio.wait_for(
+                self._http.post(self._url, content=body, headers=headers), timeout=self._timeout_s
+            )
+        except (httpx.RequestError, asyncio.TimeoutError) as e:
+            sent = not isinstance(e, NOT_SENT)
+            # Possibly processed and billed (a timeout or a connection cut after sending): its worst case.
+            charged = worst if sent else Fraction(0)
+            reason = f"{type(e).__name__}: {scrub(str(e), key) or 'no response'}"
+            return await self._failed(reply, worst, charged, budget, started, None, reason, retry_index)
+        latency = time.monotonic() - started
+        if not response.is_success:
+            reason = error_text(response, key)
+            if response.status_code in FATAL_STATUSES:
+                self.disabled = f"HTTP {response.status_code} {FATAL_STATUSES[response.status_code]}" + (
+                    f": check the key in {self.teacher.api_key_env}"
+                    if response.status_code in (401, 403)
+                    else ""
+                )
+                reason = self.disabled
+            await budget.settle(worst, Fraction(0))  # an error status is not billed
+            reply.attempts.append(Attempt(latency, response.status_code, False, error=reason))
+            reply.error = reason
+            if self.disabled:
+                reply.outcome = "disabled"
+                return None
+            wait = retry_after_s(response.headers, time.time())
+            if not should_retry(response.status_code, response.headers):
+                return None
+            if wait is not None and wait > self._max_retry_after_s:
+                reply.error = f"{reason} (asks to wait {wait:.0f} s, more than max_retry_after_s)"
+                return None
+            if wait is None or wait <= 0:
+                wait = backoff_s(retry_index, self._rng)
+            if response.status_code == 429:
+                self._not_before = max(self._not_before, time.monotonic() + wait)
+            return wait
+        try:
+            completion = parse_completion(response.content)
+        except MalformedAnswer as e:
+            usage = usage_of(_json_or_none(response.content))
+            charged = worst if usage is None else self._price.cost(*usage)
+            return await self._failed(
+                reply, worst, charged, budget, started, response.status_code, str(e), retry_index, usage
+            )
+        usage = completion.usage
+        charged = worst if usage is None else self._price.cost(*usage)
+        overrun = None
+        if charged > worst:
+            overrun = (
+                f"teacher {self.teacher.name} reported {usage} tokens (in, out), more than the bound of this "
+                f"request: raise its extra_input_tokens (or check max_tokens); no further request is sent"
+            )
+            logger.error(overrun)
+        await budget.settle(worst, charged, overrun)
+        tokens = usage or (0, 0)
+        reply.attempts.append(Attempt(latency, response.status_code, True, tokens[0], tokens[1], charged))
+        reply.outcome, reply.completion, reply.error = "answered", completion, None
+        return None
+
+    async def _failed(
+        self,
+        reply: Reply,
+        worst: Fraction,
+        charged: Fraction,
+        budget: Budget,
+        started: float,
+        status: int | None,
+        reason: str,
+        retry_index: int,
+        usage: tuple[int, int] | None = None,
+    ) -> float:
+        await budget.settle(worst, charged)
+        tokens = usage or (0, 0)
+        reply.attempts.append(
+            Attempt(time.monotonic() - started, status, False, tokens[0], tokens[1], charged, reason)
+        )
+        reply.error = reason
+        return backoff_s(retry_index, self._rng)
+
+
+def _json_or_none(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None

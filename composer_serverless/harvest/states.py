@@ -1,0 +1,114 @@
+"""The states a harvest asks about: a prompt and what the student answered there.
+
+They come from a trace file (JSON lines or Parquet through fsspec, as every record file of the project) or from
+a run's store, where composer replicas that record their rollouts write one file per replica and round
+(``layout.rollouts``). A row is ``{prompt, student, id?, reward?, task?}``; ``teachers`` (answers recorded
+offline, as in the task suite's traces) and ``meta`` are allowed and not read: the harvest asks live ones.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.replicas.records import RecordError, read_rows
+
+STATE_KEYS = ("id", "prompt", "student", "reward", "task", "teachers", "meta")
+
+
+@dataclass(frozen=True)
+class State:
+    """One step of a student's trace: the prompt, the student's answer, and where it came from."""
+
+    id: str
+    prompt: str
+    student: str
+    reward: float | None = None
+    task: str | None = None
+
+
+def state_of(row: dict[str, Any], where: str) -> State:
+    """A state from one row; ``where`` (``file:line``) is its id when the row has none.
+
+    Raises:
+        RecordError: an unknown key, or a field of the wrong type.
+    """
+    unknown = [k for k in row if k not in STATE_KEYS]
+    if unknown:
+        raise RecordError(f"{where}: unknown key {unknown[0]!r}; a state has {', '.join(STATE_KEYS)}")
+    for key in ("prompt", "student"):
+        if not isinstance(row.get(key), str) or not row[key]:
+            raise RecordError(f"{where}: {key!r} must be a non-empty string")
+    reward = row.get("reward")
+    if reward is not None and (
+        isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward)
+    ):
+        raise RecordError(f"{where}: 'reward' must be a finite number, got {json.dumps(reward)}")
+    ident = row.get("id", where)
+    if not isinstance(ident, (str, int)) or isinstance(ident, bool):
+        raise RecordError(f"{where}: 'id' must be a string or an integer")
+    task = row.get("task")
+    if task is not None and not isinstance(task, str):
+        raise RecordError(f"{where}: 'task' must be a string")
+    return State(str(ident), row["prompt"], row["student"], None if reward is None else float(reward), task)
+
+
+def read_trace(url: str) -> list[State]:
+    """Every state of the trace file(s) at ``url``, in file order (RecordError, FileNotFoundError)."""
+    return [state_of(row, where) for row, where in read_rows(url)]
+
+
+def latest_rollout_round(run: ObjectStore) -> int:
+    """The newest round with recorded rollouts in ``run``; 0 when there is none."""
+    rounds = [int(name) for name in run.list(layout.ROLLOUTS) if name.isdigit()]
+    return max(rounds, default=0)
+
+
+def rollout_ranks(run: ObjectStore, round_index: int) -> list[int]:
+    names = run.list(layout.rollouts_dir(round_index))
+    return sorted(int(n.removesuffix(".jsonl")) for n in names if n.removesuffix(".jsonl").isdigit())
+
+
+def read_rollouts(run: ObjectStore, round_index: int) -> list[State]:
+    """The states of every replica's rollouts of ``round_index``, replica by replica."""
+    states = []
+    for rank in rollout_ranks(run, round_index):
+        key = layout.rollouts(round_index, rank)
+        lines = io.StringIO(run.get(key).decode("utf-8"))
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{run.url_of(key)}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RecordError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise RecordError(f"{where}: expected a JSON object")
+            states.append(state_of(row, where))
+    return states
+
+
+def select_prompts(states: list[State], max_prompts: int | None) -> list[str]:
+    """The distinct prompts to ask about: the lowest mean reward first when the states carry rewards (the
+    student's worst mistakes), else in order of first appearance; at most ``max_prompts``."""
+    order: dict[str, list[float]] = {}
+    for state in states:
+        order.setdefault(state.prompt, [])
+        if state.reward is not None:
+            order[state.prompt].append(state.reward)
+    prompts = list(order)
+    if any(order.values()):
+        position = {p: i for i, p in enumerate(prompts)}
+
+        def mean(prompt: str) -> float:
+            rewards = order[prompt]
+            return sum(rewards) / len(rewards) if rewards else math.inf
+
+        prompts.sort(key=lambda p: (mean(p), position[p]))
+    return prompts if max_prompts is None else prompts[:max_prompts]

@@ -1,0 +1,80 @@
+"""A teacher whose key is wrong, one that asks for too long a wait, one that reports more tokens than the
+bound, and one flooded with prompts; and an entry in the cache that is not one."""
+
+from __future__ import annotations
+
+import asyncio
+from fractions import Fraction
+
+from composer_serverless.harvest.cache import AnswerCache, cache_key
+from composer_serverless.harvest.costs import Budget
+from composer_serverless.harvest.harvester import harvest, request_body
+from composer_serverless.harvest.states import State
+from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.store import ObjectStore
+from tests.harvest.conftest import CANARY, harvest_config
+from tests.harvest.fake_teacher import Behaviour, answers
+
+STATES = [State(str(i), f"q{i}", "wrong") for i in range(12)]
+
+
+def _run(config, cache_dir, states=STATES, max_usd=10.0):
+    budget = Budget(Fraction(max_usd))
+    return asyncio.run(harvest(states, config, AnswerCache(ObjectStore(str(cache_dir))), budget)), budget
+
+
+def test_a_wrong_key_disables_its_teacher_and_its_echo_is_never_logged(
+    teachers, tmp_path, monkeypatch, caplog
+):
+    caplog.set_level("INFO")
+    monkeypatch.setenv("TEACHER_KEY", CANARY)
+    good = teachers(2, key=CANARY, script=answers({}, default="right"))
+    (locked,) = teachers(1, key="sk-the-servers-own-key-99", script=answers({}, default="right"))
+    config = harvest_config([*good, locked], threshold=2)
+    result, _ = _run(config, tmp_path / "cache")
+    stats = {t.name: t for t in result.teachers}
+    # Requests already in flight when the first 401 came back are all it got: at most its concurrency.
+    assert 1 <= stats["t2"].requests <= config.teachers[2].concurrency and stats["t2"].answered == 0
+    assert "401 unauthorized: check the key in TEACHER_KEY" in stats["t2"].disabled
+    assert result.problems == [f"teacher t2: {stats['t2'].disabled}"]
+    assert len(result.pairs) == 12  # the two others still agree
+    assert CANARY not in caplog.text and CANARY[-4:] not in caplog.text  # not even OpenAI's masked echo
+
+
+def test_a_longer_wait_than_allowed_is_not_retried(teachers, tmp_path, monkeypatch):
+    monkeypatch.setenv("TEACHER_KEY", "k")
+    (fake,) = teachers(1, key="k", script=lambda prompt, attempt: Behaviour(status=429, retry_after="600"))
+    config = harvest_config([fake], threshold=1, max_retry_after_s=30)
+    result, _ = _run(config, tmp_path / "cache", states=STATES[:2])
+    assert len(fake.seen) == 2 and result.teachers[0].unanswered == 2 and not result.pairs
+
+
+def test_a_teacher_reporting_more_than_the_bound_stops_the_harvest(teachers, tmp_path, monkeypatch):
+    monkeypatch.setenv("TEACHER_KEY", "k")
+    (fake,) = teachers(1, key="k", usd_per_m_input=1.0, script=answers({}, default="a"))
+    fake.tokens_in = lambda messages: 10_000  # a server whose prompts cost more than their bytes
+    config = harvest_config([fake], threshold=1, teacher={"concurrency": 1})
+    result, budget = _run(config, tmp_path / "cache")
+    assert len(fake.seen) == 1 and budget.refused == 11
+    assert "reported (10000, 1) tokens" in result.stopped and "extra_input_tokens" in result.stopped
+    assert result.spent == Fraction(10_000 + 0, 10**6)  # charged what it reported (output is free here)
+
+
+def test_each_teacher_keeps_its_concurrency(teachers, tmp_path, monkeypatch):
+    monkeypatch.setenv("TEACHER_KEY", "k")
+    fakes = teachers(2, key="k", script=lambda prompt, attempt: Behaviour(answer="a", delay_s=0.05))
+    config = harvest_config(fakes, teacher={"concurrency": 3})
+    _run(config, tmp_path / "cache")
+    assert [f.max_in_flight for f in fakes] == [3, 3]
+
+
+def test_an_unreadable_cache_entry_is_a_miss(teachers, tmp_path, monkeypatch):
+    monkeypatch.setenv("TEACHER_KEY", "k")
+    (fake,) = teachers(1, key="k", script=answers({}, default="a"))
+    config = harvest_config([fake], threshold=1)
+    cache = ObjectStore(str(tmp_path / "cache"))
+    digest = cache_key(config.teachers[0], request_body(config, config.teachers[0], "q0"))
+    cache.put(layout.cache_entry(digest), b'{"content": 5}')
+    result, _ = _run(config, tmp_path / "cache", states=STATES[:1])
+    assert result.teachers[0].answered == 1 and len(fake.seen) == 1
+    assert b'"content": "a"' in cache.get(layout.cache_entry(digest))
