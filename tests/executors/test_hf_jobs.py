@@ -147,10 +147,7 @@ def _check_no_secret_anywhere(client, fake, texts):
 def test_detach_then_status_logs_and_cancel_from_other_processes(tmp_path, s3_store, fake_hf, hf_env):
     store, client = s3_store
     run_url = f"{store}/hf-detach"
-    launcher = cli_background("launch", str(_config(tmp_path, store, "hf-detach", rounds=200)), env=hf_env)
-    while not _training(client, "hf-detach", ranks=2):
-        assert launcher.poll() is None, launcher.communicate()
-        time.sleep(0.5)
+    launcher = launch_until_training(tmp_path, s3_store, "hf-detach", hf_env)
     launcher.send_signal(signal.SIGINT)  # Ctrl-C: the launcher asks; answer "detach"
     out, err = launcher.communicate("d\n")
     assert launcher.returncode == 0, out + err
@@ -181,6 +178,16 @@ def test_a_replica_stuck_in_scheduling_is_given_up(tmp_path, s3_store, fake_hf, 
     assert "(deadline 1 s): Waiting for hardware" in out
     (job,) = fake_hf.jobs.values()
     assert job.stage[0] == "CANCELED"
+
+
+def launch_until_training(tmp_path, s3_store, run_id: str, env: dict[str, str]):
+    """``launch`` of a long 2-replica run in the background, returned once both replicas train."""
+    store, client = s3_store
+    launcher = cli_background("launch", str(_config(tmp_path, store, run_id, rounds=300)), env=env)
+    while not _training(client, run_id, ranks=2):
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.5)
+    return launcher
 
 
 def _training(client, run_id, ranks):

@@ -18,7 +18,7 @@ from composer_serverless.executors.base import LaunchRecord, ReplicaHandle
 from composer_serverless.executors.hf_jobs import HFJobsExecutor
 from tests.conftest import TINY
 from tests.executors.conftest import NAMESPACE, cli, cli_background, store_objects
-from tests.executors.test_hf_jobs import _config, _training
+from tests.executors.test_hf_jobs import _config, launch_until_training
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +47,7 @@ def test_a_launcher_killed_with_sigkill_is_resumed_by_adopting_its_jobs(tmp_path
     second set is started, and `cancel` from a third process leaves nothing running."""
     store, client = s3_store
     run_url = f"{store}/hf-kill"
-    launcher = cli_background("launch", str(_config(tmp_path, store, "hf-kill", rounds=300)), env=hf_env)
-    while not _training(client, "hf-kill", ranks=2):
-        assert launcher.poll() is None, launcher.communicate()
-        time.sleep(0.5)
+    launcher = launch_until_training(tmp_path, s3_store, "hf-kill", hf_env)
     launcher.kill()
     launcher.communicate()
     first = _record(client, "hf-kill").created_at
