@@ -33,11 +33,12 @@ from composer_serverless import watch
 from composer_serverless.config import ConfigError, RunConfig, validate_config
 from composer_serverless.executors import make_executor
 from composer_serverless.executors.base import LaunchPlan, LaunchRecord, ServerlessExecutor, model_plan
-from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous import layout, runkey
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 from composer_serverless.replicas import inputs
+from composer_serverless.run_keys import new_run_key, saved_run_key
 from composer_serverless.runs import STORE_HINT, absolute_store, open_created, open_store
 from composer_serverless.supervisor import Supervisor
 from composer_serverless.watch import Choice, Followed, ReplicaView, cancel_on_interrupt
@@ -63,6 +64,8 @@ def create_run(config: RunConfig, source: str, console: Console) -> tuple[Object
         raise ConfigError(
             f"run {run.url} already exists\n  fix: choose another run_id, or leave run_id unset"
         )
+    if config.diloco.authenticate:  # made and saved before the run's first object is written
+        new_run_key(run.url)
     # Validated again (model_copy would not): whatever reaches run.json is exactly what replicas will accept.
     resolved = validate_config({**config.model_dump(), "run_id": run_id}, source="the resolved config")
     if resolved.model.tiny is not None:
@@ -131,7 +134,15 @@ def start(prepared: Prepared, console: Console) -> Supervisor:
         with console.status("checking the model (config, tokenizer, a meta-device instance)"):
             check_model(prepared.config)
     run, _ = create_run(prepared.config, prepared.source, console)
+    _hand_over_key(prepared.executor, run, prepared.config)
     return _start_replicas(run, prepared.executor, prepared.plan, prepared.config)
+
+
+def _hand_over_key(executor: ServerlessExecutor, run: ObjectStore, config: RunConfig) -> None:
+    """Give the executor the run key of an authenticated run, to deliver to every replica as a secret (and
+    again to every replica it relaunches)."""
+    if config.diloco.authenticate:
+        executor.run_secrets[runkey.ENV] = saved_run_key(run.url).hex()
 
 
 def check_model(config: RunConfig) -> None:
@@ -238,6 +249,8 @@ def resume(
             "there is nothing to resume\n  fix: composer-serverless status RUN shows its outcome; launch a new "
             "run to train further"
         )
+    if config.diloco.authenticate:  # before anything is changed: a resume without the key cannot work
+        _hand_over_key(executor, run, config)
     run.ensure_root()
     earlier_wall_s = _wall_so_far(run)
     try:

@@ -201,7 +201,11 @@ class LaunchRecord:
 
 @runtime_checkable
 class ServerlessExecutor(Protocol):
-    """A backend that runs replicas. Implementations: local processes, Modal functions, HF Jobs."""
+    """A backend that runs replicas. Implementations: local processes, Modal functions, HF Jobs.
+
+    Each also has ``run_secrets`` (name -> value): secrets the launcher made for the run (the run key), set
+    before ``launch`` and delivered with the replicas' other secrets, never part of a plan.
+    """
 
     name: str
 

@@ -41,6 +41,7 @@ from composer_serverless.executors.base import (
 from composer_serverless.executors.environment import (
     check_cloud_plan,
     cloud_env,
+    launch_secrets,
     present_secrets,
     secret_name_problems,
     secret_value,
@@ -67,6 +68,7 @@ class HFJobsExecutor:
 
     def __init__(self, api: HfApi | None = None) -> None:
         self._api_instance = api
+        self.run_secrets: dict[str, str] = {}
 
     @property
     def _api(self) -> HfApi:
@@ -129,7 +131,7 @@ class HFJobsExecutor:
                     image=res["image"],
                     command=list(spec.command),
                     env=dict(spec.env),
-                    secrets={name: value for name in spec.secrets if (value := secret_value(name))},
+                    secrets=launch_secrets(spec.secrets, self.run_secrets),
                     flavor=res["flavor"],
                     timeout=res["timeout_s"],
                     labels={"run_id": plan.run_id, "rank": str(spec.rank)},

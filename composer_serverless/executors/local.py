@@ -50,6 +50,7 @@ class LocalProcessExecutor:
     def __init__(self, run: ObjectStore, log_dir: Path) -> None:
         self._run = run
         self._log_dir = log_dir.absolute()
+        self.run_secrets: dict[str, str] = {}
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._cancelled: set[int] = set()
 
@@ -110,7 +111,8 @@ class LocalProcessExecutor:
             with open(log, "ab") as out:
                 proc = subprocess.Popen(
                     spec.command,
-                    env={**os.environ, **spec.env},
+                    # The run key reaches the replica in its environment, never its command line.
+                    env={**os.environ, **spec.env, **self.run_secrets},
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,

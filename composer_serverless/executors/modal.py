@@ -21,7 +21,7 @@ is the real one, and tests substitute a fake that records the calls.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from composer_serverless.config import RunConfig
@@ -37,9 +37,9 @@ from composer_serverless.executors.base import (
 from composer_serverless.executors.environment import (
     check_cloud_plan,
     cloud_env,
+    launch_secrets,
     present_secrets,
     secret_name_problems,
-    secret_value,
 )
 from composer_serverless.executors.modal_image import (
     APP_NAME,
@@ -62,6 +62,8 @@ class SpawnRequest:
     env: dict[str, str]
     secret_env: tuple[str, ...]
     modal_secrets: tuple[str, ...]
+    # Values of the secrets the launcher made for this run (the run key), by name; never shown in a repr.
+    run_secrets: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,7 @@ class ModalSDKCalls:
 
         secrets = [modal.Secret.from_name(name) for name in request.modal_secrets]
         if request.secret_env:
-            secrets.insert(
-                0, modal.Secret.from_dict({name: secret_value(name) for name in request.secret_env})
-            )
+            secrets.insert(0, modal.Secret.from_dict(launch_secrets(request.secret_env, request.run_secrets)))
         function = train_replica.with_options(
             gpu=request.gpu,
             timeout=request.timeout_s,
@@ -145,6 +145,7 @@ class ModalExecutor:
 
     def __init__(self, calls: ModalCalls | None = None) -> None:
         self._calls_instance = calls
+        self.run_secrets: dict[str, str] = {}
 
     @property
     def _calls(self) -> ModalCalls:
@@ -218,6 +219,7 @@ class ModalExecutor:
             env=dict(first.env),
             secret_env=first.secrets,
             modal_secrets=tuple(res["modal_secrets"]),
+            run_secrets=dict(self.run_secrets),
         )
         spawned = self._calls.spawn(request)
         return [

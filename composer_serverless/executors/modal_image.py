@@ -24,6 +24,7 @@ IMAGE_REQUIREMENTS = (
     "psutil>=5.9",
     "peft>=0.17",
     "xxhash>=3.4",
+    "blake3>=1.0",
     "s3fs>=2025.1",
     "boto3>=1.35.21",
     "huggingface_hub>=1.0",
