@@ -90,18 +90,18 @@ async def _serve(listener: socket.socket, upstream: tuple[str, int], link: Link)
         except OSError:
             client_w.close()
             return
-        # Either side closing ends the connection (HTTP/1.0 servers close after each response): the other
-        # direction is stopped too, so a client never sends into a connection its server has left.
-        pumps = [
-            asyncio.ensure_future(_pump(client_r, server_w, link)),
-            asyncio.ensure_future(_pump(server_r, client_w, link)),
-        ]
+        # The connection lasts as long as the server's side of it: when the server closes (an HTTP/1.0
+        # server does after each response) the client's direction is stopped too, so a client never sends
+        # into a connection its server has left. A client that half-closes still gets its answer.
+        to_server = asyncio.ensure_future(_pump(client_r, server_w, link))
+        to_client = asyncio.ensure_future(_pump(server_r, client_w, link))
         try:
-            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            await to_client
+        except (ConnectionError, OSError):
+            pass  # the client went away
         finally:
-            for pump in pumps:
-                pump.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
+            to_server.cancel()
+            await asyncio.gather(to_server, to_client, return_exceptions=True)
             for w in (client_w, server_w):
                 with contextlib.suppress(OSError):
                     w.close()

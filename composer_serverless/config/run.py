@@ -125,7 +125,7 @@ class DiLoCoConfig(StrictModel):
         "stores give each connection a fraction of their bandwidth and scale with parallel requests)",
     )
     transfer_part_mb: int = Field(
-        16,
+        8,
         ge=5,
         le=5120,
         description="on S3, objects larger than this many MiB move in parts of this size: multipart uploads "

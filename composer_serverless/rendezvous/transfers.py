@@ -46,10 +46,12 @@ _RANGE_TOTAL = re.compile(r"/(\d+)$")
 @dataclass(frozen=True)
 class Transfers:
     """How a process moves objects: up to ``concurrency`` requests at once; on S3, objects larger than
-    ``part_bytes`` in parts of that size."""
+    ``part_bytes`` in parts of that size. The defaults are about those of AWS's own transfer manager
+    (boto3's ``TransferConfig``: 10 threads, 8 MB parts): small enough that a model's shards split into
+    several parts, and each part in flight costs its size in memory twice (a copy for the request)."""
 
     concurrency: int = 8
-    part_bytes: int = 16 << 20
+    part_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:

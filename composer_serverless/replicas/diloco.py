@@ -20,8 +20,8 @@ from torchft.local_sgd import DiLoCo
 
 from composer_serverless.config import DiLoCoConfig, TrainConfig
 from composer_serverless.rendezvous import runkey
-from composer_serverless.rendezvous.allreduce import ExchangeSettings
 from composer_serverless.rendezvous.deadline import GraceSettings
+from composer_serverless.rendezvous.exchange import ExchangeSettings
 from composer_serverless.rendezvous.manager import ObjectStoreManager
 from composer_serverless.rendezvous.runkey import RunKey, RunKeyError
 from composer_serverless.rendezvous.transfers import Transfers

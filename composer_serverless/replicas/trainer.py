@@ -33,7 +33,7 @@ from torch import nn
 
 from composer_serverless.config import RunConfig
 from composer_serverless.rendezvous import checkpoint, layout
-from composer_serverless.rendezvous.allreduce import StaleRoundError
+from composer_serverless.rendezvous.exchange import StaleRoundError
 from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutcome
 from composer_serverless.rendezvous.replica_log import ReplicaLog
