@@ -65,7 +65,7 @@ def create_run(config: RunConfig, source: str, console: Console) -> tuple[Object
             f"run {run.url} already exists\n  fix: choose another run_id, or leave run_id unset"
         )
     if config.diloco.authenticate:  # made and saved before the run's first object is written
-        new_run_key(run.url)
+        runkey.record_fingerprint(run, new_run_key(run.url))
     # Validated again (model_copy would not): whatever reaches run.json is exactly what replicas will accept.
     resolved = validate_config({**config.model_dump(), "run_id": run_id}, source="the resolved config")
     if resolved.model.tiny is not None:
@@ -141,8 +141,17 @@ def start(prepared: Prepared, console: Console) -> Supervisor:
 def _hand_over_key(executor: ServerlessExecutor, run: ObjectStore, config: RunConfig) -> None:
     """Give the executor the run key of an authenticated run, to deliver to every replica as a secret (and
     again to every replica it relaunches)."""
-    if config.diloco.authenticate:
-        executor.run_secrets[runkey.ENV] = saved_run_key(run.url).hex()
+    if not config.diloco.authenticate:
+        return
+    key = saved_run_key(run.url)
+    try:
+        runkey.check_fingerprint(run, key)
+    except runkey.WrongRunKey as e:
+        raise ConfigError(
+            f"{e}\n  fix: export {runkey.ENV}=<the key this run was launched with>, or unset it to use the key "
+            "the launcher saved"
+        ) from None
+    executor.run_secrets[runkey.ENV] = key.hex()
 
 
 def check_model(config: RunConfig) -> None:

@@ -67,10 +67,14 @@ def test_a_keyed_run_completes_and_its_key_is_nowhere_it_must_not_be(
     manifest = json.loads(run.get(layout.snapshot_file(layout.global_state(2, 0), layout.SNAPSHOT_MANIFEST)))
     assert all(MAC_FIELD in entry and "sha256" not in entry for entry in manifest["files"].values())
 
-    # A resume needs the key: without the file (and the variable) it stops before changing anything.
+    # A resume needs the key: without the file (and the variable), or with another key, it stops before
+    # changing anything.
     run.delete(layout.SUMMARY)
     path.rename(path.with_suffix(".moved"))
     before = sorted(run.list_tree())
     with pytest.raises(ConfigError, match=f"fix: export {ENV}"):
+        resume(run.url, Console(file=io.StringIO()))
+    monkeypatch.setenv(ENV, RunKey.generate().hex())
+    with pytest.raises(ConfigError, match="not this run's"):
         resume(run.url, Console(file=io.StringIO()))
     assert sorted(run.list_tree()) == before

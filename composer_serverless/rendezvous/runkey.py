@@ -17,6 +17,7 @@ forger could find other data with the same digest).
 from __future__ import annotations
 
 import hmac
+import json
 import os
 import re
 import secrets
@@ -24,6 +25,9 @@ import struct
 from collections.abc import Iterable, Mapping
 
 import blake3
+
+from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.store import ObjectStore
 
 ENV = "COMPOSER_SERVERLESS_RUN_KEY"
 """The environment variable that carries the run key (64 hex digits) to the replicas."""
@@ -97,6 +101,31 @@ def framed(text: str) -> bytes:
     """``text`` as UTF-8 preceded by its length: a part of a MAC's input that cannot run into the next."""
     data = text.encode()
     return struct.pack("<Q", len(data)) + data
+
+
+class WrongRunKey(RunKeyError):
+    """A key that is not the run's: its fingerprint differs from the one the run recorded."""
+
+
+def record_fingerprint(store: ObjectStore, key: RunKey) -> None:
+    """Record ``key``'s fingerprint in the run (once: a second launch racing for the run keeps the first)."""
+    store.create(layout.KEY_FINGERPRINT, json.dumps({"fingerprint": key.fingerprint()}).encode())
+
+
+def check_fingerprint(store: ObjectStore, key: RunKey) -> None:
+    """Raise ``WrongRunKey`` unless ``key`` is the one the run recorded (a run without a record passes: its
+    states, if any, are checked one by one as they are read)."""
+    try:
+        recorded = json.loads(store.get(layout.KEY_FINGERPRINT)).get("fingerprint")
+    except FileNotFoundError:
+        return
+    except (ValueError, AttributeError):
+        recorded = None
+    if not hmac.compare_digest(str(recorded), key.fingerprint()):
+        raise WrongRunKey(
+            f"{ENV} holds a key that is not this run's ({store.url_of(layout.KEY_FINGERPRINT)} records "
+            "another): with it no payload or state of the run would be accepted"
+        )
 
 
 def from_env(environ: Mapping[str, str] = os.environ) -> RunKey | None:

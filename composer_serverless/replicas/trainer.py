@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from composer_serverless.config import RunConfig
-from composer_serverless.rendezvous import checkpoint, layout
+from composer_serverless.rendezvous import checkpoint, layout, runkey
 from composer_serverless.rendezvous.exchange import StaleRoundError
 from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutcome
@@ -89,6 +89,8 @@ def run_replica(run: ObjectStore, rank: int, node: Node = SOLO) -> None:
     try:
         key = run_key(config.diloco)
         run.ensure_root()
+        if key is not None:
+            runkey.check_fingerprint(run, key)
         _train(run, config, rank, reporter, node, key)
     except BaseException as e:
         reporter.beat(state="failed", error=f"{type(e).__name__}: {e}")

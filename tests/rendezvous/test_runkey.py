@@ -13,7 +13,15 @@ import torch
 from composer_serverless.config import ConfigError
 from composer_serverless.rendezvous.checkpoint import CheckpointError, read_snapshot, write_snapshot
 from composer_serverless.rendezvous.codec import PayloadError, accumulate, decode, encode, read_header
-from composer_serverless.rendezvous.runkey import ENV, MAC_FIELD, RunKey, RunKeyError
+from composer_serverless.rendezvous.runkey import (
+    ENV,
+    MAC_FIELD,
+    RunKey,
+    RunKeyError,
+    WrongRunKey,
+    check_fingerprint,
+    record_fingerprint,
+)
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.run_keys import key_path, new_run_key, saved_run_key
 
@@ -118,3 +126,14 @@ def test_a_resume_without_the_key_says_how_to_fix_it(tmp_path: Path) -> None:
         saved_run_key("s3://bucket/runs/lost", env)
     with pytest.raises(ConfigError, match="not a run key"):
         saved_run_key("s3://bucket/runs/lost", {**env, ENV: "not-hex"})
+
+
+def test_a_key_that_is_not_the_runs_is_told_apart_by_its_fingerprint(tmp_path: Path) -> None:
+    store = ObjectStore(f"file://{tmp_path}/run")
+    check_fingerprint(store, KEY)  # nothing recorded: nothing to compare with
+    record_fingerprint(store, KEY)
+    record_fingerprint(store, RunKey.generate())  # created once: a second launcher keeps the first
+    check_fingerprint(store, KEY)
+    with pytest.raises(WrongRunKey, match="not this run's"):
+        check_fingerprint(store, RunKey.generate())
+    assert KEY.hex() not in store.get("key.json").decode()
