@@ -18,7 +18,9 @@ times each after one warm-up:
   how far the exchange is from the bound once the hashing it cannot skip is counted.
 - ``allreduce``: ``composer_serverless.rendezvous.allreduce.allreduce`` (reduce-scatter + all-gather,
   quorum, codec, checksums), writing the average into a tensor the replica keeps across repeats and
-  reading into a ``Workspace`` it keeps too, as the manager does from one sync to the next.
+  reading into a ``Workspace`` it keeps too, as the manager does from one sync to the next. It moves its
+  objects ``--concurrency`` at a time (default: the config's ``diloco.transfer_concurrency``), the raw
+  phase one at a time, as it always did.
 - ``naive``: every replica PUTs its whole encoded tensor and GETs all the others' (the exchange this
   project had before), decoding and summing in fp32.
 
