@@ -80,7 +80,14 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
                 if writer.can_write_eof():
                     writer.write_eof()
 
-    await asyncio.gather(receive(), deliver())
+    # When one side fails (the peer went away) the other is stopped too, not left waiting for ever.
+    halves = [asyncio.ensure_future(receive()), asyncio.ensure_future(deliver())]
+    try:
+        await asyncio.gather(*halves)
+    finally:
+        for half in halves:
+            half.cancel()
+        await asyncio.gather(*halves, return_exceptions=True)
 
 
 async def _serve(listener: socket.socket, upstream: tuple[str, int], link: Link) -> None:
@@ -106,7 +113,16 @@ async def _serve(listener: socket.socket, upstream: tuple[str, int], link: Link)
                 with contextlib.suppress(OSError):
                     w.close()
 
-    server = await asyncio.start_server(handle, sock=listener, limit=_CHUNK)
+    # asyncio holds a connection's task only through its transport; held here too, a task whose client
+    # closed first is not collected while it is still closing its server side.
+    running: set[asyncio.Task[None]] = set()
+
+    def connected(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.ensure_future(handle(client_r, client_w))
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+    server = await asyncio.start_server(connected, sock=listener, limit=_CHUNK)
     async with server:
         await server.serve_forever()
 
