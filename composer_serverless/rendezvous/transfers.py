@@ -131,13 +131,15 @@ class S3Parts:
         op = "create" if create else "put"
         match = {"IfNoneMatch": "*"} if create else {}
         if size <= self._transfers.part_bytes:
-            body = _slice(data, 0, size)  # joined once, not on every retry
+            whole = data[0] if len(data) == 1 else None
+            # Joined once, not on every retry; a single bytes object goes as it is (botocore takes no view).
+            body = whole if isinstance(whole, (bytes, bytearray)) else _slice(data, 0, size)
             self._call(
                 op, key, lambda: self._request("put_object", Bucket=bucket, Key=name, Body=body, **match)
             )
             return
         upload = self._call(
-            op, key, lambda: self._request("create_multipart_upload", Bucket=bucket, Key=name)
+            op, f"{key} start", lambda: self._request("create_multipart_upload", Bucket=bucket, Key=name)
         )
         upload_id = upload["UploadId"]
         try:
@@ -166,10 +168,11 @@ class S3Parts:
                 [lambda n=n, a=a, b=b: send(n, a, b) for n, (a, b) in enumerate(ranges, start=1)],
                 self._transfers.concurrency,
             )
-            completed = False
+            tries = 0
 
             def complete() -> None:
-                nonlocal completed
+                nonlocal tries
+                tries += 1
                 try:
                     self._request(
                         "complete_multipart_upload",
@@ -180,13 +183,15 @@ class S3Parts:
                         **match,
                     )
                 except FileNotFoundError:
+                    if tries == 1:
+                        raise
                     # NoSuchUpload on a retry: the first attempt completed the upload and its answer was
-                    # lost. The object is there; create-if-absent reads it back to tell whose it is.
-                    if not completed:
+                    # lost. The object is there: a put is done, and create-if-absent reads it back to tell
+                    # whose it is.
+                    if create:
                         raise FileExistsError(path) from None
-                completed = True
 
-            self._call(op, key, complete)
+            self._call(op, f"{key} complete", complete)
         except BaseException:
             self._abort(bucket, name, upload_id)
             raise

@@ -134,3 +134,15 @@ def test_an_empty_object_reads_back_empty_through_the_ranged_path(s3_url: str) -
     store.put("empty", b"")
     assert store.get("empty") == b""
     assert store.get_into("empty", bytearray(2 * PART)) == 0
+
+
+def test_a_lost_answer_to_a_multipart_upload_is_not_a_failure(s3_url: str) -> None:
+    """Every write's first answer is lost after it took effect (the start, each part, the completion): the
+    retries finish the upload, and a create recognises the object as its own."""
+    store = FaultyStore(s3_url, lost_fraction=1.0)
+    store.configure_transfers(Transfers(concurrency=2, part_bytes=PART))
+    data = os.urandom(2 * PART + 7)
+    assert store.create("mine", data)
+    store.put("again", data)
+    assert store.get("mine") == data and store.get("again") == data
+    assert any(entry.endswith("mine complete") for entry in store.injected)
