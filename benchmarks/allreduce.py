@@ -18,7 +18,9 @@ times each after one warm-up:
   how far the exchange is from the bound once the hashing it cannot skip is counted.
 - ``allreduce``: ``composer_serverless.rendezvous.allreduce.allreduce`` (reduce-scatter + all-gather,
   quorum, codec, checksums), writing the average into a tensor the replica keeps across repeats and
-  reading into a ``Workspace`` it keeps too, as the manager does from one sync to the next.
+  reading into a ``Workspace`` it keeps too, as the manager does from one sync to the next. It moves its
+  objects ``--concurrency`` at a time (default: the config's ``diloco.transfer_concurrency``), the raw
+  phase one at a time, as it always did.
 - ``naive``: every replica PUTs its whole encoded tensor and GETs all the others' (the exchange this
   project had before), decoding and summing in fp32.
 
@@ -29,6 +31,18 @@ bandwidth-optimal all-reduce's traffic per replica. ``time_ratio_to_bound`` = wa
 bound bytes (up and down) need at ``store_MBps``; ``time_ratio_to_down_bound`` counts the download only.
 MB here is 10^6 bytes. ``--store s3`` runs a moto S3 server on loopback (in this process, which only
 waits) and points the replicas at it through AWS_ENDPOINT_URL_S3.
+
+**On an emulated cloud link** (``--store s3 --latency-ms 20 --link-mbps 50``) the replicas reach moto through
+``link_emulator.py``, a proxy that gives every connection that one-way delay and bandwidth cap, and the
+phases are:
+
+- ``probe``: the bound's traffic (the raw phase's objects) moved with ``--concurrency`` requests at once per
+  replica and large objects in ``--part-mb`` parts, as many connections as the exchange may use: the
+  store's aggregate capacity for this traffic, measured in the same run. ``time_ratio_to_probe_bound`` =
+  the exchange's wall time / the probe's.
+- ``allreduce``: the exchange with ``--concurrency`` requests at once (``Transfers``).
+- ``sequential``: the same exchange one request at a time (concurrency 1), the way it moved before;
+  ``speedup_vs_sequential`` = its wall time / the parallel exchange's.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -55,10 +70,12 @@ from composer_serverless.rendezvous.codec import checksum as payload_checksum
 from composer_serverless.rendezvous.codec import decode, encode, max_payload_bytes
 from composer_serverless.rendezvous.sharding import shard_bounds
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.transfers import Transfers
 from composer_serverless.rendezvous.workspace import Workspace
 
 IDENTITY = {"run_id": "bench", "round": "1", "fragment": "0"}
 PHASES = ("raw", "checksum", "allreduce", "naive")
+LINK_PHASES = ("probe", "allreduce", "sequential")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,16 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", choices=("file", "s3"), required=True)
     parser.add_argument("--codec", choices=("fp32", "bf16", "int8"), default="fp32")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=Transfers().concurrency, help="requests at once")
+    parser.add_argument("--part-mb", type=int, default=Transfers().part_bytes >> 20, help="S3 part size, MiB")
+    parser.add_argument("--latency-ms", type=float, help="emulated link: one-way delay per connection")
+    parser.add_argument("--link-mbps", type=float, help="emulated link: MB/s per connection and direction")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.replicas < 2:
         parser.error("--replicas must be at least 2")
+    args.link = args.latency_ms is not None or args.link_mbps is not None
+    if args.link and (args.store != "s3" or args.latency_ms is None or args.link_mbps is None):
+        parser.error("an emulated link needs --store s3, --latency-ms and --link-mbps")
 
-    with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmp, _store_url(args.store, tmp) as url:
+    with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmp, _store_url(args, tmp) as url:
         load_before = os.getloadavg()
         samples = _run_replicas(url, args)
         load_after = os.getloadavg()
-    result = summarise(samples, args)
+    result = summarise_link(samples, args) if args.link else summarise(samples, args)
     result["machine"] = {
         "cpus": os.cpu_count(),
         "loadavg_before": [round(x, 2) for x in load_before],
@@ -92,12 +116,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _store_url:
-    """The store URL for the run; for s3, a moto server on loopback for as long as the context is open."""
+    """The store URL for the run; for s3, a moto server on loopback for as long as the context is open, and
+    with an emulated link the proxy in front of it (the replicas' endpoint)."""
 
-    def __init__(self, kind: str, tmp: str) -> None:
-        self.kind = kind
+    def __init__(self, args: argparse.Namespace, tmp: str) -> None:
+        self.kind = args.store
+        self.args = args
         self.tmp = tmp
         self.server: Any = None
+        self.proxy: Any = None
 
     def __enter__(self) -> str:
         if self.kind == "file":
@@ -117,9 +144,18 @@ class _store_url:
         host, port = self.server.get_host_and_port()
         os.environ["AWS_ENDPOINT_URL_S3"] = f"http://{host}:{port}"
         boto3.client("s3").create_bucket(Bucket="allreduce-bench")
+        if self.args.link:
+            sys.path.insert(0, str(Path(__file__).parent))
+            from link_emulator import Link, start_in_process
+
+            link = Link(self.args.link_mbps, self.args.latency_ms / 1e3)
+            self.proxy, os.environ["AWS_ENDPOINT_URL_S3"] = start_in_process((host, port), link)
         return "s3://allreduce-bench/run"
 
     def __exit__(self, *exc: object) -> None:
+        if self.proxy is not None:
+            self.proxy.terminate()
+            self.proxy.join()
         if self.server is not None:
             self.server.stop()
 
@@ -131,7 +167,7 @@ def _run_replicas(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     procs = [
         ctx.Process(
             target=_replica,
-            args=(url, rank, args.replicas, args.mb, args.codec, args.repeats, barrier, queue),
+            args=(url, rank, args, barrier, queue),
         )
         for rank in range(args.replicas)
     ]
@@ -145,16 +181,19 @@ def _run_replicas(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return [s for replica_samples in samples for s in replica_samples]
 
 
-def _replica(
-    url: str, rank: int, n: int, mb: float, codec: str, repeats: int, barrier: Any, queue: Any
-) -> None:
+def _replica(url: str, rank: int, args: argparse.Namespace, barrier: Any, queue: Any) -> None:
     torch.set_num_threads(1)
-    values = torch.randn(int(mb * 2**20 / 4), generator=torch.Generator().manual_seed(rank))
-    store = ObjectStore(url)
-    phases = phase_functions(values, n, codec)
+    n, codec = args.replicas, args.codec
+    values = torch.randn(int(args.mb * 2**20 / 4), generator=torch.Generator().manual_seed(rank))
+    transfers = Transfers(concurrency=args.concurrency, part_bytes=args.part_mb << 20)
+    store = ObjectStore(url, transfers=transfers)
+    if args.link:
+        phases = link_phase_functions(values, n, codec, transfers, ObjectStore(url, transfers=Transfers(1)))
+    else:
+        phases = phase_functions(values, n, codec)
     samples = []
-    for repeat in range(repeats + 1):  # repeat 0 warms connections and caches, and is not reported
-        for phase in PHASES:
+    for repeat in range(args.repeats + 1):  # repeat 0 warms connections and caches, and is not reported
+        for phase in phases:
             prefix = f"{phase}-{repeat}"
             barrier.wait()
             started = time.monotonic()
@@ -188,6 +227,64 @@ def phase_functions(values: torch.Tensor, n: int, codec: str) -> dict[str, Calla
         "allreduce": partial(_allreduce, out=torch.empty_like(values), workspace=Workspace()),
         "naive": _naive,
     }
+
+
+def link_phase_functions(
+    values: torch.Tensor, n: int, codec: str, transfers: Transfers, sequential: ObjectStore
+) -> dict[str, Callable[..., tuple[int, int]]]:
+    """The phases on an emulated link: the probe (the bound's traffic at full concurrency), the exchange
+    with ``transfers``, and the same exchange one request at a time through the store ``sequential``.
+
+    At N = 8 and 256 MiB eight replicas share one machine with the S3 server, so nothing is held twice: the
+    probe sends the tensor's own memory (the bytes, not their encoding, are what it measures) and reads into
+    the buffers the exchange gathers into, and the two exchanges, which run one after the other, share their
+    output and workspace as one replica's syncs do.
+    """
+    bounds = shard_bounds(values.numel(), n)
+    raw = memoryview(values.numpy()).cast("B")
+    wire = [len(encode(torch.zeros(b - a), IDENTITY, codec)) for a, b in bounds]
+    blobs = [raw[4 * a : 4 * a + size] for (a, _), size in zip(bounds, wire, strict=True)]
+    out, workspace = torch.empty_like(values), Workspace()
+    reads = min(transfers.concurrency, 2 * (n - 1))
+    size = max(max_payload_bytes(b - a, codec) for a, b in bounds)  # what the gather asks of these slots
+    buffers = [workspace.bytes(("out", slot), size) for slot in range(reads)]
+    return {
+        "probe": partial(_probe, blobs=blobs, buffers=buffers),
+        "allreduce": partial(_allreduce, out=out, workspace=workspace),
+        "sequential": partial(_allreduce, out=out, workspace=workspace, through=sequential),
+    }
+
+
+def _probe(
+    store: ObjectStore,
+    prefix: str,
+    values: torch.Tensor,
+    rank: int,
+    n: int,
+    codec: str,
+    *,
+    blobs: list[memoryview],
+    buffers: list[memoryview],
+) -> tuple[int, int]:
+    """The raw phase's objects, moved ``store.transfers.concurrency`` at a time (large ones in parts)."""
+    store.map(lambda s: store.put(f"{prefix}/{rank}-{s}", [blobs[s]]), list(range(n)))
+    _wait_for(store, prefix, n * n)
+    reads = [f"{prefix}/{p}-{rank}" for p in range(n) if p != rank] + [
+        f"{prefix}/{p}-{p}" for p in range(n) if p != rank
+    ]
+    free = list(range(len(buffers)))
+    lock = threading.Lock()
+
+    def read(key: str) -> int:
+        with lock:
+            slot = free.pop()
+        try:
+            return store.get_into(key, buffers[slot])
+        finally:
+            with lock:
+                free.append(slot)
+
+    return sum(map(len, blobs)), sum(store.map(read, reads))
 
 
 def _raw(
@@ -243,10 +340,11 @@ def _allreduce(
     *,
     out: torch.Tensor,
     workspace: Workspace,
+    through: ObjectStore | None = None,
 ) -> tuple[int, int]:
     settings = ExchangeSettings(replicas=n, min_replicas=n, codec=codec, timeout_s=1800)
     result = allreduce(
-        store,
+        through or store,
         values,
         prefix=prefix,
         identity=IDENTITY,
@@ -354,6 +452,58 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         "time_ratio_to_bound_with_checksums": ours_f["time_ratio_to_bound_with_checksums"],
         "repeats": args.repeats,
         "phases": {"raw": raw, "checksum": checksum, "allreduce": ours_f, "naive": naive_f},
+    }
+
+
+def _phase_walls(samples: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    rows = [s for s in samples if s["repeat"] > 0 and s["phase"] == name]
+    walls = []
+    for repeat in sorted({s["repeat"] for s in rows}):
+        group = [s for s in rows if s["repeat"] == repeat]
+        walls.append(max(s["end"] for s in group) - min(s["start"] for s in group))
+    return {
+        "bytes_up_per_replica": max(s["up"] for s in rows),
+        "bytes_down_per_replica": max(s["down"] for s in rows),
+        "wall_s": statistics.median(walls),
+        "walls_s": [round(w, 4) for w in walls],
+    }
+
+
+def summarise_link(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """The emulated link's figures: the exchange against the probe's time (the store's aggregate capacity for
+    the bound's traffic) and against the sequential exchange, all measured in this run."""
+    n = args.replicas
+    probe, ours, sequential = (_phase_walls(samples, p) for p in LINK_PHASES)
+    values = int(args.mb * 2**20 / 4)
+    wire = sum(len(encode(torch.zeros(b - a), IDENTITY, args.codec)) for a, b in shard_bounds(values, n))
+    bound = 2 * (n - 1) / n * wire
+    moved = probe["bytes_up_per_replica"] + probe["bytes_down_per_replica"]
+    return {
+        "replicas": n,
+        "mb": args.mb,
+        "store": "s3 (moto) behind link_emulator.py",
+        "codec": args.codec,
+        "link": {"latency_ms": args.latency_ms, "mbps_per_connection": args.link_mbps},
+        "concurrency": args.concurrency,
+        "part_mb": args.part_mb,
+        "payload_bytes": values * 4,
+        "wire_bytes": wire,
+        "bound_up_bytes": wire,
+        "bound_down_bytes": bound,
+        "bytes_up_per_replica": ours["bytes_up_per_replica"],
+        "bytes_down_per_replica": ours["bytes_down_per_replica"],
+        "ratio_to_bound": ours["bytes_down_per_replica"] / bound,
+        "wall_s": ours["wall_s"],
+        "probe_s": probe["wall_s"],
+        "probe_aggregate_MBps": n * moved / 1e6 / probe["wall_s"],
+        "sequential_wall_s": sequential["wall_s"],
+        "time_ratio_to_probe_bound": ours["wall_s"] / probe["wall_s"],
+        "speedup_vs_sequential": sequential["wall_s"] / ours["wall_s"],
+        # What the link alone would allow one replica on one connection, and on ``concurrency`` of them.
+        "link_bound_sequential_s": moved / 1e6 / args.link_mbps,
+        "link_bound_parallel_s": moved / 1e6 / (args.link_mbps * args.concurrency),
+        "repeats": args.repeats,
+        "phases": {"probe": probe, "allreduce": ours, "sequential": sequential},
     }
 
 

@@ -42,11 +42,12 @@ from composer_serverless.executors.base import (
     model_plan,
 )
 from composer_serverless.harvest import plan as harvest_plan
-from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous import layout, runkey
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 from composer_serverless.replicas import inputs
+from composer_serverless.run_keys import new_run_key, saved_run_key
 from composer_serverless.runs import STORE_HINT, absolute_store, open_created, open_store
 from composer_serverless.supervisor import Supervisor
 from composer_serverless.watch import Choice, Followed, ReplicaView, cancel_on_interrupt
@@ -74,6 +75,8 @@ def create_run(config: RunConfig, source: str, console: Console) -> tuple[Object
         raise ConfigError(
             f"run {run.url} already exists\n  fix: choose another run_id, or leave run_id unset"
         )
+    if config.diloco.authenticate:  # made and saved before the run's first object is written
+        runkey.record_fingerprint(run, new_run_key(run.url))
     # Validated again (model_copy would not): whatever reaches run.json is exactly what replicas will accept.
     resolved = validate_config({**config.model_dump(), "run_id": run_id}, source="the resolved config")
     if resolved.model.tiny is not None:
@@ -155,8 +158,25 @@ def start(prepared: Prepared, console: Console) -> Supervisor:
             check_model(prepared.config)
     prepared.executor.check_access(prepared.plan)
     run, _ = create_run(prepared.config, prepared.source, console)
+    _hand_over_key(prepared.executor, run, prepared.config)
     record = LaunchRecord(prepared.plan, (), created_at=time.time())
     return _start_replicas(run, prepared.executor, record, prepared.config, console)
+
+
+def _hand_over_key(executor: ServerlessExecutor, run: ObjectStore, config: RunConfig) -> None:
+    """Give the executor the run key of an authenticated run, to deliver to every replica as a secret (and
+    again to every replica it relaunches)."""
+    if not config.diloco.authenticate:
+        return
+    key = saved_run_key(run.url)
+    try:
+        runkey.check_fingerprint(run, key)
+    except runkey.WrongRunKey as e:
+        raise ConfigError(
+            f"{e}\n  fix: export {runkey.ENV}=<the key this run was launched with>, or unset it to use the key "
+            "the launcher saved"
+        ) from None
+    executor.run_secrets[runkey.ENV] = key.hex()
 
 
 def check_model(config: RunConfig) -> None:
@@ -277,6 +297,8 @@ def resume(
             "run to train further"
         )
     executor.check_access(plan)
+    if config.diloco.authenticate:  # before anything is changed: a resume without the key cannot work
+        _hand_over_key(executor, run, config)
     earlier = _launch_record(run)
     if earlier is not None:
         statuses = executor.status(earlier.current())

@@ -111,6 +111,27 @@ class DiLoCoConfig(StrictModel):
     min_replicas: int = Field(
         1, ge=1, description="fewest replicas a sync may average once the straggler grace has passed"
     )
+    authenticate: bool = Field(
+        False,
+        description="authenticate the exchange: the launcher makes a secret run key, delivers it to the "
+        "replicas as a secret, and every pseudo-gradient payload and published state carries a keyed MAC; "
+        "anything without a valid one is rejected, so a writer with access to the store but not the key can "
+        "get nothing averaged or loaded. The key is kept in ~/.config/composer-serverless/keys/ for resume",
+    )
+    transfer_concurrency: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description="requests each replica process has in flight at once when it moves its shards (object "
+        "stores give each connection a fraction of their bandwidth and scale with parallel requests)",
+    )
+    transfer_part_mb: int = Field(
+        8,
+        ge=5,
+        le=5120,
+        description="on S3, objects larger than this many MiB move in parts of this size: multipart uploads "
+        "and ranged reads, in parallel (S3's smallest part is 5 MiB, its largest 5 GiB)",
+    )
     quorum_grace_min_s: float = Field(
         1.0, ge=0, description="shortest wait for stragglers after a replica arrives at a sync, in seconds"
     )

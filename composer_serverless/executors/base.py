@@ -247,7 +247,9 @@ class BackendError(RuntimeError):
 class ServerlessExecutor(Protocol):
     """A backend that runs replicas. Implementations: local processes, Modal functions, HF Jobs.
 
-    Every method that talks to a backend's API raises ``BackendError`` for what the API refused.
+    Every method that talks to a backend's API raises ``BackendError`` for what the API refused. Each also
+    has ``run_secrets`` (name -> value): secrets the launcher made for the run (the run key), set before
+    ``launch`` and delivered with the replicas' other secrets, never part of a plan.
     """
 
     name: str

@@ -18,6 +18,7 @@ import fsspec
 
 from composer_serverless.config import ConfigError, RunConfig
 from composer_serverless.executors.pricing import check_timeout_covers_work
+from composer_serverless.rendezvous import runkey
 
 # Credentials each store protocol needs in the replicas, and optional ones forwarded when present.
 STORE_CREDENTIALS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -95,10 +96,12 @@ def cloud_env() -> dict[str, str]:
 
 
 def secret_names(config: RunConfig, always: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(required, optional) environment variable names delivered to the replicas as secrets."""
+    """(required, optional) environment variable names delivered to the replicas as secrets; with
+    ``diloco.authenticate``, the run key's among them."""
     required, optional = STORE_CREDENTIALS.get(store_protocol(config.store), ((), ()))
     extra = getattr(config.executor, "secrets", ())
-    required_all = tuple(dict.fromkeys((*always, *required, *extra)))
+    made = (runkey.ENV,) if config.diloco.authenticate else ()
+    required_all = tuple(dict.fromkeys((*always, *required, *extra, *made)))
     return required_all, tuple(n for n in optional if n not in required_all)
 
 
@@ -109,13 +112,24 @@ def present_secrets(config: RunConfig, always: tuple[str, ...] = ()) -> tuple[st
 
 
 def secret_name_problems(names: tuple[str, ...]) -> list[str]:
-    """One problem line per secret the replicas need whose value is not available here."""
+    """One problem line per secret the replicas need whose value is not available here (the run key is
+    made by the launcher itself, so it is never one)."""
     return [
         f"{name} is not set: the replicas need it as a secret (to reach the store or the Hub)\n"
         f"  fix: export {name}=... in the shell that launches{_LOGIN_HINT if name == 'HF_TOKEN' else ''}"
         for name in names
-        if not secret_value(name)
+        if name not in LAUNCHER_SECRETS and not secret_value(name)
     ]
+
+
+# Secrets the launcher makes for a run (not read from this environment): given to the executor that
+# launches the run's replicas (``run_secrets``), never written anywhere the plan or the store can show them.
+LAUNCHER_SECRETS = (runkey.ENV,)
+
+
+def launch_secrets(names: tuple[str, ...], run_secrets: dict[str, str]) -> dict[str, str]:
+    """The values to deliver for secret ``names``: the run's own (the run key), else this environment's."""
+    return {name: value for name in names if (value := run_secrets.get(name) or secret_value(name))}
 
 
 def secret_value(name: str) -> str | None:

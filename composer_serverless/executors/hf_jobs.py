@@ -51,6 +51,7 @@ from composer_serverless.executors.base import (
 from composer_serverless.executors.environment import (
     check_cloud_plan,
     cloud_env,
+    launch_secrets,
     present_secrets,
     secret_name_problems,
     secret_value,
@@ -84,6 +85,7 @@ class HFJobsExecutor:
     def __init__(self, api: HfApi | None = None, retry_s: float = 60.0) -> None:
         self._api_instance = api
         self._retry_s = retry_s
+        self.run_secrets: dict[str, str] = {}
 
     @property
     def _api(self) -> HfApi:
@@ -193,7 +195,7 @@ class HFJobsExecutor:
                 image=res["image"],
                 command=list(spec.command),
                 env=dict(spec.env),
-                secrets={name: value for name in spec.secrets if (value := secret_value(name))},
+                secrets=launch_secrets(spec.secrets, self.run_secrets),
                 flavor=res["flavor"],
                 timeout=res["timeout_s"],
                 labels=labels,

@@ -55,6 +55,7 @@ class LocalProcessExecutor:
     def __init__(self, run: ObjectStore, log_dir: Path) -> None:
         self._run = run
         self._log_dir = log_dir.absolute()
+        self.run_secrets: dict[str, str] = {}
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._cancelled: set[int] = set()
 
@@ -123,7 +124,8 @@ class LocalProcessExecutor:
             with open(log, "ab") as out:
                 proc = subprocess.Popen(
                     spec.command,
-                    env={**inherited, **spec.env},
+                    # The run key reaches the replica in its environment, never its command line.
+                    env={**inherited, **spec.env, **self.run_secrets},
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,

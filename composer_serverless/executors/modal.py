@@ -49,9 +49,9 @@ from composer_serverless.executors.base import (
 from composer_serverless.executors.environment import (
     check_cloud_plan,
     cloud_env,
+    launch_secrets,
     present_secrets,
     secret_name_problems,
-    secret_value,
 )
 from composer_serverless.executors.modal_errors import classify
 from composer_serverless.executors.modal_image import (
@@ -73,6 +73,7 @@ class ModalExecutor:
 
     def __init__(self, retry_s: float = 60.0) -> None:
         self._retry_s = retry_s
+        self.run_secrets: dict[str, str] = {}
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         return retrying.call(fn, lambda e: classify(e, what), budget_s=self._retry_s, what=what)
@@ -147,7 +148,7 @@ class ModalExecutor:
         first = plan.replicas[0]
         secrets = [modal.Secret.from_name(name) for name in res["modal_secrets"]]
         if first.secrets:
-            secrets.insert(0, modal.Secret.from_dict({name: secret_value(name) for name in first.secrets}))
+            secrets.insert(0, modal.Secret.from_dict(launch_secrets(first.secrets, self.run_secrets)))
         function = train_replica.with_options(
             gpu=res["gpu"],
             timeout=res["timeout_s"],

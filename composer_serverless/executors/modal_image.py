@@ -25,6 +25,7 @@ IMAGE_REQUIREMENTS = (
     "peft>=0.17",
     "xxhash>=3.4",
     "httpx>=0.28",
+    "blake3>=1.0",
     "s3fs>=2025.1",
     "boto3>=1.35.21",
     "huggingface_hub>=1.24",

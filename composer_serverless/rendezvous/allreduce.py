@@ -1,7 +1,8 @@
 """Reduce-scatter + all-gather of one flat fp32 tensor through the object store, with a quorum.
 
 (A little over 400 lines: the four phases below share one exchange's state, ``_Exchange``, and read best
-together; the pure parts are in ``sharding.py`` and ``workspace.py``.)
+together; the pure parts are in ``sharding.py`` and ``workspace.py``, the types it shares with its callers
+in ``exchange.py``.)
 
 The tensor is cut into N contiguous shards; shard s is owned by rank s. Per sync, under ``{prefix}/``:
 
@@ -24,23 +25,27 @@ all-reduce bound. A replica that is not a participant (it arrived after the quor
 nothing and reads all N reduced shards: it receives the participants' average exactly as torchft's healing
 replicas do (they contribute zeros and receive the average).
 
-A payload that fails its checksum, header or identity is logged and left out of the sum, never averaged.
+A payload that fails its checksum (with a run key, its MAC), header or identity is logged and left out of
+the sum, never averaged.
+
+Each phase moves its objects ``store.transfers.concurrency`` at a time (``ObjectStore.map``): a cloud store
+gives each connection a fraction of its bandwidth, so a replica moving one shard at a time would be capped at
+one connection's speed. The sums stay in rank order whatever order the reads finish in.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from composer_serverless.rendezvous import layout, polling
 from composer_serverless.rendezvous.codec import (
-    CodecName,
     Payload,
     PayloadError,
     accumulate,
@@ -48,6 +53,12 @@ from composer_serverless.rendezvous.codec import (
     encode_parts,
     max_payload_bytes,
     read_header,
+)
+from composer_serverless.rendezvous.exchange import (
+    ExchangeError,
+    ExchangeResult,
+    ExchangeSettings,
+    StaleRoundError,
 )
 from composer_serverless.rendezvous.polling import poll_until
 from composer_serverless.rendezvous.replica_log import ReplicaLog
@@ -64,55 +75,6 @@ from composer_serverless.rendezvous.workspace import Workspace
 logger = logging.getLogger(__name__)
 
 REDUCED = "reduced"
-
-
-class ExchangeError(RuntimeError):
-    """This replica could not complete the exchange (too few replicas, a timeout, missing shards)."""
-
-
-class StaleRoundError(ExchangeError):
-    """The store has already completed this round: this replica is behind and must not reopen it."""
-
-
-@dataclass(frozen=True)
-class ExchangeSettings:
-    """What every replica of a run agrees on for its exchanges, and which local rank of its replica this
-    exchange is for: with G ranks per replica, local rank l averages its part of the model with the l-th
-    ranks of the others, and a replica takes part only once all G of its parts have arrived."""
-
-    replicas: int
-    min_replicas: int
-    codec: CodecName
-    timeout_s: float
-    local_rank: int = 0
-    local_ranks: int = 1
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_replicas <= self.replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) must be in [1, replicas={self.replicas}]")
-        if not 0 <= self.local_rank < self.local_ranks:
-            raise ValueError(f"local_rank ({self.local_rank}) must be in [0, local_ranks={self.local_ranks})")
-
-
-@dataclass
-class ExchangeResult:
-    """The average and what producing it cost this replica."""
-
-    average: torch.Tensor
-    participants: list[int]
-    bytes_up: int = 0
-    bytes_down: int = 0
-    waited_for_all_s: float | None = None
-    upload_failed: bool = False
-    rescued: list[int] = field(default_factory=list)
-    # Per shard, the participants whose input went into its average (an input can be rejected).
-    summed: dict[int, list[int]] = field(default_factory=dict)
-
-    @property
-    def contributors(self) -> list[int]:
-        """The participants whose every input went into the average: the ones the round really averaged."""
-        shards = [set(ranks) for ranks in self.summed.values()]
-        return sorted(set(self.participants).intersection(*shards))
 
 
 def allreduce(
@@ -199,6 +161,8 @@ class _Exchange:
         self.mine: dict[int, list[memoryview]] = {}
         self.fetched: dict[tuple[int, int], memoryview] = {}
         self.workspace = workspace
+        self.key = settings.key
+        self._counting = threading.Lock()  # transfers run on several threads and all add to the byte counts
         if out is None:
             out = torch.empty(self.values.numel())
         elif (
@@ -237,36 +201,36 @@ class _Exchange:
     # --- phase 1: scatter --------------------------------------------------------------------------
 
     def _scatter(self) -> None:
-        """Upload all N shards; the own shard last, since only a rescuer ever reads it.
+        """Upload all N shards, ``concurrency`` at a time; the own shard last, since only a rescuer ever
+        reads it.
 
         Each is written from its parts (header, tensor memory) without joining them first: on a box where
         replicas share cores, that copy of the whole pseudo-gradient was CPU the exchange waited for.
         """
         order = [(self.rank + i) % self.n for i in range(1, self.n + 1)]
+
+        def upload(shard: int) -> None:
+            start, end = self.bounds[shard]
+            identity = self._input_identity(self.rank, shard)
+            parts = encode_parts(self.values[start:end], identity, self.settings.codec, self.key)
+            if self.store.create(layout.sync_input(self.rank, shard, self.local), parts):
+                self._count(up=sum(len(p) for p in parts))
+                self.mine[shard] = parts
+            else:
+                # An earlier attempt at this sync (before a restart or a rollback) already wrote this input;
+                # inputs are immutable, so the stored bytes are the ones that count.
+                self.log.info(
+                    "input %s exists from an earlier attempt; using the stored one",
+                    layout.sync_input(self.rank, shard, self.local),
+                )
+
         try:
-            for shard in order:
-                start, end = self.bounds[shard]
-                identity = self._input_identity(self.rank, shard)
-                parts = encode_parts(self.values[start:end], identity, self.settings.codec)
-                if self.store.create(layout.sync_input(self.rank, shard, self.local), parts):
-                    self.result.bytes_up += sum(len(p) for p in parts)
-                    self.mine[shard] = parts
-                else:
-                    # An earlier attempt at this sync (before a restart or a rollback) already wrote this
-                    # input; inputs are immutable, so the stored bytes are the ones that count.
-                    self.log.info(
-                        "input %s exists from an earlier attempt; using the stored one",
-                        layout.sync_input(self.rank, shard, self.local),
-                    )
+            self.store.map(upload, order)
         except (
             Exception
         ) as e:  # a replica that cannot upload still receives the average, as a non-participant
             self.result.upload_failed = True
-            self.log.warning(
-                "upload failed (%s: %s); continuing without contributing",
-                type(e).__name__,
-                e,
-            )
+            self.log.warning("upload failed (%s: %s); continuing without contributing", type(e).__name__, e)
 
     # --- phase 2: quorum ---------------------------------------------------------------------------
 
@@ -327,7 +291,7 @@ class _Exchange:
                 raw = self.store.get(key)
             except FileNotFoundError:
                 return None
-            self.result.bytes_down += len(raw)
+            self._count(down=len(raw))
             participants = parse_participants(raw, self.n)
             if participants is not None:
                 return participants
@@ -348,17 +312,30 @@ class _Exchange:
 
     def _prefetch(self, keys: set[str], present: list[int]) -> None:
         """While waiting for the quorum, fetch the peer inputs of the shard this replica will reduce."""
-        for peer in present:
-            if (
-                peer != self.rank
-                and (peer, self.rank) not in self.fetched
-                and layout.sync_input(peer, self.rank, self.local) in keys
-            ):
-                # One that cannot be read is fetched again when reducing, and rejected there with its reason.
-                with contextlib.suppress(PayloadError):
-                    self.fetched[(peer, self.rank)] = self._fetch(
-                        layout.sync_input(peer, self.rank, self.local), self.rank, slot=peer
-                    )
+        peers = [
+            peer
+            for peer in present
+            if peer != self.rank
+            and (peer, self.rank) not in self.fetched
+            and layout.sync_input(peer, self.rank, self.local) in keys
+        ]
+        # One that cannot be read is fetched again when reducing, and rejected there with its reason.
+        self._fetch_inputs(peers, self.rank)
+
+    def _fetch_inputs(self, peers: list[int], shard: int) -> dict[int, Exception]:
+        """Fetch ``peers``' inputs of ``shard`` into ``self.fetched``, ``concurrency`` at a time, each into a
+        buffer of its own; returns why each one that could not be fetched could not."""
+
+        def fetch(peer: int) -> Exception | None:
+            try:
+                key = layout.sync_input(peer, shard, self.local)
+                self.fetched[(peer, shard)] = self._fetch(key, shard, slot=peer)
+            except (PayloadError, FileNotFoundError) as e:
+                return e
+            return None
+
+        failures = self.store.map(fetch, peers)
+        return {peer: e for peer, e in zip(peers, failures, strict=True) if e is not None}
 
     # --- phase 3: reduce ---------------------------------------------------------------------------
 
@@ -367,11 +344,19 @@ class _Exchange:
         start, end = self.bounds[shard]
         total = self.workspace.floats("total", end - start).zero_()
         summed = []
+        missing = [
+            peer
+            for peer in participants
+            if not (peer == self.rank and shard in self.mine) and (peer, shard) not in self.fetched
+        ]
+        unreadable = self._fetch_inputs(missing, shard)
         for peer in participants:
             try:
+                if peer in unreadable:
+                    raise unreadable[peer]
                 payload, verify = self._input(peer, shard)
                 identity = self._input_identity(peer, shard)
-                accumulate(total, payload, identity, self.settings.codec, verify=verify)
+                accumulate(total, payload, identity, self.settings.codec, verify=verify, key=self.key)
             except (PayloadError, FileNotFoundError) as e:  # a quorum may name an input that is not there
                 self.log.warning(
                     "rejected %s/%s: %s",
@@ -384,9 +369,9 @@ class _Exchange:
         if not summed:
             raise ExchangeError(f"{self.store.url}: no valid input for shard {shard}")
         identity = {**self._reduced_identity(shard), "summed": ",".join(map(str, summed))}
-        parts = encode_parts(total.div_(len(summed)), identity, self.settings.codec)
+        parts = encode_parts(total.div_(len(summed)), identity, self.settings.codec, self.key)
         if self.store.create(layout.sync_output(shard, self.local), parts):
-            self.result.bytes_up += sum(len(p) for p in parts)
+            self._count(up=sum(len(p) for p in parts))
             self._place(shard, parts, verify=False)
             self.result.summed[shard] = summed
         else:
@@ -397,22 +382,32 @@ class _Exchange:
         store) or not (this replica encoded it, in this exchange: its parts, read where they lie)."""
         if peer == self.rank and shard in self.mine:
             return self.mine.pop(shard), False
-        if (peer, shard) not in self.fetched:
-            self.fetched[(peer, shard)] = self._fetch(layout.sync_input(peer, shard, self.local), shard)
         return self.fetched.pop((peer, shard)), True
 
     # --- phase 4: gather ---------------------------------------------------------------------------
 
     def _gather(self, participants: list[int], done: set[int]) -> None:
         pending = set(range(self.n)) - done
+        # Reads in flight at once each need a buffer: ``concurrency`` of them, handed from one read to the next.
+        buffers: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(self.store.transfers.concurrency):
+            buffers.put(slot)
+
+        def place(shard: int) -> None:
+            slot = buffers.get()
+            try:
+                self._place(
+                    shard, self._fetch(layout.sync_output(shard, self.local), shard, slot=("out", slot))
+                )
+            finally:
+                buffers.put(slot)
+            pending.discard(shard)
 
         def all_placed() -> bool | None:
             available = {
                 int(name) for name in self.store.list(layout.sync_outputs(self.local)) if name.isdigit()
             }
-            for shard in sorted(pending & available):
-                self._place(shard, self._fetch(layout.sync_output(shard, self.local), shard))
-                pending.discard(shard)
+            self.store.map(place, sorted(pending & available))
             return None if pending else True
 
         # Owners start reducing when they see the quorum, up to one poll interval after this replica did:
@@ -440,7 +435,13 @@ class _Exchange:
         start, end = self.bounds[shard]
         identity = self._reduced_identity(shard)
         decode(
-            payload, identity, self.settings.codec, end - start, self.result.average[start:end], verify=verify
+            payload,
+            identity,
+            self.settings.codec,
+            end - start,
+            self.result.average[start:end],
+            verify=verify,
+            key=self.key,
         )
         if verify:  # a reduced shard from the store: its header says whose inputs it averages
             header, _ = read_header(payload[0] if isinstance(payload, list) else payload)
@@ -459,8 +460,13 @@ class _Exchange:
             size = self.store.get_into(key, buffer)
         except ObjectTooLarge as e:  # no payload of this shard is that large: rejected, not a crash
             raise PayloadError(str(e)) from e
-        self.result.bytes_down += size
+        self._count(down=size)
         return buffer[:size]
+
+    def _count(self, *, up: int = 0, down: int = 0) -> None:
+        with self._counting:
+            self.result.bytes_up += up
+            self.result.bytes_down += down
 
     def _input_identity(self, rank: int, shard: int) -> dict[str, str]:
         return {**self.identity, "local": str(self.local), "rank": str(rank), "shard": str(shard)}

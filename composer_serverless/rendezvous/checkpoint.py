@@ -9,7 +9,10 @@ where it stopped.
 
 A snapshot directory holds ``tensors.safetensors`` (every tensor), ``state.json`` (everything else, with
 markers where the tensors were) and, written last, ``manifest.json`` (size and sha256 of both). Reading
-checks the manifest; nothing is unpickled. ``flatten``/``unflatten`` turn a nested ``state_dict`` (dicts
+checks the manifest; nothing is unpickled. With a run key (``diloco.authenticate``) each file's entry holds a
+keyed BLAKE3 MAC of the snapshot's prefix, the file's name and its bytes instead of the sha256, and a reader
+with the key refuses a snapshot any file of which has no valid MAC: a state written without the key is never
+loaded, nor one moved to another round's or replica's prefix. ``flatten``/``unflatten`` turn a nested ``state_dict`` (dicts
 with int or str keys, lists, tuples, scalars, tensors) into that pair and back.
 """
 
@@ -25,6 +28,7 @@ import safetensors.torch
 import torch
 
 from composer_serverless.rendezvous import latest, layout
+from composer_serverless.rendezvous.runkey import MAC_FIELD, RunKey, framed
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -96,9 +100,9 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 # --- snapshots -----------------------------------------------------------------------------------------
 
 
-def write_snapshot(store: ObjectStore, prefix: str, tree: Any) -> int:
+def write_snapshot(store: ObjectStore, prefix: str, tree: Any, key: RunKey | None = None) -> int:
     """Write ``tree`` under ``prefix/``; the manifest goes last, so its presence means the snapshot is whole.
-    Returns the bytes written."""
+    With ``key`` the manifest holds each file's MAC instead of its sha256. Returns the bytes written."""
     skeleton, tensors = flatten(tree)
     files = {
         layout.SNAPSHOT_TENSORS: safetensors.torch.save(tensors),
@@ -107,19 +111,35 @@ def write_snapshot(store: ObjectStore, prefix: str, tree: Any) -> int:
     for name, data in files.items():
         store.put(layout.snapshot_file(prefix, name), data)
     manifest = {
-        name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()
+        name: {"bytes": len(data), **_digest(prefix, name, data, key)} for name, data in files.items()
     }
     manifest_bytes = json.dumps({"files": manifest}, indent=1).encode()
     store.put(layout.snapshot_file(prefix, layout.SNAPSHOT_MANIFEST), manifest_bytes)
     return sum(len(data) for data in files.values()) + len(manifest_bytes)
 
 
-def read_snapshot(store: ObjectStore, prefix: str) -> Any:
-    """Read a snapshot written by ``write_snapshot``, checking every file against the manifest.
+def _digest(prefix: str, name: str, data: bytes, key: RunKey | None) -> dict[str, str]:
+    """A file's manifest entry beside its size: its sha256, or with ``key`` its MAC (bound to where it lies)."""
+    if key is None:
+        return {"sha256": hashlib.sha256(data).hexdigest()}
+    return {MAC_FIELD: key.mac([framed(f"{prefix}/{name}"), data])}
+
+
+def _matches(prefix: str, name: str, data: bytes, expected: dict[str, Any], key: RunKey | None) -> bool:
+    if len(data) != expected["bytes"]:
+        return False
+    if key is None:
+        return hashlib.sha256(data).hexdigest() == expected["sha256"]
+    return key.verify(expected.get(MAC_FIELD), [framed(f"{prefix}/{name}"), data])
+
+
+def read_snapshot(store: ObjectStore, prefix: str, key: RunKey | None = None) -> Any:
+    """Read a snapshot written by ``write_snapshot``, checking every file against the manifest (with ``key``,
+    its MAC: a snapshot written without the run's key is refused).
 
     Raises:
         FileNotFoundError: there is no complete snapshot under ``prefix``.
-        CheckpointError: a file is missing, of the wrong size, or fails its checksum.
+        CheckpointError: a file is missing, of the wrong size, or fails its checksum or MAC.
     """
     raw = store.get(layout.snapshot_file(prefix, layout.SNAPSHOT_MANIFEST))
     try:
@@ -138,8 +158,17 @@ def read_snapshot(store: ObjectStore, prefix: str) -> Any:
             raise CheckpointError(
                 f"{store.url_of(prefix)}/{name} is listed in the manifest but missing"
             ) from e
-        if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
-            raise CheckpointError(f"{store.url_of(prefix)}/{name} does not match its manifest checksum")
+        try:
+            matches = _matches(prefix, name, data, expected, key)
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"{store.url_of(prefix)}/{layout.SNAPSHOT_MANIFEST} is malformed: {e}"
+            ) from e
+        if not matches:
+            raise CheckpointError(
+                f"{store.url_of(prefix)}/{name} does not match its manifest "
+                + ("checksum" if key is None else "MAC (not written with this run's key, or corrupted)")
+            )
         files[name] = data
     try:
         tensors = safetensors.torch.load(files[layout.SNAPSHOT_TENSORS])
@@ -163,10 +192,12 @@ def initial_weights(store: ObjectStore) -> str:
     return str(json.loads(store.get(layout.INITIAL_WEIGHTS))["sha256"])
 
 
-def write_global(store: ObjectStore, round_index: int, tree: Any, local: int = 0) -> int:
+def write_global(
+    store: ObjectStore, round_index: int, tree: Any, local: int = 0, key: RunKey | None = None
+) -> int:
     """Write local rank ``local``'s part of the global state after ``round_index``; nothing points at it
     until ``advance``, once every part is written. Returns bytes written."""
-    return write_snapshot(store, layout.global_state(round_index, local), tree)
+    return write_snapshot(store, layout.global_state(round_index, local), tree, key)
 
 
 def advance(store: ObjectStore, round_index: int, *, checkpoint: bool) -> None:
@@ -187,20 +218,27 @@ def prune_exchanges(store: ObjectStore, round_index: int) -> None:
         _prune_numbered(store, prefix, keep_from=round_index - KEEP_ROUNDS + 1)
 
 
-def load_global(store: ObjectStore, round_index: int, local: int = 0) -> Any:
-    return read_snapshot(store, layout.global_state(round_index, local))
+def load_global(store: ObjectStore, round_index: int, local: int = 0, key: RunKey | None = None) -> Any:
+    return read_snapshot(store, layout.global_state(round_index, local), key)
 
 
 # --- per-replica state ---------------------------------------------------------------------------------
 
 
 def save_replica(
-    store: ObjectStore, rank: int, round_index: int, tree: Any, local: int = 0, *, prune: bool = True
+    store: ObjectStore,
+    rank: int,
+    round_index: int,
+    tree: Any,
+    local: int = 0,
+    *,
+    prune: bool = True,
+    key: RunKey | None = None,
 ) -> int:
     """Save local rank ``local`` of replica ``rank``: its own state after ``round_index``; with ``prune`` (one
     rank of the replica, once all have saved), drop the replica's states older than the newest checkpoint,
     which no resume can need. Returns the bytes written."""
-    written = write_snapshot(store, layout.replica_state(rank, round_index, local), tree)
+    written = write_snapshot(store, layout.replica_state(rank, round_index, local), tree, key)
     if prune:
         prune_replica(store, rank, round_index)
     return written
@@ -217,6 +255,7 @@ def load_replica(
     round_index: int,
     local: int = 0,
     agree: Callable[[bool], bool] = lambda readable: readable,
+    key: RunKey | None = None,
 ) -> tuple[int, Any] | None:
     """Local rank ``local`` of replica ``rank``: its newest complete state at or before ``round_index``, as
     (round, state), or None. ``agree`` (whether this rank could read a round's state -> whether every rank of
@@ -225,7 +264,7 @@ def load_replica(
     for k in (k for k in saved if k <= round_index):
         state = None
         try:
-            state = read_snapshot(store, layout.replica_state(rank, k, local))
+            state = read_snapshot(store, layout.replica_state(rank, k, local), key)
         except FileNotFoundError:
             pass  # written partly when the replica died: its manifest is missing
         except CheckpointError as e:

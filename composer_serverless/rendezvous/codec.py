@@ -10,6 +10,15 @@ The checksum is xxh3-128 (``CHECKSUM``), not a cryptographic hash: it guards aga
 or at rest, and whoever can write a payload can write its hash too, so sha256 bought no security, at 17
 times the cost (1.8 against 30.7 GB/s per core, measured here), and hashing was most of an exchange's time.
 
+With a run key (``runkey.py``, ``diloco.authenticate``) the checksum gives way to a keyed BLAKE3 MAC
+(``MAC_FIELD``) over the header's metadata and the data section: it detects corruption as the checksum does,
+and a payload without it, or with a wrong one, is rejected by a reader holding the key, whatever its
+checksum says. The metadata is covered too, so a valid payload of another round, fragment, rank or shard
+cannot be replayed under this one's name. One keyed hash per payload, as the checksum was: keyed BLAKE3, chosen
+by measurement here (64 MiB, best of 5): 3.64 GB/s on one thread, 7.06 GB/s on both cores, against 1.58 GB/s
+for HMAC-SHA256 and 0.82 GB/s for keyed BLAKE2b (``runkey.py``). It is computed over the data, never over
+the xxh3 digest, which is not collision resistant.
+
 The header is written by hand (safetensors' own layout: an 8-byte little-endian length, JSON padded with
 spaces to a multiple of 8, then the data), so the output loads with ``safetensors.torch.load`` while the
 producer copies each tensor once.
@@ -33,6 +42,8 @@ from typing import Literal
 
 import torch
 import xxhash
+
+from composer_serverless.rendezvous.runkey import MAC_FIELD, RunKey, framed
 
 CodecName = Literal["fp32", "bf16", "int8"]
 CODECS: tuple[CodecName, ...] = ("fp32", "bf16", "int8")
@@ -98,15 +109,20 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block: int = INT8_BLO
     return (padded.view(blocks, block) * scales[:, None]).view(-1)[:n].contiguous()
 
 
-def encode(values: torch.Tensor, identity: dict[str, str], codec: CodecName) -> bytearray:
-    """Serialise a 1-D fp32 tensor with ``codec``; ``identity`` (str -> str) goes into the header.
+def encode(
+    values: torch.Tensor, identity: dict[str, str], codec: CodecName, key: RunKey | None = None
+) -> bytearray:
+    """Serialise a 1-D fp32 tensor with ``codec``; ``identity`` (str -> str) goes into the header, with the
+    checksum, or with ``key`` the MAC.
 
     Returns a buffer that is a valid safetensors file.
     """
-    return bytearray().join(encode_parts(values, identity, codec))
+    return bytearray().join(encode_parts(values, identity, codec, key))
 
 
-def encode_parts(values: torch.Tensor, identity: dict[str, str], codec: CodecName) -> list[memoryview]:
+def encode_parts(
+    values: torch.Tensor, identity: dict[str, str], codec: CodecName, key: RunKey | None = None
+) -> list[memoryview]:
     """The payload ``encode`` returns, as the buffers it joins: the header, then each tensor's bytes.
 
     A writer that can send several buffers (a local file) skips the join; with fp32 the tensor part is
@@ -121,13 +137,13 @@ def encode_parts(values: torch.Tensor, identity: dict[str, str], codec: CodecNam
     else:
         name, dtype = _DTYPES[codec]
         tensors = [(VALUES, name, flat.to(dtype))]
-    metadata = {
-        **identity,
-        "codec": codec,
-        "numel": str(numel),
-        CHECKSUM: checksum(_bytes_of(t) for _, _, t in tensors),
-    }
-    header = {"__metadata__": metadata}
+    metadata = {**identity, "codec": codec, "numel": str(numel)}
+    data = [_bytes_of(t) for _, _, t in tensors]
+    if key is None:
+        metadata[CHECKSUM] = checksum(data)
+    else:
+        metadata[MAC_FIELD] = key.mac(_mac_input(metadata, data))
+    header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, dtype_name, t in tensors:
         size = t.numel() * t.element_size()
@@ -135,7 +151,14 @@ def encode_parts(values: torch.Tensor, identity: dict[str, str], codec: CodecNam
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return [memoryview(struct.pack("<Q", len(raw)) + raw), *(_bytes_of(t) for _, _, t in tensors)]
+    return [memoryview(struct.pack("<Q", len(raw)) + raw), *data]
+
+
+def _mac_input(metadata: dict[str, str], data: list[memoryview]) -> list[bytes | memoryview]:
+    """What a payload's MAC covers: every metadata field but the MAC (sorted, each framed by its length),
+    then the data section."""
+    fields = sorted((k, v) for k, v in metadata.items() if k != MAC_FIELD)
+    return [struct.pack("<Q", len(fields)), *(framed(k) + framed(v) for k, v in fields), *data]
 
 
 def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, object], int]:
@@ -171,6 +194,7 @@ def decode(
     out: torch.Tensor | None = None,
     *,
     verify: bool = True,
+    key: RunKey | None = None,
 ) -> torch.Tensor:
     """Return the fp32 values in ``data`` after checking identity, codec, layout, size and checksum.
 
@@ -181,13 +205,14 @@ def decode(
         codec: the codec the run uses; a payload in any other codec is rejected.
         numel: the number of values the reader expects.
         out: an fp32 tensor of ``numel`` values to decode into (saves a copy); a new one if None.
-        verify: check the checksum. Only a payload this process encoded itself, in memory, may skip it: the
-            checksum guards what crossed the store, and hashing is most of a decode's cost.
+        verify: check the checksum (or MAC). Only a payload this process encoded itself, in memory, may skip
+            it: the checksum guards what crossed the store, and hashing is most of a decode's cost.
+        key: the run key: the payload must carry a valid MAC under it (a checksum alone is rejected).
 
     Raises:
         PayloadError: the payload is not one this reader may average.
     """
-    values = _checked_values(data, expect, codec, numel, verify)
+    values = _checked_values(data, expect, codec, numel, verify, key)
     if out is None:
         return values.to(torch.float32) if codec == "bf16" else values.clone() if codec == "fp32" else values
     return out.copy_(values)
@@ -200,6 +225,7 @@ def accumulate(
     codec: CodecName,
     *,
     verify: bool = True,
+    key: RunKey | None = None,
 ) -> None:
     """Add the payload's values to the fp32 tensor ``total``, checked as ``decode`` checks them.
 
@@ -210,11 +236,11 @@ def accumulate(
     Raises:
         PayloadError: as ``decode``; ``total`` is then unchanged.
     """
-    total.add_(_checked_values(data, expect, codec, total.numel(), verify))
+    total.add_(_checked_values(data, expect, codec, total.numel(), verify, key))
 
 
 def _checked_values(
-    data: Payload, expect: dict[str, str], codec: CodecName, numel: int, verify: bool
+    data: Payload, expect: dict[str, str], codec: CodecName, numel: int, verify: bool, key: RunKey | None
 ) -> torch.Tensor:
     """The payload's values after every check: a view of ``data`` (fp32, bf16) or their dequantization."""
     header, body = _header_and_body(data)
@@ -230,7 +256,12 @@ def _checked_values(
         raise PayloadError(f"payload tensors {tensors} are not the {codec} layout of {numel} values {layout}")
     if len(body) != data_bytes(numel, codec):
         raise PayloadError(f"payload data is {len(body)} bytes, expected {data_bytes(numel, codec)}")
-    if verify and checksum([body]) != metadata.get(CHECKSUM):
+    if verify and key is not None:
+        if MAC_FIELD not in metadata:
+            raise PayloadError("payload carries no MAC, and this run authenticates every payload")
+        if not key.verify(metadata[MAC_FIELD], _mac_input(metadata, [body])):
+            raise PayloadError("payload MAC mismatch: not written with this run's key, or corrupted")
+    elif verify and checksum([body]) != metadata.get(CHECKSUM):
         raise PayloadError("payload checksum mismatch")
     if codec == "int8":
         values = dequantize_int8(

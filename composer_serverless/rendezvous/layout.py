@@ -23,6 +23,9 @@ RUN_CONFIG = "run.json"
 """The resolved config, written once; every replica reads exactly this."""
 LAUNCH_RECORD = "launch.json"
 """The plan and every replica attempt's handle, so any process holding the run URL can find the replicas."""
+KEY_FINGERPRINT = "key.json"
+"""An authenticated run's key fingerprint (a MAC of a fixed label, which says nothing of the key), so a resume
+or a replica with the wrong key is told so at once instead of rejecting every state it reads."""
 MODEL = "model"
 """The tiny model and tokenizer the launcher builds for offline runs (save_pretrained format)."""
 LOGS = "logs"
@@ -194,6 +197,7 @@ def describe() -> list[tuple[str, str]]:
     return [
         (RUN_CONFIG, "resolved config, written once by the launcher"),
         (LAUNCH_RECORD, "the plan and every replica attempt's handle (the launcher)"),
+        (KEY_FINGERPRINT, "the run key's fingerprint, created once (diloco.authenticate)"),
         (f"{MODEL}/", "the tiny model the launcher builds for offline runs"),
         (heartbeat(rank), "heartbeat: state, round, step, last loss"),
         (metrics(rank, k), "one row per round (object stores cannot append)"),

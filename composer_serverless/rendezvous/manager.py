@@ -34,13 +34,9 @@ import torch.distributed as dist
 from torchft.work import _DummyWork
 
 from composer_serverless.rendezvous import layout
-from composer_serverless.rendezvous.allreduce import (
-    ExchangeResult,
-    ExchangeSettings,
-    StaleRoundError,
-    allreduce,
-)
+from composer_serverless.rendezvous.allreduce import allreduce
 from composer_serverless.rendezvous.deadline import ArrivalHistory, GraceSettings
+from composer_serverless.rendezvous.exchange import ExchangeResult, ExchangeSettings, StaleRoundError
 from composer_serverless.rendezvous.latest import latest_round, newest_round
 from composer_serverless.rendezvous.replica_log import ReplicaLog
 from composer_serverless.rendezvous.store import ObjectStore

@@ -16,6 +16,9 @@ Replicas coordinate only through objects, so these properties matter more than s
   (``retry.py``).
 * **Reads into a caller's buffer.** Large payloads stream into preallocated memory (local files and S3),
   so a reducer holds one copy of each shard, not the two or three ``cat_file`` makes.
+* **Parallel transfers.** ``map`` moves several objects at once, and on S3 large objects go in parallel
+  parts (multipart uploads, ranged GETs), never more than ``Transfers.concurrency`` requests in flight per
+  process (``transfers.py``).
 
 Keys are relative, ``/``-separated and validated, so nothing read from a config or a peer can escape the
 run's prefix.
@@ -42,13 +45,16 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from composer_serverless.rendezvous.retry import RetryPolicy, is_transient, is_unwritable
+from composer_serverless.rendezvous.transfers import S3Parts, Slots, Transfers, run_all
 
 logger = logging.getLogger(__name__)
 
 _KEY = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _TMP_MARK = ".tmp-"
-_STREAM_CHUNK = 8 << 20
 T = TypeVar("T")
+R = TypeVar("R")
+# Connections an S3 client keeps open: enough for any transfer concurrency the config allows.
+_S3_POOL = 64
 
 # The memory filesystem is one dict per process and its create is check-then-write; a lock makes it atomic
 # for the threads of that process, which is the only place a memory:// store is visible.
@@ -81,16 +87,28 @@ class ObjectStore:
     Args:
         url: where the prefix lives.
         retry: the retry policy for transient failures.
+        transfers: how many requests at once, and the part size of large S3 objects.
     """
 
-    def __init__(self, url: str, *, retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self, url: str, *, retry: RetryPolicy | None = None, transfers: Transfers | None = None
+    ) -> None:
         self.url = url.rstrip("/") or url
         self.retry = retry or RetryPolicy()
+        self.transfers = transfers or Transfers()
+        self._slots = Slots(self.transfers.concurrency)
         options: dict[str, object] = {"use_listings_cache": False, "skip_instance_cache": True}
         if fsspec.core.split_protocol(self.url)[0] in ("s3", "s3a"):
             # This class's retry loop is the only one: botocore's and s3fs's own would multiply its attempts
-            # (a dead endpoint took minutes to report) and retry without saying so.
-            options["config_kwargs"] = {"retries": {"mode": "standard", "total_max_attempts": 1}}
+            # (a dead endpoint took minutes to report) and retry without saying so. botocore's own CRC32 of
+            # every body is left to operations that require one: payloads carry their checksum or MAC end to
+            # end, and on a CPU shared with training the CRC was time the exchange waited for.
+            options["config_kwargs"] = {
+                "retries": {"mode": "standard", "total_max_attempts": 1},
+                "max_pool_connections": _S3_POOL,
+                "request_checksum_calculation": "when_required",
+                "response_checksum_validation": "when_required",
+            }
         self._fs, root = fsspec.core.url_to_fs(self.url, **options)
         self._root = root.rstrip("/")
         self.is_local = isinstance(self._fs, LocalFileSystem)
@@ -106,6 +124,17 @@ class ObjectStore:
         """Retry writes the store refuses (full, read-only, access revoked) for up to ``seconds`` before
         failing them; for this store and the children made from it afterwards."""
         self.retry = dataclasses.replace(self.retry, outage_s=seconds)
+
+    def configure_transfers(self, transfers: Transfers) -> None:
+        """Move objects ``transfers.concurrency`` requests at a time, large S3 objects in parts of
+        ``transfers.part_bytes``; for this store and the children made from it afterwards."""
+        self.transfers = transfers
+        self._slots = Slots(transfers.concurrency)
+
+    def map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
+        """``[fn(item) for item in items]``, run ``transfers.concurrency`` at a time (threads: the store's I/O
+        releases the GIL); every call finishes before this returns, and the first failure is then raised."""
+        return run_all([lambda item=item: fn(item) for item in items], self.transfers.concurrency)
 
     def child(self, prefix: str) -> ObjectStore:
         """The store rooted at ``prefix`` below this one (a run inside the store root, say).
@@ -170,6 +199,8 @@ class ObjectStore:
         path = self.path(key)
         if self.is_local:
             self._call("put", key, lambda: self._local_write(path, data, exclusive=False))
+        elif self._is_s3:
+            self._s3().put(path, key, data if isinstance(data, list) else [data], create=False)
         else:
             body = _joined(data)
             self._call("put", key, lambda: self._fs.pipe_file(path, body))
@@ -182,9 +213,12 @@ class ObjectStore:
         and an identical object means exactly that.
         """
         path = self.path(key)
-        body = data if self.is_local else _joined(data)  # joined once, not on every retry
+        body = data if self.is_local or self._is_s3 else _joined(data)  # joined once, not on every retry
         try:
-            self._call("create", key, lambda: self._create_once(path, body))
+            if self._is_s3:
+                self._s3().put(path, key, body if isinstance(body, list) else [body], create=True)
+            else:
+                self._call("create", key, lambda: self._create_once(path, body))
         except FileExistsError:
             existing = self.get(key)
             if existing == _joined(body):
@@ -200,7 +234,7 @@ class ObjectStore:
             with _MEMORY_CREATE_LOCK:
                 self._fs.pipe_file(path, bytes(_joined(data)), mode="create")
         else:
-            self._fs.pipe_file(path, data, mode="create")
+            self._fs.pipe_file(path, _joined(data), mode="create")
 
     def delete(self, key: str) -> None:
         """Remove an object or a whole prefix; a missing one is not an error."""
@@ -218,8 +252,8 @@ class ObjectStore:
         """Read the whole object; FileNotFoundError if it does not exist."""
         path = self.path(key)
         if self._is_s3:
-            # One GET; s3fs's cat_file first asks for the size (a HEAD) to plan ranged reads of big objects.
-            return self._call("get", key, lambda: bytes(self._s3_read(path, None)))
+            # No HEAD first (s3fs's cat_file asks for the size to plan its ranged reads): the first GET says.
+            return bytes(self._s3().read(path, key, None))
         return self._call("get", key, lambda: self._fs.cat_file(path))
 
     def get_into(self, key: str, out: bytearray | memoryview) -> int:
@@ -236,7 +270,7 @@ class ObjectStore:
         if self.is_local:
             return self._call("get", key, lambda: _read_file_into(path, view))
         if self._is_s3:
-            return self._call("get", key, lambda: len(self._s3_read(path, view)))
+            return len(self._s3().read(path, key, view))
 
         def copy_in() -> int:
             data = self._fs.cat_file(path)
@@ -246,31 +280,8 @@ class ObjectStore:
 
         return self._call("get", key, copy_in)
 
-    def _s3_read(self, path: str, view: memoryview | None) -> memoryview:
-        """Stream one GET into ``view`` (or a new buffer of the object's size); returns the filled part."""
-        from fsspec.asyn import sync
-
-        bucket, key, _ = self._fs.split_path(path)
-
-        async def stream() -> memoryview:
-            response = await self._fs._call_s3("get_object", Bucket=bucket, Key=key)
-            body = response["Body"]
-            try:
-                size = int(response["ContentLength"])
-                out = memoryview(bytearray(size)) if view is None else view
-                _check_fits(path, size, len(out))
-                offset = 0
-                while offset < size:
-                    chunk = await body.read(min(_STREAM_CHUNK, size - offset))
-                    if not chunk:
-                        raise ConnectionResetError(f"{path}: body ended after {offset} of {size} bytes")
-                    out[offset : offset + len(chunk)] = chunk
-                    offset += len(chunk)
-                return out[:size]
-            finally:
-                body.close()
-
-        return sync(self._fs.loop, stream)
+    def _s3(self) -> S3Parts:
+        return S3Parts(self._fs, self.transfers, self._slots, self._call, _check_fits)
 
     def exists(self, key: str) -> bool:
         path = self.path(key)

@@ -11,15 +11,20 @@ torchft's, unmodified.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 from torchft.local_sgd import DiLoCo
 
 from composer_serverless.config import DiLoCoConfig, TrainConfig
-from composer_serverless.rendezvous.allreduce import ExchangeSettings
+from composer_serverless.rendezvous import runkey
 from composer_serverless.rendezvous.deadline import GraceSettings
+from composer_serverless.rendezvous.exchange import ExchangeSettings
 from composer_serverless.rendezvous.manager import ObjectStoreManager
+from composer_serverless.rendezvous.runkey import RunKey, RunKeyError
+from composer_serverless.rendezvous.transfers import Transfers
 from composer_serverless.replicas.shards import decoder_layers
 
 
@@ -146,7 +151,9 @@ def global_parameters(manager: ObjectStoreManager, names: list[dict[str, str]]) 
     return params
 
 
-def exchange_settings(config: DiLoCoConfig, local_rank: int = 0, local_ranks: int = 1) -> ExchangeSettings:
+def exchange_settings(
+    config: DiLoCoConfig, local_rank: int = 0, local_ranks: int = 1, key: RunKey | None = None
+) -> ExchangeSettings:
     return ExchangeSettings(
         replicas=config.replicas,
         min_replicas=config.min_replicas,
@@ -154,7 +161,31 @@ def exchange_settings(config: DiLoCoConfig, local_rank: int = 0, local_ranks: in
         timeout_s=config.sync_timeout_s,
         local_rank=local_rank,
         local_ranks=local_ranks,
+        key=key,
     )
+
+
+def transfer_settings(config: DiLoCoConfig) -> Transfers:
+    return Transfers(concurrency=config.transfer_concurrency, part_bytes=config.transfer_part_mb << 20)
+
+
+def run_key(config: DiLoCoConfig, environ: Mapping[str, str] = os.environ) -> RunKey | None:
+    """The run key a replica of an authenticated run received (``runkey.ENV``); None for a run without one.
+
+    Raises:
+        RunKeyError: the run authenticates its payloads and the key is missing or malformed: the replica
+            could neither write a payload its peers accept nor accept one of theirs.
+    """
+    if not config.authenticate:
+        return None
+    key = runkey.from_env(environ)
+    if key is None:
+        raise RunKeyError(
+            f"this run authenticates its payloads (diloco.authenticate) but {runkey.ENV} is not set in this "
+            "replica's environment; the launcher delivers it as a secret: start replicas with "
+            "`composer-serverless launch` or `resume`, not by hand"
+        )
+    return key
 
 
 def grace_settings(config: DiLoCoConfig) -> GraceSettings:

@@ -22,6 +22,7 @@ from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.manager import ObjectStoreManager
+from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.diloco import global_parameters
 from composer_serverless.replicas.node import SOLO, Node
@@ -40,7 +41,12 @@ def global_state(manager: ObjectStoreManager) -> dict[str, Any]:
 
 
 def load_global(
-    store: ObjectStore, round_index: int, node: Node = SOLO, *, fall_back: bool = False
+    store: ObjectStore,
+    round_index: int,
+    node: Node = SOLO,
+    *,
+    fall_back: bool = False,
+    key: RunKey | None = None,
 ) -> dict[str, Any]:
     """This rank's part of the published state of ``round_index``, or of a newer round if that one was pruned
     meanwhile; every rank of the replica loads the same round (the lead's choice). With ``fall_back`` (a
@@ -58,7 +64,7 @@ def load_global(
             break
         tree, missing, problem = None, False, "unreadable on another rank of this replica"
         try:
-            tree = checkpoint.load_global(store, round_index, node.local_rank)
+            tree = checkpoint.load_global(store, round_index, node.local_rank, key)
         except FileNotFoundError:
             missing, problem = True, "not in the store (pruned meanwhile?)"
         except CheckpointError as e:

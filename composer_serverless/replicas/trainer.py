@@ -33,11 +33,12 @@ import torch
 from torch import nn
 
 from composer_serverless.config import RunConfig
-from composer_serverless.rendezvous import checkpoint, layout
-from composer_serverless.rendezvous.allreduce import StaleRoundError
+from composer_serverless.rendezvous import checkpoint, layout, runkey
+from composer_serverless.rendezvous.exchange import StaleRoundError
 from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutcome
 from composer_serverless.rendezvous.replica_log import ReplicaLog
+from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter, mean_metrics
 from composer_serverless.replicas import catchup, evaluation, precision, state
@@ -50,7 +51,9 @@ from composer_serverless.replicas.diloco import (
     make_outer_optimizers,
     make_schedule,
     model_names,
+    run_key,
     split_fragments,
+    transfer_settings,
 )
 from composer_serverless.replicas.node import SOLO, Node
 from composer_serverless.replicas.objective import Objective, make_objective
@@ -81,17 +84,23 @@ def run_replica(run: ObjectStore, rank: int, node: Node = SOLO) -> None:
     if node.size != config.ranks_per_replica:
         raise ValueError(f"the run has {config.ranks_per_replica} ranks per replica, this node {node.size}")
     run.tolerate_outages(config.diloco.store_outage_s)
+    run.configure_transfers(transfer_settings(config.diloco))
     reporter = Reporter(run, rank, silent=not node.lead)
     reporter.beat(state="starting")
     try:
+        key = run_key(config.diloco)
         run.ensure_root()
-        _train(run, config, rank, reporter, node)
+        if key is not None:
+            runkey.check_fingerprint(run, key)
+        _train(run, config, rank, reporter, node, key)
     except BaseException as e:
         reporter.beat(state="failed", error=f"{type(e).__name__}: {e}")
         raise
 
 
-def _train(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter, node: Node) -> None:
+def _train(
+    run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter, node: Node, key: RunKey | None
+) -> None:
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", node.local_rank)
@@ -106,7 +115,7 @@ def _train(run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter, n
         if node.size > 1:
             shard_model(model, node.size, device)
         Replica(
-            run, config, rank, reporter, model, loaded.tokenizer, adapters=loaded.adapters, node=node
+            run, config, rank, reporter, model, loaded.tokenizer, adapters=loaded.adapters, node=node, key=key
         ).run()
 
 
@@ -154,9 +163,11 @@ class Replica:
         *,
         adapters: Any = None,
         node: Node = SOLO,
+        key: RunKey | None = None,
     ) -> None:
         dl = config.diloco
         self.run_store = run
+        self.key = key
         self.config = config
         self.rank = rank
         self.node = node
@@ -187,7 +198,7 @@ class Replica:
             run_id=config.run_id or "",
             rank=rank,
             fragments=dl.fragments,
-            settings=exchange_settings(dl, node.local_rank, node.size),
+            settings=exchange_settings(dl, node.local_rank, node.size, key),
             grace=grace_settings(dl),
             agree=node.all_true,
         )
@@ -312,7 +323,7 @@ class Replica:
             healing = node.lead and catchup.heal_requested(self.run_store, round_index)
             if is_checkpoint or node.broadcast(healing):
                 written += checkpoint.write_global(
-                    self.run_store, round_index, state.global_state(self.manager), node.local_rank
+                    self.run_store, round_index, state.global_state(self.manager), node.local_rank, self.key
                 )
                 node.barrier()  # LATEST names a state only once every rank's part of it is written
                 if node.lead:
@@ -329,6 +340,7 @@ class Replica:
                 self._own_state(params),
                 node.local_rank,
                 prune=node.size == 1,
+                key=self.key,
             )
             if node.size > 1:
                 node.barrier()
@@ -464,7 +476,7 @@ class Replica:
     def _jump(self, round_index: int) -> None:
         """Continue from the published global state of ``round_index``, keeping this replica's own state."""
         was = self.completed_rounds
-        published = state.load_global(self.run_store, round_index, self.node)
+        published = state.load_global(self.run_store, round_index, self.node, key=self.key)
         state.apply_global(self.manager, self.names, self.model, self.outer, published)
         dl = self.config.diloco
         self.schedule = self._schedule_at(self.completed_rounds)
@@ -496,10 +508,12 @@ class Replica:
         latest = node.broadcast(latest_round(self.run_store) if node.lead else 0)
         if latest == 0:
             return 0
-        published = state.load_global(self.run_store, latest, node, fall_back=True)
+        published = state.load_global(self.run_store, latest, node, fall_back=True, key=self.key)
         state.apply_global(self.manager, self.names, self.model, self.outer, published)
         latest = self.completed_rounds
-        own = checkpoint.load_replica(self.run_store, self.rank, latest, node.local_rank, node.all_true)
+        own = checkpoint.load_replica(
+            self.run_store, self.rank, latest, node.local_rank, node.all_true, key=self.key
+        )
         if own is None:
             self.schedule = self._schedule_at(latest)
             self.log.warning(

@@ -190,6 +190,29 @@ def test_a_second_ctrl_c_stops_the_launch_at_once_and_cancels_what_it_started(tm
     assert all(app.stopped for app in fake_modal.apps.values())
 
 
+def test_the_run_key_reaches_the_replica_as_a_modal_secret_and_nowhere_else(
+    tmp_path, fake_modal, monkeypatch
+):
+    from composer_serverless.rendezvous.runkey import ENV, RunKey
+
+    monkeypatch.delenv(ENV, raising=False)
+    key = RunKey.generate().hex()
+    fake_modal.command = lambda run_url, r: WAIT
+    config = _config("s3://bucket/runs", replicas=1)
+    config = validate_config(
+        {**config.model_dump(), "diloco": {**config.diloco.model_dump(), "authenticate": True}}
+    )
+    executor = ModalExecutor()
+    plan = executor.plan(config, "s3://bucket/runs/modal-run")
+    supervisor = Supervisor(ObjectStore(str(tmp_path / "run")), executor, LaunchRecord(plan, ()))
+    executor.run_secrets[ENV] = key
+    (handle,) = supervisor.start(plan, note=lambda line: None)
+    assert fake_modal.calls[handle.backend_id].env[ENV] == key  # delivered through Secret.from_dict
+    assert ENV in plan.replicas[0].secrets and key not in plan.to_json()
+    assert key not in supervisor.run.get("launch.json").decode()
+    assert all(key not in json.dumps({k: str(v) for k, v in o.items()}) for o in fake_modal.options)
+
+
 def test_a_replica_that_cannot_be_recorded_is_not_started(tmp_path, fake_modal):
     """The store refuses the record of the attempt: no call is spawned, and the app made for it is stopped."""
 

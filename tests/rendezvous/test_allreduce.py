@@ -25,6 +25,7 @@ from composer_serverless.rendezvous.allreduce import (
 )
 from composer_serverless.rendezvous.codec import CODECS, decode, encode, read_header
 from composer_serverless.rendezvous.deadline import GraceSettings, grace_s
+from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.sharding import complete_ranks, shard_bounds, substitute_for
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.workspace import Workspace
@@ -404,3 +405,40 @@ def test_the_last_replica_to_arrive_observes_the_arrival_of_all(tmp_path: Path) 
     assert result.participants == [0, 1, 2]
     assert result.waited_for_all_s is not None
     assert torch.equal(result.average, expected_average(values, [0, 1, 2], "fp32", 3))
+
+
+@pytest.mark.parametrize("forgery", ["no MAC", "wrong MAC"])
+def test_with_a_run_key_an_input_without_a_valid_mac_is_left_out(tmp_path: Path, forgery: str) -> None:
+    """An authenticated run: replica 2's input for shard 0 was written by someone with access to the bucket
+    but not the run key, with a valid checksum and no MAC, or a MAC under another key. It is rejected and
+    nothing of it averaged; replica 2's genuine inputs of the other shards are averaged as usual."""
+    url = f"file://{tmp_path}/run"
+    key = RunKey.generate()
+    values = tensors(3)
+    store = ObjectStore(url).child(PREFIX)
+    bounds = shard_bounds(NUMEL, 3)
+    for s, (start, end) in enumerate(bounds):
+        identity = {**IDENTITY, "local": "0", "rank": "2", "shard": str(s)}
+        writer = (None if forgery == "no MAC" else RunKey.generate()) if s == 0 else key
+        store.create(layout.sync_input(2, s), encode(values[2][start:end], identity, "fp32", writer))
+    settings = ExchangeSettings(3, 3, "fp32", 60, key=key)
+    results = exchange(url, {0: values[0], 1: values[1]}, settings, grace=0.05)
+    full = expected_average(values, [0, 1, 2], "fp32", 3)
+    without = expected_average(values, [0, 1], "fp32", 3)
+    start, end = bounds[0]
+    for result in results.values():
+        assert torch.equal(result.average[start:end], without[start:end])
+        assert torch.equal(result.average[end:], full[end:])  # the MAC changes no value
+        assert result.participants == [0, 1, 2] and result.contributors == [0, 1]
+    reduced = store.get(layout.sync_output(1))
+    assert "blake3_mac" in str(read_header(reduced)[0]["__metadata__"])
+
+
+def test_without_a_key_a_keyed_reader_and_writer_are_not_needed(tmp_path: Path) -> None:
+    """The default (no run key) is unchanged: payloads carry the xxh3 checksum, no MAC."""
+    url = f"file://{tmp_path}/run"
+    values = tensors(2)
+    results = exchange(url, values, ExchangeSettings(2, 2, "fp32", 60))
+    assert torch.equal(results[0].average, expected_average(values, [0, 1], "fp32", 2))
+    metadata = read_header(ObjectStore(url).child(PREFIX).get(layout.sync_output(0)))[0]["__metadata__"]
+    assert "xxh3_128" in metadata and "blake3_mac" not in metadata
