@@ -145,3 +145,27 @@ def test_a_replica_that_caught_up_takes_what_the_boundaries_it_passed_took(live,
     assert fields["harvest"] == {"of_round": 2, "outcome": "pairs", "detail": "2 pairs", "decided_by": 0}
     assert [h["file"] for h in late.state_dict()["harvested"]] == ["000001.jsonl", "000002.jsonl"]
     assert len(late._pairs) == 3 + 1  # rank 0 of 2: pairs 0, 2, 4 of the first file and pair 0 of the second
+
+
+def test_a_resumed_replica_takes_what_its_round_took_before_it_died(live, model, tokenizer):
+    """Replica 1 saved its state after round 2, ended round 3 (taking round 2's harvest), and died. Resumed
+    from that state, it runs round 3 again and takes what round 3's end took the first time, from the store's
+    decision: without waiting, even with the report gone."""
+    config, run = live
+    config = config.model_copy(update={"diloco": config.diloco.model_copy(update={"rounds": 5})})
+    _harvested(run, 1, HARVESTED)
+    _harvested(run, 2, HARVESTED[:4])
+    first = make_objective(config, tokenizer, 1, model=model, run=run)
+    first.round_ended(1, _holding(model), _never_waits)
+    first.round_ended(2, _holding(model), _never_waits)
+    saved = json.loads(json.dumps(first.state_dict()))
+    before = first.round_ended(3, _holding(model), _never_waits)
+    run.delete(layout.harvest_report(2))
+
+    resumed = make_objective(config, tokenizer, 1, model=model, run=run)
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict()["taken_through"] == 2
+    after = resumed.round_ended(3, _holding(model), _never_waits)
+    assert after["replay_files_new"] == before["replay_files_new"] == ["harvest/pairs/000002.jsonl"]
+    assert after["harvest"] == before["harvest"] and after["replay_files"] == before["replay_files"]
+    assert json.loads(json.dumps(resumed.state_dict())) == json.loads(json.dumps(first.state_dict()))
