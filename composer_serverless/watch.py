@@ -33,6 +33,8 @@ from composer_serverless.report import eval_headline, outcome, write_report
 from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor, Terminated
 
 HEARTBEAT_POLL_S = 1.0
+# Why a live harvest stopped, as its last heartbeat tells the replicas waiting for it.
+DETACHED = "the launcher detached from the run; `composer-serverless launch --resume RUN` harvests again"
 LOCAL_STATUS_POLL_S = 1.0
 
 Choice = Literal["cancel", "detach"]
@@ -97,31 +99,37 @@ def follow(
     ]
     for harvester in harvesters:
         harvester.start()
+    stopped = "the run ended"
     try:
         with view:
             _watch(runs, view, fail_fast)
     except BackendError:
         # The backend refused the watcher something the user must fix (a revoked token, say); the replicas
         # do not need the launcher and go on. Cancelling would need the same API, so say how to reach them.
+        stopped = DETACHED
         for run in _live(runs):
             print_detached(run.url, view.console)
         raise
     except KeyboardInterrupt:
         if on_interrupt() == "detach":
+            stopped = DETACHED
             for run in _live(runs):
                 print_detached(run.url, view.console)
             return False
+        stopped = "the run was cancelled"
         _cancel(runs, record=True)
         raise RunCancelled("cancelled at your request") from None
     except Terminated:
+        stopped = "the run was cancelled"
         _cancel(runs, record=True)
         raise RunCancelled(Terminated.message) from None
-    except BaseException:
+    except BaseException as e:
+        stopped = f"the launcher failed ({type(e).__name__})"
         _cancel(runs, record=False)  # a failed launch must not keep its replicas billing
         raise
     finally:
         for harvester in harvesters:  # a detached launcher harvests no more: it holds the teachers' keys
-            harvester.stop()
+            harvester.stop(stopped)
     return True
 
 

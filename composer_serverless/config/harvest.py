@@ -218,7 +218,23 @@ class HarvestConfig(StrictModel):
     live: bool = Field(
         False,
         description="in a run's config: the launcher harvests the replicas' rollouts between rounds and the "
-        "replay channel takes the new pairs at the next round boundary",
+        "replay channel takes the pairs on a fixed schedule (live_lag)",
+    )
+    live_lag: int = Field(
+        1,
+        ge=0,
+        le=10_000,
+        description="with live: the pairs made of round k's rollouts are taken by every replica at the end of "
+        "round k + live_lag and replayed from the round after; rounds after rounds - live_lag - 1 are not "
+        "harvested. A harvest has live_lag rounds of training to finish in before any replica waits for it",
+    )
+    live_wait_s: float = Field(
+        600.0,
+        ge=0,
+        le=86_400,
+        description="with live: seconds a replica waits at most, at a round boundary, for the harvest it takes "
+        "there; if it has not come, every replica takes nothing there. 0: never wait (then which rounds "
+        "replay which pairs depends on how fast the teachers answer)",
     )
 
     @field_validator("template")

@@ -281,6 +281,21 @@ class RunConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _live_lag_leaves_a_round(self) -> RunConfig:
+        if not self.live_harvest or self.harvest is None:
+            return self
+        lag, rounds = self.harvest.live_lag, self.diloco.rounds
+        if rounds - lag - 1 < 1:
+            raise ValueError(
+                f"harvest.live_lag = {lag} leaves no round to harvest in a run of {rounds} rounds: the pairs of "
+                f"round k are taken at the end of round k + live_lag and replayed from the round after, so only "
+                f"rounds 1 to rounds - live_lag - 1 are harvested. "
+                + (f"Set harvest.live_lag to at most {rounds - 2}, or " if rounds >= 2 else "Set ")
+                + f"diloco.rounds to at least {lag + 2}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _teacher_keys_stay_here(self) -> RunConfig:
         if self.harvest is None:
             return self

@@ -1,17 +1,24 @@
 """The live harvest: while the launcher watches a run with ``harvest.live``, a thread of it harvests the
-replicas' latest rollouts between rounds, so the replay channel learns from the student's current mistakes.
+replicas' rollouts between rounds, so the replay channel learns from the student's current mistakes.
 
 The launcher does it, not the replicas, because the launcher holds the teachers' keys: replicas never need
 them (the local executor withholds them from their environment; the cloud executors never send them). So a
 run whose launcher detached, or died, stops harvesting; ``launch --resume`` starts it again, and rounds
 already harvested are not asked twice (each harvest leaves a report in the run).
 
-Round k is harvested once every replica has recorded its rollouts of k, or a later round's rollouts exist
-(the ones missing will not come); of several rounds ready, only the newest is harvested: the older ones are
-mistakes the student may no longer make. Rounds after ``rounds - 2`` are not harvested: their pairs would be
-taken by no round. The cap, ``max_usd``, holds over the whole run: each harvest's budget starts from what the
-earlier ones spent (their reports, exactly). A harvest cut short when the watch ends counts everything it had
-in flight at its worst case, since those requests may still be billed.
+The schedule is fixed (``replicas/harvest_schedule.py``): the pairs of round k are taken by every replica at
+the end of round k + ``live_lag``, and the harvester harvests every round from 1 to ``rounds - live_lag - 1``
+in order, skipping none, and writes a report for each: its pairs, or why it made none (the cap was spent, it
+failed, it was too late). Round k is harvested once the rollouts of every replica of the sync that ended it
+(its quorum) are in the store, or those there are once a later round has some (the others' will not come);
+only those replicas' rollouts are read, so a replica that joined late changes nothing. A round whose pairs
+the replicas already went on without (they timed out, say) is not harvested, and a harvest in progress when
+that happens is cancelled: nobody would take its pairs.
+
+While it runs the harvester beats (``layout.HARVESTER``, every ``BEAT_S``), saying what it does; when it stops
+it says so, and replicas waiting for a harvest stop waiting at once. The cap, ``max_usd``, holds over the whole
+run: each harvest's budget starts from what the earlier ones spent (their reports, exactly). A harvest cut
+short counts everything it had in flight at its worst case, since those requests may still be billed.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from fractions import Fraction
 from typing import Any
 
@@ -32,21 +40,32 @@ from composer_serverless.harvest.cache import AnswerCache
 from composer_serverless.harvest.costs import Budget
 from composer_serverless.harvest.harvester import harvest, pairs_jsonl
 from composer_serverless.harvest.states import latest_rollout_round, read_rollouts, rollout_ranks
-from composer_serverless.harvest.stats import usd
+from composer_serverless.harvest.stats import HarvestResult, usd
 from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.latest import fixed_participants
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.replicas.harvest_schedule import last_harvested, read_taken
+from composer_serverless.replicas.records import RecordError
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 1.0
+# Between two heartbeats; replicas take a heartbeat unchanged for ``harvest_schedule.SILENT_S`` for a gone
+# launcher, twelve beats later.
+BEAT_S = 5.0
+STOPPED = "the launcher stopped watching the run (it ended, was cancelled, or the launcher exited)"
 
 
-def harvested_rounds(run: ObjectStore) -> dict[int, dict[str, Any]]:
-    """The reports of the run's harvests so far, by round."""
-    reports = {}
+def harvested_rounds(
+    run: ObjectStore, known: dict[int, dict[str, Any]] | None = None
+) -> dict[int, dict[str, Any]]:
+    """The reports of the run's harvests so far, by round; those in ``known`` are not read again (a report is
+    written once), so a long run's poll lists the reports and reads only the new ones."""
+    reports = dict(known or {})
     for name in run.list(layout.HARVEST_REPORTS):
-        if name.endswith(".json") and name.removesuffix(".json").isdigit():
-            reports[int(name.removesuffix(".json"))] = json.loads(run.get(f"{layout.HARVEST_REPORTS}/{name}"))
+        stem = name.removesuffix(".json")
+        if name.endswith(".json") and stem.isdigit() and int(stem) not in reports:
+            reports[int(stem)] = json.loads(run.get(f"{layout.HARVEST_REPORTS}/{name}"))
     return reports
 
 
@@ -54,16 +73,30 @@ def spent_so_far(reports: dict[int, dict[str, Any]]) -> Fraction:
     return sum((Fraction(r["spent_exact"]) for r in reports.values()), Fraction(0))
 
 
-def ready_round(run: ObjectStore, config: RunConfig, done: set[int]) -> int | None:
-    """The round to harvest now, if any (see the module)."""
-    newest = latest_rollout_round(run)
-    last_useful = config.diloco.rounds - 2
-    for k in range(min(newest, last_useful), 0, -1):
-        if k in done:
-            return None
-        if len(rollout_ranks(run, k)) == config.diloco.replicas or newest > k:
-            return k
+def next_round(config: RunConfig, reports: dict[int, dict[str, Any]]) -> int | None:
+    """The first round of the schedule without a report: rounds are harvested in order, none passed over."""
+    assert config.harvest is not None
+    last = last_harvested(config.diloco.rounds, config.harvest.live_lag)
+    return next((k for k in range(1, last + 1) if k not in reports), None)
+
+
+def ready_ranks(run: ObjectStore, config: RunConfig, k: int) -> list[int] | None:
+    """The replicas whose rollouts of round ``k`` are harvested, once they are all in the store: the quorum
+    of the sync that ended round k, or, once a later round has rollouts, the replicas that recorded k (the
+    others' will not come). None while they are not there."""
+    dl = config.diloco
+    recorded = rollout_ranks(run, k)
+    quorum = fixed_participants(run, k, dl.fragments - 1, dl.replicas)
+    if quorum is not None and set(quorum) <= set(recorded):
+        return quorum
+    if latest_rollout_round(run) > k:
+        return recorded
     return None
+
+
+def _report(k: int, spent: Fraction, **fields: Any) -> bytes:
+    doc = {"round": k, "pairs": 0, "pairs_file": None, **fields, "spent_exact": str(spent)}
+    return json.dumps({**doc, "spent_usd": float(spent)}, sort_keys=True).encode()
 
 
 class LiveHarvester:
@@ -76,15 +109,24 @@ class LiveHarvester:
         self.harvest: HarvestConfig = config.harvest
         self._console = console
         self._stopping = threading.Event()
+        self._stop_reason = STOPPED
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
+        self._doing = "starting"
+        self._beats = 0
+        self._beat_lock = threading.Lock()
+        self._said_stopped = False
+        self._capped = False
+        self._reports: dict[int, dict[str, Any]] = {}
         self._thread = threading.Thread(target=self._main, name=f"harvest-{config.run_id}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop harvesting: a harvest in progress is cancelled and reported (see the module)."""
+    def stop(self, reason: str = STOPPED) -> None:
+        """Stop harvesting: a harvest in progress is cancelled and reported (see the module), and the
+        heartbeat says the harvester stopped, and ``reason``."""
+        self._stop_reason = reason
         self._stopping.set()
         loop, task = self._loop, self._task
         if loop is not None and task is not None:
@@ -98,51 +140,138 @@ class LiveHarvester:
     async def _watch(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
-        capped = False
+        beating = asyncio.create_task(self._beat())
         try:
             while not self._stopping.is_set():
                 try:
-                    reports = await asyncio.to_thread(harvested_rounds, self.run)
-                    spent = spent_so_far(reports)
-                    k = await asyncio.to_thread(ready_round, self.run, self.config, set(reports))
-                    if k is not None and spent < Fraction(self.harvest.max_usd):
-                        await self._harvest(k, spent)
-                    elif k is not None and not capped:
-                        capped = True
-                        self._say(
-                            f"[yellow]harvest:[/] the cap of {usd(self.harvest.max_usd)} is spent; no more"
-                        )
+                    reports = await asyncio.to_thread(harvested_rounds, self.run, self._reports)
+                    self._reports = reports
+                    k = next_round(self.config, reports)
+                    reported = False
+                    if k is None:
+                        self._doing = "done: every round of the schedule is reported"
+                    else:
+                        reported = await self._step(k, spent_so_far(reports))
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # the run goes on without pairs rather than fail for them
                     logger.exception("the live harvest failed; it tries again at the next poll")
                     self._say(f"[yellow]harvest failed:[/] {escape(f'{type(e).__name__}: {e}')}")
-                await asyncio.sleep(POLL_S)
+                    reported = False
+                if not reported:  # else the next round may be ready already
+                    await asyncio.sleep(POLL_S)
         except asyncio.CancelledError:
-            return
+            pass
+        finally:
+            beating.cancel()
+            self._put_beat({"state": "stopped", "reason": self._stop_reason, "time": time.time()})
 
-    async def _harvest(self, k: int, spent: Fraction) -> None:
-        states = await asyncio.to_thread(read_rollouts, self.run, k)
-        if not states:  # pruned before it could be read (the run is rounds ahead): nothing to ask
+    async def _beat(self) -> None:
+        while True:
+            self._beats += 1
+            beat = {"state": self._doing, "beat": self._beats, "time": time.time()}
+            await asyncio.to_thread(self._put_beat, beat)
+            await asyncio.sleep(BEAT_S)
+
+    def _put_beat(self, beat: dict[str, Any]) -> None:
+        """Write a heartbeat; none after the one that says the harvester stopped (a beat cancelled while its
+        write was under way on another thread must not land after it)."""
+        with self._beat_lock:
+            if self._said_stopped:
+                return
+            self.run.put(layout.HARVESTER, json.dumps(beat, sort_keys=True).encode())
+            self._said_stopped = beat["state"] == "stopped"
+
+    async def _step(self, k: int, spent: Fraction) -> bool:
+        """Harvest round ``k`` if it is time to, or report why it is not harvested; True once reported."""
+        taken_at = k + self.harvest.live_lag
+        decided = await asyncio.to_thread(read_taken, self.run, taken_at, k)
+        if decided is not None:  # the replicas went on without it: its pairs would be taken by no round
+            await self._skip(k, f"too late: the end of round {taken_at} took nothing ({decided.detail})")
+            return True
+        ranks = await asyncio.to_thread(ready_ranks, self.run, self.config, k)
+        if ranks is None:
+            self._doing = f"waiting for the rollouts of round {k}"
+            return False
+        if spent >= Fraction(self.harvest.max_usd):
+            if not self._capped:
+                self._capped = True
+                self._say(f"[yellow]harvest:[/] the cap of {usd(self.harvest.max_usd)} is spent; no more")
+            await self._skip(k, f"the cap of {usd(self.harvest.max_usd)} is spent")
+            return True
+        self._doing = f"harvesting round {k}"
+        await self._harvest(k, ranks, spent)
+        return True
+
+    async def _skip(self, k: int, why: str) -> None:
+        await asyncio.to_thread(self.run.put, layout.harvest_report(k), _report(k, Fraction(0), skipped=why))
+        self._say(f"  harvest of round {k}: none ({escape(why)})")
+
+    async def _harvest(self, k: int, ranks: list[int], spent: Fraction) -> None:
+        try:
+            states = await asyncio.to_thread(read_rollouts, self.run, k, ranks)
+        except (RecordError, ValueError, FileNotFoundError) as e:  # a replica's file is not rollouts
+            why = f"{type(e).__name__}: {e}"
+            await asyncio.to_thread(
+                self.run.put, layout.harvest_report(k), _report(k, Fraction(0), failed=why)
+            )
+            self._say(f"  [yellow]harvest of round {k}:[/] {escape(why)}")
+            return
+        if not states:
+            await self._skip(k, f"no rollouts of round {k} to ask about")
             return
         budget = Budget(Fraction(self.harvest.max_usd), spent=spent)
         cache = AnswerCache(self.run.child(layout.HARVEST_CACHE))
+        asking = asyncio.create_task(harvest(states, self.harvest, cache, budget))
+        taken_at = k + self.harvest.live_lag
         try:
-            result = await harvest(states, self.harvest, cache, budget)
+            while not asking.done():
+                await asyncio.wait({asking}, timeout=POLL_S)
+                decided = (
+                    None if asking.done() else await asyncio.to_thread(read_taken, self.run, taken_at, k)
+                )
+                if decided is not None:
+                    why = f"too late: the end of round {taken_at} took nothing ({decided.detail})"
+                    await self._cut_short(k, spent, budget, asking, why)
+                    return
         except asyncio.CancelledError:
-            # Requests in flight may yet be billed: counted at their worst case, so the cap stays hard.
-            upper = budget.spent - spent + budget.in_flight
-            report = {"round": k, "cancelled": True, "spent_exact": str(upper), "spent_usd": float(upper)}
-            self.run.put(layout.harvest_report(k), json.dumps(report, sort_keys=True).encode())
+            await self._cut_short(k, spent, budget, asking, "the launcher stopped watching the run")
             raise
+        try:
+            result = asking.result()
+        except Exception as e:
+            logger.exception("the harvest of round %d failed", k)
+            await self._cut_short(k, spent, budget, asking, None, failed=f"{type(e).__name__}: {e}")
+            return
+        await self._finish(k, ranks, spent, result)
+
+    async def _cut_short(
+        self,
+        k: int,
+        spent: Fraction,
+        budget: Budget,
+        asking: asyncio.Task[HarvestResult],
+        cancelled: str | None,
+        failed: str | None = None,
+    ) -> None:
+        """Report a harvest that ended without its pairs. Requests in flight may yet be billed: they are
+        counted at their worst case, so the cap stays hard."""
+        asking.cancel()
+        await asyncio.gather(asking, return_exceptions=True)
+        upper = budget.spent - spent + budget.in_flight
+        why = {"cancelled": cancelled} if cancelled is not None else {"failed": failed}
+        self.run.put(layout.harvest_report(k), _report(k, upper, **why))
+        self._say(
+            f"  [yellow]harvest of round {k}:[/] {escape(cancelled or failed or '')}, {usd(upper)} counted"
+        )
+
+    async def _finish(self, k: int, ranks: list[int], spent: Fraction, result: HarvestResult) -> None:
         pairs_key = None
         if result.pairs:
             pairs_key = layout.harvested_pairs(k)
             await asyncio.to_thread(self.run.put, pairs_key, pairs_jsonl(result.pairs))
-        report = {**result.to_json(), "round": k, "spent_exact": str(result.spent), "pairs_file": pairs_key}
-        await asyncio.to_thread(
-            self.run.put, layout.harvest_report(k), json.dumps(report, sort_keys=True).encode()
-        )
+        report = {**result.to_json(), "ranks": ranks, "pairs_file": pairs_key}
+        await asyncio.to_thread(self.run.put, layout.harvest_report(k), _report(k, result.spent, **report))
         total = spent + result.spent
         self._say(
             f"  harvest of round {k}: {len(result.pairs)} pairs from {result.prompts} prompts, "

@@ -74,10 +74,11 @@ def rollout_ranks(run: ObjectStore, round_index: int) -> list[int]:
     return sorted(int(n.removesuffix(".jsonl")) for n in names if n.removesuffix(".jsonl").isdigit())
 
 
-def read_rollouts(run: ObjectStore, round_index: int) -> list[State]:
-    """The states of every replica's rollouts of ``round_index``, replica by replica."""
+def read_rollouts(run: ObjectStore, round_index: int, ranks: list[int] | None = None) -> list[State]:
+    """The states of the rollouts of ``round_index`` of the replicas ``ranks`` (None: of every replica that
+    recorded them), replica by replica."""
     states = []
-    for rank in rollout_ranks(run, round_index):
+    for rank in rollout_ranks(run, round_index) if ranks is None else ranks:
         key = layout.rollouts(round_index, rank)
         lines = io.StringIO(run.get(key).decode("utf-8"))
         for number, line in enumerate(lines, start=1):

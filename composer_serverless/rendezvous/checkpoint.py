@@ -210,12 +210,13 @@ def advance(store: ObjectStore, round_index: int, *, checkpoint: bool) -> None:
             store.delete(f"{layout.STATE}/{name}")
 
 
-def prune_exchanges(store: ObjectStore, round_index: int) -> None:
-    """Drop the exchange objects, evaluation shares and recorded rollouts of rounds before the last
-    ``KEEP_ROUNDS``: a replica that is further behind catches up from a published state instead, and a
-    harvest reads the latest rollouts."""
-    for prefix in (layout.ROUNDS, layout.EVALS, layout.ROLLOUTS):
+def prune_exchanges(store: ObjectStore, round_index: int, *, keep_rollouts: int = KEEP_ROUNDS) -> None:
+    """Drop the exchange objects and evaluation shares of rounds before the last ``KEEP_ROUNDS``, and the
+    recorded rollouts before the last ``keep_rollouts``: a replica that is further behind catches up from a
+    published state instead, and a harvest reads rollouts no older than that (a live harvest's lag)."""
+    for prefix in (layout.ROUNDS, layout.EVALS):
         _prune_numbered(store, prefix, keep_from=round_index - KEEP_ROUNDS + 1)
+    _prune_numbered(store, layout.ROLLOUTS, keep_from=round_index - keep_rollouts + 1)
 
 
 def load_global(store: ObjectStore, round_index: int, local: int = 0, key: RunKey | None = None) -> Any:

@@ -61,8 +61,14 @@ HARVEST = "harvest"
 HARVEST_CACHE = f"{HARVEST}/cache"
 """The run's answer cache: a teacher's answer under the hash of its endpoint, model and request body."""
 HARVEST_PAIRS = f"{HARVEST}/pairs"
-"""Pairs harvested live, one file per round of rollouts; the replicas take new ones at round boundaries."""
+"""Pairs harvested live, one file per round of rollouts; the replicas take each at the round boundary the
+schedule gives it (``replicas/harvest_schedule.py``)."""
 HARVEST_REPORTS = f"{HARVEST}/reports"
+HARVEST_TAKEN = f"{HARVEST}/taken"
+"""What each round boundary of a live harvest took: decided once, by the first replica to decide, for all."""
+HARVESTER = f"{HARVEST}/harvester.json"
+"""The launcher's live harvester's heartbeat: replicas stop waiting for a harvester that stopped or fell
+silent."""
 
 # Inside a sync's prefix.
 SYNC_INPUTS = "in"
@@ -176,6 +182,12 @@ def harvest_report(round_index: int) -> str:
     return f"{HARVEST_REPORTS}/{round_index:06d}.json"
 
 
+def harvest_taken(round_index: int) -> str:
+    """Which harvested pair files the replicas take at the end of round ``round_index`` (create-if-absent: the
+    first replica to decide decides for every replica)."""
+    return f"{HARVEST_TAKEN}/{round_index:06d}.json"
+
+
 def snapshot_file(prefix: str, name: str) -> str:
     return f"{prefix}/{name}"
 
@@ -224,7 +236,12 @@ def describe() -> list[tuple[str, str]]:
             "a teacher's answer under the hash of its endpoint, model and request",
         ),
         (harvested_pairs(k), "pairs a live harvest made of round k's rollouts"),
-        (harvest_report(k), "that harvest's requests, failures, latency, tokens and USD per teacher"),
+        (
+            harvest_report(k),
+            "that harvest's requests, latency, tokens and USD per teacher, or why it made none",
+        ),
+        (harvest_taken(k), "the pair files the replicas take at the end of round k, created once"),
+        (HARVESTER, "the launcher's live harvester's heartbeat: what it does, or that it stopped"),
         (f"{FINAL}/", "the final global model and tokenizer (Hugging Face format)"),
         (SUMMARY, "the report's figures, written at the end"),
         (LOSS_PLOT, "held-out and training loss per round"),

@@ -9,13 +9,16 @@ The launcher reads the same inputs before any replica starts (`inputs.py`), so a
 that does not import is reported with its file and line, or its import path, at launch.
 
 At each round's end (`round_ended`) the objective writes the round's rollouts to the store when they are
-recorded (`composer.record_rollouts`, or a live harvest), and with a live harvest takes the pair files the
-launcher has harvested since into its replay set, this replica's share of each (pair i to replica
-i mod N). For DPO their reference log-probabilities are computed then, once, by the global model of that
-round, the same on every replica: the pairs are the current student's mistakes, and the policy that made them
-is the reference iterative DPO takes (Yuan et al. 2024, Self-Rewarding Language Models), where the initial
-model would need a second copy kept in memory for the whole run. They are kept in the objective's state, so a
-resumed replica replays the same pairs with the same references.
+recorded (`composer.record_rollouts`, or a live harvest), and with a live harvest takes the pair file the
+schedule gives that round (`harvest_schedule.py`: the harvest of round j - live_lag, decided once in the store
+for every replica, waited for if it has not come) into its replay set, this replica's share of it (pair i to
+replica i mod N). For DPO their reference log-probabilities are computed then, once, by the global model of
+that round, the same on every replica: the pairs are the current student's mistakes, and the policy that made
+them is the reference iterative DPO takes (Yuan et al. 2024, Self-Rewarding Language Models), where the initial
+model would need a second copy kept in memory for the whole run. They are kept in the objective's state with
+the last round whose decision it applied, so a resumed replica replays the same pairs with the same references
+and goes on with the schedule from there. A replica that caught up past some rounds (it loaded a published
+state) takes what their decisions took at its next round's end.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas import inputs
 from composer_serverless.replicas.chat import chat_prompt
 from composer_serverless.replicas.evaluation import EvalPart, share
+from composer_serverless.replicas.harvest_schedule import (
+    HarvesterWatch,
+    Taken,
+    decide,
+    harvest_taken_at,
+    read_taken,
+)
 from composer_serverless.replicas.hints import HintBuilder
 from composer_serverless.replicas.pairs import ReplayPairs
 from composer_serverless.replicas.records import (
@@ -167,6 +177,12 @@ class ComposerObjective:
         self._replicas = replicas
         self._record = run is not None and (composer.record_rollouts or config.live_harvest)
         self._live = run is not None and config.live_harvest
+        self._rounds = config.diloco.rounds
+        self._lag = config.harvest.live_lag if config.harvest is not None else 0
+        self._wait_s = config.harvest.live_wait_s if config.harvest is not None else 0.0
+        self._watch = HarvesterWatch(run) if self._live and run is not None else None
+        # The last round boundary whose decision this replica applied (the schedule's position).
+        self._taken_through = 0
         self._recorded: dict[tuple[str, str], dict[str, Any]] = {}
         # The pair files in the replay set: the static file's URL, then each harvested file's key in the run.
         self._pair_files: list[str] = []
@@ -286,10 +302,15 @@ class ComposerObjective:
         return out
 
     def round_ended(
-        self, round_index: int, global_model: Callable[[], contextlib.AbstractContextManager[nn.Module]]
+        self,
+        round_index: int,
+        global_model: Callable[[], contextlib.AbstractContextManager[nn.Module]],
+        waiting: Callable[[str], None],
     ) -> dict[str, Any]:
-        """Record the round's rollouts and take newly harvested pairs (see the module); returns the pair files
-        the round replayed (``replay_files``) and, with a live harvest, those taken for the next rounds."""
+        """Record the round's rollouts and take the harvested pairs the schedule gives this round (see the
+        module); returns the pair files the round replayed (``replay_files``) and, with a live harvest, those
+        taken for the next rounds (``replay_files_new``), how long this replica waited for them and what was
+        decided (``harvest_wait_s``, ``harvest``)."""
         fields: dict[str, Any] = {}
         if self._pairs is not None:
             fields["replay_files"] = list(self._pair_files)
@@ -302,29 +323,50 @@ class ComposerObjective:
             self._run.put(layout.rollouts(round_index, self._rank), data.encode())
             self._recorded = {}
         if self._live and self._pairs is not None:
-            fields["replay_files_new"] = self._take_harvested(global_model)
+            fields.update(self._take_harvested(round_index, global_model, waiting))
         return fields
 
     def _take_harvested(
-        self, global_model: Callable[[], contextlib.AbstractContextManager[nn.Module]]
-    ) -> list[str]:
-        assert self._run is not None and self._pairs is not None
-        taken = {h["file"] for h in self._harvested}
-        new = [name for name in self._run.list(layout.HARVEST_PAIRS) if name not in taken]
-        if not new:
-            return []
-        with global_model() as model:
-            for name in new:
-                shard = self._harvested_shard(name)
-                refs = self._pairs.extend(shard, model if self._dpo else None)
-                self._harvested.append({"file": name, "refs": refs})
-                self._pair_files.append(f"{layout.HARVEST_PAIRS}/{name}")
-                logger.info("replaying %d harvested pairs of %s from now on", len(shard), name)
-        return [f"{layout.HARVEST_PAIRS}/{name}" for name in new]
+        self,
+        round_index: int,
+        global_model: Callable[[], contextlib.AbstractContextManager[nn.Module]],
+        waiting: Callable[[str], None],
+    ) -> dict[str, Any]:
+        """Apply the decisions of every round boundary since the last one applied: this round's, waited for,
+        and those of rounds this replica caught up past, read."""
+        assert self._run is not None and self._pairs is not None and self._watch is not None
+        fields: dict[str, Any] = {}
+        files: list[str] = []
+        for j in range(self._taken_through + 1, round_index + 1):
+            k = harvest_taken_at(j, self._lag, self._rounds)
+            if k is None:
+                continue
+            taken: Taken | None
+            if j == round_index:
+                taken, waited = decide(self._run, j, k, self._rank, self._wait_s, self._watch, waiting)
+                fields.update(taken.row(waited))
+            else:
+                taken = read_taken(self._run, j, k)
+                if taken is None:  # every round a replica passes over was ended, and decided, by another
+                    logger.warning("no decision of round %d's end in the store: nothing taken for it", j)
+                    continue
+            files += taken.files
+        self._taken_through = round_index
+        if files:
+            with global_model() as model:
+                for key in files:
+                    shard = self._harvested_shard(key)
+                    refs = self._pairs.extend(shard, model if self._dpo else None)
+                    self._harvested.append(
+                        {"file": key.removeprefix(f"{layout.HARVEST_PAIRS}/"), "refs": refs}
+                    )
+                    self._pair_files.append(key)
+                    logger.info("replaying %d harvested pairs of %s from now on", len(shard), key)
+        fields["replay_files_new"] = files
+        return fields
 
-    def _harvested_shard(self, name: str) -> list[PreferencePair]:
+    def _harvested_shard(self, key: str) -> list[PreferencePair]:
         assert self._run is not None
-        key = f"{layout.HARVEST_PAIRS}/{name}"
         pairs = pairs_from_jsonl(self._run.get(key), self._run.url_of(key))
         return pairs[self._rank :: self._replicas]
 
@@ -334,6 +376,7 @@ class ComposerObjective:
             state["pairs"] = self._pairs.state_dict()
         if self._live:
             state["harvested"] = self._harvested
+            state["taken_through"] = self._taken_through
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -342,7 +385,9 @@ class ComposerObjective:
             for harvested in state.get("harvested", []):
                 if harvested["file"] in {h["file"] for h in self._harvested}:
                     continue
-                self._pairs.extend(self._harvested_shard(harvested["file"]), None, refs=harvested["refs"])
+                key = f"{layout.HARVEST_PAIRS}/{harvested['file']}"
+                self._pairs.extend(self._harvested_shard(key), None, refs=harvested["refs"])
                 self._harvested.append(harvested)
-                self._pair_files.append(f"{layout.HARVEST_PAIRS}/{harvested['file']}")
+                self._pair_files.append(key)
             self._pairs.load_state_dict(state["pairs"])
+        self._taken_through = state.get("taken_through", self._taken_through)

@@ -44,11 +44,16 @@ class Objective(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def round_ended(
-        self, round_index: int, global_model: Callable[[], contextlib.AbstractContextManager[torch.nn.Module]]
+        self,
+        round_index: int,
+        global_model: Callable[[], contextlib.AbstractContextManager[torch.nn.Module]],
+        waiting: Callable[[str], None],
     ) -> dict[str, Any]:
         """Called once per committed round, before its metrics row is written: whatever the objective does
-        between rounds (the composer objective records its rollouts and takes harvested pairs). Entering
-        ``global_model()`` swaps the round's global parameters into the model. Returns fields for the row."""
+        between rounds (the composer objective records its rollouts and takes harvested pairs, waiting for
+        them if they are late). Entering ``global_model()`` swaps the round's global parameters into the
+        model; ``waiting(what)`` puts what the replica waits for in its heartbeat. Returns fields for the
+        row."""
         ...
 
 
@@ -134,7 +139,10 @@ class LMObjective:
         self._train.load_state_dict(state["train"])
 
     def round_ended(
-        self, round_index: int, global_model: Callable[[], contextlib.AbstractContextManager[torch.nn.Module]]
+        self,
+        round_index: int,
+        global_model: Callable[[], contextlib.AbstractContextManager[torch.nn.Module]],
+        waiting: Callable[[str], None],
     ) -> dict[str, Any]:
         return {}
 

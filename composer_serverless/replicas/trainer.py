@@ -25,7 +25,7 @@ import logging
 import math
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -312,7 +312,11 @@ class Replica:
             scored = self._evaluate(round_index, outcome.participants, params)
             if scored is not None:
                 row["eval"] = scored
-        row.update(self.objective.round_ended(round_index, lambda: self._global_model(params)))
+        row.update(
+            self.objective.round_ended(
+                round_index, lambda: self._global_model(params), self._waiting(round_index)
+            )
+        )
         # Recorded before publishing: a publisher that dies while it publishes loses no point of the curve.
         self.reporter.round(round_index, row)
         # A checkpoint every checkpoint_every rounds and at the last: the global state and every replica's own.
@@ -331,7 +335,7 @@ class Replica:
             if last:
                 self._upload_final(params)
             if node.lead:
-                checkpoint.prune_exchanges(self.run_store, round_index)
+                checkpoint.prune_exchanges(self.run_store, round_index, keep_rollouts=self._rollouts_kept())
         if is_checkpoint:
             written += checkpoint.save_replica(
                 self.run_store,
@@ -357,6 +361,24 @@ class Replica:
                 row["train_loss"],
                 outcome.participants,
             )
+
+    def _waiting(self, round_index: int) -> Callable[[str], None]:
+        """How the objective says, at the end of ``round_index``, what the replica waits for: its heartbeat."""
+        dl = self.config.diloco
+
+        def beat(what: str) -> None:
+            self.reporter.beat(
+                state=what, round=round_index, rounds=dl.rounds, step=dl.sync_every, steps=dl.sync_every
+            )
+
+        return beat
+
+    def _rollouts_kept(self) -> int:
+        """Rounds of recorded rollouts kept: with a live harvest, those whose harvest may not have been taken
+        yet (the last ``live_lag``) too, so a harvest that runs late still finds them."""
+        harvest = self.config.harvest
+        lag = harvest.live_lag if harvest is not None and harvest.live else 0
+        return max(checkpoint.KEEP_ROUNDS, lag)
 
     @contextlib.contextmanager
     def _global_model(self, params: dict[str, torch.Tensor]) -> Iterator[nn.Module]:

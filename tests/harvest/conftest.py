@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from composer_serverless.config import HarvestConfig
+from composer_serverless.config import HarvestConfig, RunConfig, validate_config
 from composer_serverless.harvest import client
 from tests.harvest.fake_teacher import FakeTeacher
+
+TASKS = Path(__file__).resolve().parents[2] / "deploy" / "data" / "composer-tasks"
+LIVE_TEACHERS = ("careful", "steady", "sloppy")
 
 # A known key value: tests scan everything a harvest leaves behind and must never find it.
 CANARY = "sk-canary-DO-NOT-LEAK-5f1e9a77c3b2"
@@ -62,3 +67,62 @@ def harvest_config(
         **overrides,
     }
     return HarvestConfig.model_validate(raw)
+
+
+def right_answers() -> dict[str, str]:
+    """The task suite's training prompts and their right answers."""
+    rows = [json.loads(line) for line in (TASKS / "train.jsonl").read_text().splitlines()]
+    return {row["prompt"]: row["answer"] for row in rows}
+
+
+def live_run_config(
+    fakes: list[FakeTeacher], store: Path, run_id: str, rounds: int, **harvest: Any
+) -> RunConfig:
+    """A 2-replica composer run of a tiny model on the task suite, harvested live from ``fakes`` (teachers
+    careful, steady and sloppy, key in TEACHER_KEY, answers compared as "answer is X")."""
+    return validate_config(
+        {
+            "run_id": run_id,
+            "store": str(store),
+            "model": {
+                "tiny": {
+                    "tokenizer": "chars",
+                    "alphabet": " -.0123456789:=ATabcdefghilmnoprstvwx",
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_layers": 2,
+                    "num_heads": 4,
+                }
+            },
+            "train": {"objective": "composer", "lr": 1e-3},
+            "diloco": {"replicas": 2, "sync_every": 8, "rounds": rounds},
+            "eval": {"sequences": 7},
+            "composer": {
+                "alpha": 0.0,
+                "beta": 1.0,
+                "data": {"prompts": str(TASKS / "train.jsonl"), "heldout": str(TASKS / "heldout.jsonl")},
+                "rewards": [{"fn": "exact_match"}],
+                "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 4},
+                "replay": {"pairs_per_step": 4},
+            },
+            "harvest": {
+                "live": True,
+                "max_usd": 1.0,
+                "normalise": {"final_answer": r"answer is\s*(\S+)", "trim_chars": "."},
+                "teachers": [
+                    {
+                        "name": name,
+                        "base_url": fake.base_url,
+                        "model": f"model-{name}",
+                        "api_key_env": "TEACHER_KEY",
+                        "usd_per_m_input": fake.usd_per_m_input,
+                        "usd_per_m_output": fake.usd_per_m_output,
+                        "max_tokens": 32,
+                    }
+                    for name, fake in zip(LIVE_TEACHERS, fakes, strict=True)
+                ],
+                **harvest,
+            },
+            "executor": {"type": "local", "threads_per_replica": 1},
+        }
+    )

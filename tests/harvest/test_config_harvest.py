@@ -20,7 +20,7 @@ TEACHER = {
 RUN = {
     "model": {"tiny": {"tokenizer": "chars"}},
     "train": {"objective": "composer"},
-    "diloco": {"sync_every": 2, "rounds": 1},
+    "diloco": {"sync_every": 2, "rounds": 3},
     "composer": {
         "beta": 1.0,
         "data": {"prompts": "train.jsonl", "heldout": "heldout.jsonl"},
@@ -48,6 +48,7 @@ def test_a_live_harvest_feeds_a_replay_channel_without_a_pairs_file():
     assert config.live_harvest and config.composer.data.pairs is None
     assert config.harvest.teachers[0].base_url == "https://api.example.com/v1"  # the trailing slash goes
     assert config.harvest.threshold == 2 and config.harvest.teachers[0].max_tokens == 256
+    assert (config.harvest.live_lag, config.harvest.live_wait_s) == (1, 600.0)
 
 
 @pytest.mark.parametrize(
@@ -68,6 +69,10 @@ def test_a_live_harvest_feeds_a_replay_channel_without_a_pairs_file():
         ("harvest.template", "{question}", "may use only {prompt}"),
         ("harvest.output", "pairs.json", "ending in .jsonl"),
         ("harvest.max_usd", None, "harvest.max_usd: required but not set"),
+        ("diloco.rounds", 2, "harvest.live_lag = 1 leaves no round to harvest in a run of 2 rounds"),
+        ("harvest.live_lag", 2, "Set harvest.live_lag to at most 1, or diloco.rounds to at least 4"),
+        ("harvest.live_lag", -1, "greater than or equal to 0"),
+        ("harvest.live_wait_s", -5, "greater than or equal to 0"),
     ],
 )
 def test_mistakes_are_explained(path, value, message):

@@ -1,6 +1,9 @@
 """A composer run harvested live: the launcher asks fake teachers about the replicas' rollouts between rounds,
-the replicas replay the pairs from the next round boundary on, every round's row says which pair files it
-replayed, the spend stays under the run's cap, and the teachers' key reaches no replica, log or object."""
+on the fixed schedule (live_lag 1): every round from 1 to rounds - 2 is harvested, in order, and the pairs of
+round k are taken by both replicas at the end of round k + 1 and replayed from round k + 2 on. The first
+harvest is held by the teachers until both replicas are seen waiting for it, so the replicas' wait is part
+of the run, not a matter of the machine's speed. Every round's row says which pair files it replayed and
+took, the spend stays under the run's cap, and the teachers' key reaches no replica, log or object."""
 
 from __future__ import annotations
 
@@ -10,39 +13,37 @@ import json
 import threading
 import time
 from fractions import Fraction
-from pathlib import Path
 
 import psutil
 import pytest
 from rich.console import Console
 
-from composer_serverless.config import validate_config
 from composer_serverless.harvest import live
 from composer_serverless.launcher import launch
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.rendezvous.telemetry import read_metrics
-from tests.harvest.conftest import CANARY
+from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
+from composer_serverless.replicas.harvest_schedule import NO_PAIRS, PAIRS
+from tests.harvest.conftest import CANARY, live_run_config, right_answers
 from tests.harvest.fake_teacher import Behaviour
 
 pytestmark = pytest.mark.slow
 
-TASKS = Path(__file__).resolve().parents[2] / "deploy" / "data" / "composer-tasks"
 ROUNDS = 6
-
-
-def _right_answers() -> dict[str, str]:
-    rows = [json.loads(line) for line in (TASKS / "train.jsonl").read_text().splitlines()]
-    return {row["prompt"]: row["answer"] for row in rows}
+WAITING = "waiting for the harvest of round 1"
 
 
 class ReplicaWatch(threading.Thread):
-    """Every replica process of the run seen while it runs: its command line and environment."""
+    """Every replica process of the run seen while it runs (its command line and environment), and whether
+    every replica's heartbeat has said it waits for the first harvest (``both_waiting``)."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, run: ObjectStore) -> None:
         super().__init__(daemon=True)
         self.run_id = run_id
+        self.store = run
         self.seen: dict[int, tuple[list[str], dict[str, str]]] = {}
+        self.waiting: set[int] = set()
+        self.both_waiting = threading.Event()
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -54,64 +55,32 @@ class ReplicaWatch(threading.Thread):
                 ):
                     with contextlib.suppress(psutil.Error):
                         self.seen.setdefault(proc.pid, (cmdline, proc.environ()))
-            time.sleep(0.2)
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                beats = read_heartbeats(self.store)
+                self.waiting |= {rank for rank, beat in beats.items() if beat.get("state") == WAITING}
+            if len(self.waiting) == 2:
+                self.both_waiting.set()
+            time.sleep(0.1)
 
 
-def test_a_run_harvested_between_its_rounds(teachers, tmp_path, monkeypatch):
+def test_a_run_harvested_between_its_rounds_on_a_fixed_schedule(teachers, tmp_path, monkeypatch):
     monkeypatch.setenv("TEACHER_KEY", CANARY)
     monkeypatch.setattr(live, "POLL_S", 0.2)  # rounds of a few seconds here, of minutes in a real run
-    right = _right_answers()
+    right = right_answers()
+    run = ObjectStore(str(tmp_path / "runs" / "live-harvest"))
+    watch = ReplicaWatch("live-harvest", run)
     fakes = teachers(3, key=CANARY, usd_per_m_input=2.0, usd_per_m_output=8.0)
     for index, fake in enumerate(fakes):
         slip = "0" if index == 2 else ""  # the third teacher is always a little wrong: 2 of 3 agree
-        fake.script = lambda prompt, attempt, s=slip: Behaviour(answer=f"The answer is {right[prompt]}{s}.")
-    config = validate_config(
-        {
-            "run_id": "live-harvest",
-            "store": str(tmp_path / "runs"),
-            "model": {
-                "tiny": {
-                    "tokenizer": "chars",
-                    "alphabet": " -.0123456789:=ATabcdefghilmnoprstvwx",
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_layers": 2,
-                    "num_heads": 4,
-                }
-            },
-            "train": {"objective": "composer", "lr": 1e-3},
-            "diloco": {"replicas": 2, "sync_every": 8, "rounds": ROUNDS},
-            "eval": {"sequences": 7},
-            "composer": {
-                "alpha": 0.0,
-                "beta": 1.0,
-                "data": {"prompts": str(TASKS / "train.jsonl"), "heldout": str(TASKS / "heldout.jsonl")},
-                "rewards": [{"fn": "exact_match"}],
-                "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 4},
-                "replay": {"pairs_per_step": 4},
-            },
-            "harvest": {
-                "live": True,
-                "max_usd": 0.01,  # about a harvest and a half: the cap binds within the run
-                "max_states": 12,  # the student's 12 worst prompts of each round
-                "normalise": {"final_answer": r"answer is\s*(\S+)", "trim_chars": "."},
-                "teachers": [
-                    {
-                        "name": name,
-                        "base_url": fake.base_url,
-                        "model": f"model-{name}",
-                        "api_key_env": "TEACHER_KEY",
-                        "usd_per_m_input": 2.0,
-                        "usd_per_m_output": 8.0,
-                        "max_tokens": 32,
-                    }
-                    for name, fake in zip(("careful", "steady", "sloppy"), fakes, strict=True)
-                ],
-            },
-            "executor": {"type": "local", "threads_per_replica": 1},
-        }
-    )
-    watch = ReplicaWatch("live-harvest")
+
+        def script(prompt, attempt, slip=slip):
+            # The first harvest is slower than the replicas: it answers once both wait for it.
+            watch.both_waiting.wait(120)
+            return Behaviour(answer=f"The answer is {right[prompt]}{slip}.")
+
+        fake.script = script
+    # About a harvest and a half: the cap binds within the run. The student's 12 worst prompts a round.
+    config = live_run_config(fakes, tmp_path / "runs", "live-harvest", ROUNDS, max_usd=0.01, max_states=12)
     watch.start()
     out = io.StringIO()
     try:
@@ -120,46 +89,62 @@ def test_a_run_harvested_between_its_rounds(teachers, tmp_path, monkeypatch):
         watch.done.set()
         watch.join()
     assert summary is not None and summary["rounds_committed"] == ROUNDS
-    run = ObjectStore(str(tmp_path / "runs" / "live-harvest"))
 
-    # Harvests of rounds 1 .. ROUNDS - 2 (later pairs would be replayed by no round), none asked twice.
-    reports = {
-        int(n[:-5]): json.loads(run.get(f"{layout.HARVEST_REPORTS}/{n}"))
-        for n in run.list(layout.HARVEST_REPORTS)
-    }
-    assert reports and set(reports) <= set(range(1, ROUNDS - 1))
-    first = min(reports)
-    assert reports[first]["refused"] == 0 and reports[first]["verdicts"] == {
-        "agreed": reports[first]["prompts"]
-    }
-    assert reports[first]["pairs"] > 0
+    # Rounds 1 .. ROUNDS - 2 harvested, in order, each once (round 5's pairs would be replayed by no round).
+    reports = live.harvested_rounds(run)
+    assert set(reports) == set(range(1, ROUNDS - 1))
+    said = [line.strip().split(":")[0] for line in out.getvalue().splitlines() if "harvest of round" in line]
+    assert said == [f"harvest of round {k}" for k in range(1, ROUNDS - 1)]
+    first = reports[1]
+    assert first["refused"] == 0 and first["verdicts"] == {"agreed": first["prompts"]} and first["pairs"] > 0
     for k, report in reports.items():
-        if not report["pairs"]:
+        if report["pairs_file"] is None:
             continue
         pairs = [json.loads(line) for line in run.get(layout.harvested_pairs(k)).decode().splitlines()]
+        assert len(pairs) == report["pairs"]
         for pair in pairs:  # the majority's answer over the student's wrong one
             assert pair["chosen"] == right[pair["prompt"]] and pair["rejected"] != pair["chosen"]
             assert pair["provenance"]["agreement"]["voters"] == ["careful", "steady"]
-    spent = sum(Fraction(r["spent_exact"]) for r in reports.values())
-    assert sum(f.billed for f in fakes) <= spent <= Fraction(0.01)
 
     # The cap holds over the run: a later harvest got what the earlier ones left (here, not all it wanted).
-    assert sum(r["refused"] for r in reports.values()) > 0
+    spent = sum(Fraction(r["spent_exact"]) for r in reports.values())
+    assert sum(f.billed for f in fakes) <= spent <= Fraction(0.01)
+    assert sum(r.get("refused", 0) for r in reports.values()) > 0
 
-    # A round after the first harvest replayed its pairs, and its row says which file they came from.
-    rows = [r for r in read_metrics(run)[0] if r["round"] > 0 and "train" in r]
-    replaying = [r for r in rows if layout.harvested_pairs(first) in r.get("replay_files", [])]
-    assert replaying and all(r["train"]["replay/pairs"] > 0 for r in replaying)
-    assert all("replay/pairs" not in r["train"] for r in rows if not r.get("replay_files"))
-    assert any(layout.harvested_pairs(first) in r.get("replay_files_new", []) for r in rows)
-    assert f"harvest of round {first}:" in out.getvalue()
+    # Both replicas took the same files at the same rounds: round j's end took the harvest of round j - 1,
+    # and the rounds after replayed it; round 3 is the first to replay round 1's pairs.
+    files = {k: [layout.harvested_pairs(k)] if r["pairs_file"] else [] for k, r in reports.items()}
+    metrics = read_metrics(run)
+    assert set(metrics) == {0, 1}
+    for rank, rows in metrics.items():
+        by_round = {r["round"]: r for r in rows if r["round"] > 0 and "train" in r}
+        assert sorted(by_round) == list(range(1, ROUNDS + 1))
+        replayed: list[str] = []
+        for j, row in by_round.items():
+            taken = files.get(j - 1, []) if j >= 2 else []
+            assert row["replay_files"] == replayed and row["replay_files_new"] == taken, (rank, j)
+            if 2 <= j <= ROUNDS - 1:
+                outcome = PAIRS if taken else NO_PAIRS
+                assert (row["harvest"]["of_round"], row["harvest"]["outcome"]) == (j - 1, outcome)
+            else:
+                assert "harvest" not in row and "harvest_wait_s" not in row
+            assert ("replay/pairs" in row["train"]) == bool(replayed)
+            replayed = replayed + taken
+        assert by_round[3]["replay_files"] == [layout.harvested_pairs(1)]
+        assert by_round[3]["train"]["replay/pairs"] > 0
+        # The first harvest was held until both replicas waited for it: round 2's end waited.
+        assert by_round[2]["harvest_wait_s"] > 0
+    decided = sorted(run.list(layout.HARVEST_TAKEN))
+    assert decided == [layout.harvest_taken(j).rsplit("/", 1)[1] for j in range(2, ROUNDS)]
+    assert json.loads(run.get(layout.HARVESTER))["reason"] == "the run ended"
 
     # The key stayed with the launcher: no replica's argv or environment, no log, no object holds it.
     assert len(watch.seen) >= 2
     for cmdline, environ in watch.seen.values():
         assert CANARY not in " ".join(cmdline) and CANARY not in json.dumps(environ)
         assert "TEACHER_KEY" not in environ
-    files = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
-    assert any("/harvest/cache/" in str(p) for p in files) and any(p.name == "rank-0.log" for p in files)
-    leaks = [str(p) for p in files if CANARY.encode() in p.read_bytes()]
+    files_written = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
+    assert any("/harvest/cache/" in str(p) for p in files_written)
+    assert any(p.name == "rank-0.log" for p in files_written)
+    leaks = [str(p) for p in files_written if CANARY.encode() in p.read_bytes()]
     assert not leaks and CANARY not in out.getvalue()

@@ -1,4 +1,5 @@
-"""Which round a live harvest takes, and what the run has spent: from the objects in the store."""
+"""Which round a live harvest takes next, whose rollouts it reads, and what the run has spent: from the
+objects in the store."""
 
 from __future__ import annotations
 
@@ -6,11 +7,17 @@ import json
 from fractions import Fraction
 from types import SimpleNamespace
 
-from composer_serverless.harvest.live import harvested_rounds, ready_round, spent_so_far
+import pytest
+
+from composer_serverless.config import ConfigError
+from composer_serverless.harvest.live import harvested_rounds, next_round, ready_ranks, spent_so_far
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
+from tests.harvest.conftest import live_run_config
 
-CONFIG = SimpleNamespace(diloco=SimpleNamespace(replicas=2, rounds=6))
+CONFIG = SimpleNamespace(
+    diloco=SimpleNamespace(replicas=3, rounds=6, fragments=2), harvest=SimpleNamespace(live_lag=1)
+)
 
 
 def _rollouts(run, k, *ranks):
@@ -18,21 +25,41 @@ def _rollouts(run, k, *ranks):
         run.put(layout.rollouts(k, rank), b'{"prompt": "p", "student": "s"}\n')
 
 
-def test_the_newest_complete_round_not_yet_harvested(tmp_path):
+def _quorum(run, k, *ranks, fragment=1):
+    run.put(layout.quorum(k, fragment), json.dumps({"participants": list(ranks)}).encode())
+
+
+def test_every_round_of_the_schedule_in_order_none_passed_over():
+    assert next_round(CONFIG, {}) == 1
+    assert next_round(CONFIG, {1: {}, 3: {}}) == 2  # a report of 3 does not make 2 stale
+    assert next_round(CONFIG, {1: {}, 2: {}, 3: {}}) == 4
+    assert next_round(CONFIG, {k: {} for k in (1, 2, 3, 4)}) is None  # 5 = rounds - lag: replayed by none
+    lag2 = SimpleNamespace(diloco=CONFIG.diloco, harvest=SimpleNamespace(live_lag=2))
+    assert next_round(lag2, {1: {}, 2: {}}) == 3 and next_round(lag2, {1: {}, 2: {}, 3: {}}) is None
+
+
+def test_a_round_is_ready_once_its_quorum_recorded_its_rollouts(tmp_path):
     run = ObjectStore(str(tmp_path))
-    assert ready_round(run, CONFIG, set()) is None
+    assert ready_ranks(run, CONFIG, 1) is None
+    _quorum(run, 1, 0, 2)  # the sync that ended round 1 (its last fragment's) averaged replicas 0 and 2
     _rollouts(run, 1, 0)
-    assert ready_round(run, CONFIG, set()) is None  # replica 1 has not written round 1 yet
-    _rollouts(run, 1, 1)
-    assert ready_round(run, CONFIG, set()) == 1
-    _rollouts(run, 2, 0, 1)
-    _rollouts(run, 3, 1)
-    assert ready_round(run, CONFIG, set()) == 2  # 3 is incomplete; 2 is newer than 1
-    assert ready_round(run, CONFIG, {2}) is None  # the newest ready one is done: older ones are stale
-    _rollouts(run, 4, 0)
-    assert ready_round(run, CONFIG, {2}) == 3  # a later round exists: replica 0's round 3 will not come
-    _rollouts(run, 5, 0, 1)
-    assert ready_round(run, CONFIG, set()) == 4  # 5 = rounds - 1: its pairs would be replayed by no round
+    assert ready_ranks(run, CONFIG, 1) is None  # replica 2 has not recorded yet
+    _rollouts(run, 1, 1)  # replica 1 joined late: its rollouts are not waited for, nor read
+    assert ready_ranks(run, CONFIG, 1) is None
+    _rollouts(run, 1, 2)
+    assert ready_ranks(run, CONFIG, 1) == [0, 2]
+    _quorum(run, 1, 0, 1, 2, fragment=0)  # the first fragment's quorum is not the one that ended the round
+    assert ready_ranks(run, CONFIG, 1) == [0, 2]
+
+
+def test_once_a_later_round_has_rollouts_the_missing_ones_are_not_waited_for(tmp_path):
+    run = ObjectStore(str(tmp_path))
+    _quorum(run, 2, 0, 1, 2)
+    _rollouts(run, 2, 1)
+    assert ready_ranks(run, CONFIG, 2) is None
+    _rollouts(run, 3, 0)  # replica 0 recorded round 3: its round 2 (and replica 2's) will not come
+    assert ready_ranks(run, CONFIG, 2) == [1]
+    assert ready_ranks(run, CONFIG, 1) == []  # pruned, or never recorded: nothing to ask about
 
 
 def test_the_spend_is_every_report_exactly(tmp_path):
@@ -41,3 +68,26 @@ def test_the_spend_is_every_report_exactly(tmp_path):
         run.put(layout.harvest_report(k), json.dumps({"round": k, "spent_exact": spent}).encode())
     reports = harvested_rounds(run)
     assert set(reports) == {1, 2} and spent_so_far(reports) == Fraction(1, 2)
+    # A report is written once: one already read is not read again (a long run's poll reads the new ones).
+    run.put(layout.harvest_report(3), json.dumps({"round": 3, "spent_exact": "1/2"}).encode())
+    again = harvested_rounds(run, {**reports, 1: {"round": 1, "spent_exact": "0"}})
+    assert set(again) == {1, 2, 3} and spent_so_far(again) == Fraction(2, 3)
+
+
+@pytest.mark.parametrize(
+    ("rounds", "lag", "fix"),
+    [
+        (3, 2, "Set harvest.live_lag to at most 1, or diloco.rounds to at least 4"),
+        (1, 0, "Set diloco.rounds to at least 2"),
+    ],
+)
+def test_a_lag_that_leaves_no_round_to_harvest_is_refused(tmp_path, rounds, lag, fix):
+    teachers = [
+        SimpleNamespace(base_url="http://127.0.0.1:9/v1", usd_per_m_input=1.0, usd_per_m_output=1.0)
+    ] * 3
+    with pytest.raises(ConfigError) as refused:
+        live_run_config(teachers, tmp_path, "lagged", rounds, live_lag=lag)
+    message = str(refused.value)
+    assert f"harvest.live_lag = {lag} leaves no round to harvest in a run of {rounds} rounds" in message
+    assert fix in message
+    assert live_run_config(teachers, tmp_path, "lagged", lag + 2, live_lag=lag).harvest.live_lag == lag

@@ -108,6 +108,18 @@ def test_latest_moves_forward_only_and_old_states_are_pruned_but_the_checkpoint(
     assert checkpoint.load_global(store, 6) == {"step": 6}
 
 
+@pytest.mark.parametrize(("keep", "kept"), [(2, ["5", "6"]), (4, ["3", "4", "5", "6"])])
+def test_rollouts_are_kept_as_long_as_a_live_harvest_may_still_read_them(
+    store: ObjectStore, keep: int, kept: list[str]
+) -> None:
+    for k in range(1, 7):
+        store.put(f"rounds/{k}/0/quorum.json", b'{"participants": [0]}')
+        store.put(f"rollouts/{k}/0.jsonl", b"")
+        checkpoint.prune_exchanges(store, k, keep_rollouts=keep)
+    assert sorted(store.list("rollouts")) == kept
+    assert sorted(store.list("rounds")) == ["5", "6"]  # the exchanges: the last two, whatever the harvest
+
+
 def test_a_resume_rolls_the_run_back_to_its_checkpoint(store: ObjectStore) -> None:
     for k in range(1, 6):
         store.put(f"rounds/{k}/0/quorum.json", b'{"participants": [0]}')
