@@ -41,6 +41,8 @@ class Behaviour:
         malformed: send a body that is not JSON (billed all the same: the answer was generated).
         usage: report usage.
         no_choices: a JSON body without choices.
+        together: hold the answer until this many requests are in the server at once (at most
+            ``TOGETHER_WAIT_S``): how many a client keeps in flight is then seen whatever the machine's speed.
     """
 
     answer: str | None = "ok"
@@ -51,8 +53,10 @@ class Behaviour:
     malformed: bool = False
     usage: bool = True
     no_choices: bool = False
+    together: int = 0
 
 
+TOGETHER_WAIT_S = 5.0
 Script = Callable[[str, int], Behaviour]  # (the user message, attempt number from 0) -> behaviour
 
 
@@ -99,6 +103,7 @@ class FakeTeacher:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
+        self._in_flight_changed = threading.Condition(self._lock)
         self._server = _Server(("127.0.0.1", 0), self._handler())
         # A short poll: stopping waits for it, and the tests stop three fakes each.
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True)
@@ -188,6 +193,7 @@ class FakeTeacher:
                     fake.attempts[prompt] += 1
                     fake.in_flight += 1
                     fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
+                    fake._in_flight_changed.notify_all()
                 try:
                     self._serve(body, messages, prompt, attempt, authorized, given)
                 finally:
@@ -215,6 +221,11 @@ class FakeTeacher:
                     )
                     return 401
                 act = fake.script(prompt, attempt)
+                if act.together:
+                    with fake._in_flight_changed:
+                        fake._in_flight_changed.wait_for(
+                            lambda: fake.in_flight >= act.together, timeout=TOGETHER_WAIT_S
+                        )
                 if act.delay_s:
                     time.sleep(act.delay_s)
                 if act.status != 200:

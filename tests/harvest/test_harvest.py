@@ -67,7 +67,8 @@ TROUBLE = {
     (2, "p3"): [Behaviour(malformed=True)],
     (2, "p6"): [],  # answers slowly
 }
-TIMEOUT_S = 0.4
+# The slow answer takes a sixth of the timeout: well inside it, however loaded the machine.
+TIMEOUT_S = 0.6
 
 
 def _script(index: int):
@@ -86,7 +87,7 @@ def _script(index: int):
         if (index, prompt) == (1, "p5"):
             return Behaviour(answer=answer, usage=False)
         if (index, prompt) == (2, "p6"):
-            return Behaviour(answer=answer, delay_s=0.25)
+            return Behaviour(answer=answer, delay_s=0.1)
         return Behaviour(answer=answer)
 
     return script

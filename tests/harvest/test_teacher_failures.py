@@ -62,7 +62,12 @@ def test_a_teacher_reporting_more_than_the_bound_stops_the_harvest(teachers, tmp
 
 def test_each_teacher_keeps_its_concurrency(teachers, tmp_path, monkeypatch):
     monkeypatch.setenv("TEACHER_KEY", "k")
-    fakes = teachers(2, key="k", script=lambda prompt, attempt: Behaviour(answer="a", delay_s=0.05))
+    # The first prompts' answers wait until three requests are in: a client keeping three in flight is seen
+    # to, however slowly it sends them (and one keeping more would be seen too).
+    first = {"q0", "q1", "q2"}
+    fakes = teachers(
+        2, key="k", script=lambda prompt, attempt: Behaviour(answer="a", together=3 * (prompt in first))
+    )
     config = harvest_config(fakes, teacher={"concurrency": 3})
     _run(config, tmp_path / "cache")
     assert [f.max_in_flight for f in fakes] == [3, 3]
