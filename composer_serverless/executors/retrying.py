@@ -11,6 +11,7 @@ retries inside each attempt (``huggingface_hub`` does for listings) does not mul
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -38,16 +39,21 @@ class Refusal:
 
 
 def retry_after_s(value: str | None, now: float | None = None) -> float | None:
-    """A ``Retry-After`` header in seconds: delay-seconds or an HTTP date (RFC 9110 10.2.3); None if absent
-    or unreadable."""
+    """A ``Retry-After`` header in seconds: delay-seconds (a fraction too, as some servers send and the
+    ``openai`` client reads) or an HTTP date (RFC 9110 10.2.3); None if absent or unreadable. ``now`` is
+    ``time.time()`` by default."""
     if value is None or not value.strip():
         return None
     value = value.strip()
-    if value.isdigit():
-        return float(value)
+    try:
+        seconds = float(value)
+    except ValueError:
+        pass
+    else:
+        return seconds if math.isfinite(seconds) and seconds >= 0 else None
     try:
         when = parsedate_to_datetime(value).timestamp()
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return max(0.0, when - (time.time() if now is None else now))
 

@@ -17,7 +17,6 @@ Authorization header, and is scrubbed from any error text a server echoes before
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import json
 import logging
 import math
@@ -32,6 +31,7 @@ from typing import Any
 import httpx
 
 from composer_serverless.config import HarvestConfig, TeacherConfig
+from composer_serverless.executors import retrying
 from composer_serverless.harvest.costs import Budget, Price
 
 logger = logging.getLogger(__name__)
@@ -98,23 +98,15 @@ def usage_of(obj: Any) -> tuple[int, int] | None:
 def retry_after_s(headers: httpx.Headers, now: float) -> float | None:
     """The wait a response asks for: ``retry-after-ms``, else ``Retry-After`` in seconds or as an HTTP date
     (``now`` is ``time.time()``); None when it asks for none or says it unreadably."""
-    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
-        value = headers.get(name)
-        if value is None:
-            continue
+    millis = headers.get("retry-after-ms")
+    if millis is not None:
         try:
-            seconds = float(value) / divisor
+            seconds = float(millis) / 1000.0
         except ValueError:
-            continue
-        return seconds if math.isfinite(seconds) else None
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        parsed = email.utils.parsedate_tz(value)
-        return None if parsed is None else float(email.utils.mktime_tz(parsed) - now)
-    except (TypeError, ValueError, OverflowError):
-        return None
+            seconds = math.nan
+        if math.isfinite(seconds) and seconds >= 0:
+            return seconds
+    return retrying.retry_after_s(headers.get("retry-after"), now)
 
 
 def backoff_s(retry: int, rng: random.Random) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.records import RecordError, read_rows
+from composer_serverless.replicas.records import RecordError, json_lines, read_rows
 
 STATE_KEYS = ("id", "prompt", "student", "reward", "task", "teachers", "meta")
 
@@ -80,18 +80,9 @@ def read_rollouts(run: ObjectStore, round_index: int, ranks: list[int] | None = 
     states = []
     for rank in rollout_ranks(run, round_index) if ranks is None else ranks:
         key = layout.rollouts(round_index, rank)
-        lines = io.StringIO(run.get(key).decode("utf-8"))
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{run.url_of(key)}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RecordError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise RecordError(f"{where}: expected a JSON object")
-            states.append(state_of(row, where))
+        name = run.url_of(key)
+        for number, row in json_lines(io.BytesIO(run.get(key)), name):
+            states.append(state_of(row, f"{name}:{number}"))
     return states
 
 

@@ -87,7 +87,7 @@ def read_pairs(url: str) -> list[PreferencePair]:
 
 def pairs_from_jsonl(data: bytes, name: str) -> list[PreferencePair]:
     """The pairs of one JSON-lines object read from a store (``name`` for messages); none if it is empty."""
-    return [_pair_record(obj, f"{name}:{n}") for n, obj in _json_lines(io.BytesIO(data), name)]
+    return [_pair_record(obj, f"{name}:{n}") for n, obj in json_lines(io.BytesIO(data), name)]
 
 
 def shard_records(records: list[Any], rank: int, replicas: int) -> list[Any]:
@@ -117,7 +117,7 @@ def read_rows(url: str) -> Iterator[tuple[dict[str, Any], str]]:
     for file in files:
         # Local files by their path, remote ones by their URL (s3://bucket/key), as the user wrote them.
         name = file.path if isinstance(file.fs, LocalFileSystem) else file.fs.unstrip_protocol(file.path)
-        rows = _parquet_rows(file) if name.endswith(".parquet") else _json_lines(file, name)
+        rows = _parquet_rows(file) if name.endswith(".parquet") else json_lines(file, name)
         for number, obj in rows:
             count += 1
             yield obj, f"{name}:{number}"
@@ -125,7 +125,9 @@ def read_rows(url: str) -> Iterator[tuple[dict[str, Any], str]]:
         raise RecordError(f"{url}: no records")
 
 
-def _json_lines(file: Any, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+def json_lines(file: Any, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every non-blank line of the JSON-lines ``file`` (an fsspec file or a binary
+    buffer; gzipped when ``name`` ends in ``.gz``), each checked to be a JSON object (RecordError)."""
     with file as raw, gzip.open(raw) if name.endswith(".gz") else contextlib.nullcontext(raw) as binary:
         for number, line in enumerate(io.TextIOWrapper(binary, encoding="utf-8"), start=1):
             if not line.strip():
