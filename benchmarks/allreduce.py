@@ -387,22 +387,9 @@ def _wait_for(store: ObjectStore, prefix: str, count: int) -> None:
 
 def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     n = args.replicas
-    measured = [s for s in samples if s["repeat"] > 0]
-
-    def phase(name: str) -> dict[str, Any]:
-        rows = [s for s in measured if s["phase"] == name]
-        walls = []
-        for repeat in sorted({s["repeat"] for s in rows}):
-            group = [s for s in rows if s["repeat"] == repeat]
-            walls.append(max(s["end"] for s in group) - min(s["start"] for s in group))
-        return {
-            "bytes_up_per_replica": max(s["up"] for s in rows),
-            "bytes_down_per_replica": max(s["down"] for s in rows),
-            "wall_s": statistics.median(walls),
-            "walls_s": [round(w, 4) for w in walls],
-        }
-
-    raw, checksum, ours, naive = phase("raw"), phase("checksum"), phase("allreduce"), phase("naive")
+    raw, checksum, ours, naive = (
+        _phase_walls(samples, name) for name in ("raw", "checksum", "allreduce", "naive")
+    )
     values = int(args.mb * 2**20 / 4)
     wire = sum(len(encode(torch.zeros(b - a), IDENTITY, args.codec)) for a, b in shard_bounds(values, n))
     bound = 2 * (n - 1) / n * wire
