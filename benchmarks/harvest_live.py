@@ -32,65 +32,37 @@ from typing import Any
 
 from rich.console import Console
 
-from composer_serverless.config import RunConfig, validate_config
+from composer_serverless.config import RunConfig
 from composer_serverless.launcher import launch
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-TASKS = REPO / "deploy" / "data" / "composer-tasks"
 KEY_ENV = "HARVEST_LIVE_BENCH_KEY"
 # What must be equal from one run to the next, per replica and round.
 ROW_FIELDS = ("replay_files", "replay_files_new", "train_loss")
 
 
 def run_config(urls: list[str], store: Path, run_id: str, rounds: int) -> RunConfig:
-    return validate_config(
+    """The tests' live-harvest run (``tests/harvest/live_runs.py``) with these teachers."""
+    if str(REPO) not in sys.path:  # run as a script, only benchmarks/ is on the path
+        sys.path.insert(0, str(REPO))
+    from tests.harvest.live_runs import composer_live_config
+
+    teachers = [
         {
-            "run_id": run_id,
-            "store": str(store),
-            "model": {
-                "tiny": {
-                    "tokenizer": "chars",
-                    "alphabet": " -.0123456789:=ATabcdefghilmnoprstvwx",
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_layers": 2,
-                    "num_heads": 4,
-                }
-            },
-            "train": {"objective": "composer", "lr": 1e-3},
-            "diloco": {"replicas": 2, "sync_every": 8, "rounds": rounds},
-            "eval": {"sequences": 7},
-            "composer": {
-                "alpha": 0.0,
-                "beta": 1.0,
-                "data": {"prompts": str(TASKS / "train.jsonl"), "heldout": str(TASKS / "heldout.jsonl")},
-                "rewards": [{"fn": "exact_match"}],
-                "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 4},
-                "replay": {"pairs_per_step": 4},
-            },
-            "harvest": {
-                "live": True,
-                "max_usd": 1.0,
-                "max_states": 12,
-                "teachers": [
-                    {
-                        "name": f"t{i}",
-                        "base_url": url,
-                        "model": f"model-{i}",
-                        "api_key_env": KEY_ENV,
-                        "usd_per_m_input": 2.0,
-                        "usd_per_m_output": 8.0,
-                        "max_tokens": 32,
-                    }
-                    for i, url in enumerate(urls)
-                ],
-            },
-            "executor": {"type": "local", "threads_per_replica": 1},
+            "name": f"t{i}",
+            "base_url": url,
+            "model": f"model-{i}",
+            "api_key_env": KEY_ENV,
+            "usd_per_m_input": 2.0,
+            "usd_per_m_output": 8.0,
+            "max_tokens": 32,
         }
-    )
+        for i, url in enumerate(urls)
+    ]
+    return composer_live_config(teachers, store, run_id, rounds, max_states=12)
 
 
 def outcome(run: ObjectStore, rounds: int) -> dict[str, Any]:

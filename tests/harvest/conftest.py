@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from composer_serverless.config import HarvestConfig, RunConfig, validate_config
+from composer_serverless.config import HarvestConfig, RunConfig
 from composer_serverless.harvest import client
 from tests.harvest.fake_teacher import FakeTeacher
+from tests.harvest.live_runs import TASKS, composer_live_config
 
-TASKS = Path(__file__).resolve().parents[2] / "deploy" / "data" / "composer-tasks"
 LIVE_TEACHERS = ("careful", "steady", "sloppy")
 
 # A known key value: tests scan everything a harvest leaves behind and must never find it.
@@ -80,49 +80,17 @@ def live_run_config(
 ) -> RunConfig:
     """A 2-replica composer run of a tiny model on the task suite, harvested live from ``fakes`` (teachers
     careful, steady and sloppy, key in TEACHER_KEY, answers compared as "answer is X")."""
-    return validate_config(
+    teachers = [
         {
-            "run_id": run_id,
-            "store": str(store),
-            "model": {
-                "tiny": {
-                    "tokenizer": "chars",
-                    "alphabet": " -.0123456789:=ATabcdefghilmnoprstvwx",
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_layers": 2,
-                    "num_heads": 4,
-                }
-            },
-            "train": {"objective": "composer", "lr": 1e-3},
-            "diloco": {"replicas": 2, "sync_every": 8, "rounds": rounds},
-            "eval": {"sequences": 7},
-            "composer": {
-                "alpha": 0.0,
-                "beta": 1.0,
-                "data": {"prompts": str(TASKS / "train.jsonl"), "heldout": str(TASKS / "heldout.jsonl")},
-                "rewards": [{"fn": "exact_match"}],
-                "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 4},
-                "replay": {"pairs_per_step": 4},
-            },
-            "harvest": {
-                "live": True,
-                "max_usd": 1.0,
-                "normalise": {"final_answer": r"answer is\s*(\S+)", "trim_chars": "."},
-                "teachers": [
-                    {
-                        "name": name,
-                        "base_url": fake.base_url,
-                        "model": f"model-{name}",
-                        "api_key_env": "TEACHER_KEY",
-                        "usd_per_m_input": fake.usd_per_m_input,
-                        "usd_per_m_output": fake.usd_per_m_output,
-                        "max_tokens": 32,
-                    }
-                    for name, fake in zip(LIVE_TEACHERS, fakes, strict=True)
-                ],
-                **harvest,
-            },
-            "executor": {"type": "local", "threads_per_replica": 1},
+            "name": name,
+            "base_url": fake.base_url,
+            "model": f"model-{name}",
+            "api_key_env": "TEACHER_KEY",
+            "usd_per_m_input": fake.usd_per_m_input,
+            "usd_per_m_output": fake.usd_per_m_output,
+            "max_tokens": 32,
         }
-    )
+        for name, fake in zip(LIVE_TEACHERS, fakes, strict=True)
+    ]
+    normalise = {"final_answer": r"answer is\s*(\S+)", "trim_chars": "."}
+    return composer_live_config(teachers, store, run_id, rounds, normalise=normalise, **harvest)
