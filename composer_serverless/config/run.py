@@ -116,7 +116,7 @@ class DiLoCoConfig(StrictModel):
         description="authenticate the exchange: the launcher makes a secret run key, delivers it to the "
         "replicas as a secret, and every pseudo-gradient payload and published state carries a keyed MAC; "
         "anything without a valid one is rejected, so a writer with access to the store but not the key can "
-        "get nothing averaged or loaded. The key is kept in ~/.config/composer-serverless/keys/ for resume",
+        "get no values averaged or loaded (the harvested pairs under harvest/ are not covered). The key is kept in ~/.config/composer-serverless/keys/ for resume",
     )
     transfer_concurrency: int = Field(
         8,

@@ -70,6 +70,7 @@ from composer_serverless.rendezvous.sharding import (
     substitute_for,
 )
 from composer_serverless.rendezvous.store import ObjectStore, ObjectTooLarge
+from composer_serverless.rendezvous.transfers import ObjectChanged
 from composer_serverless.rendezvous.workspace import Workspace
 
 logger = logging.getLogger(__name__)
@@ -458,7 +459,7 @@ class _Exchange:
         buffer = self.workspace.bytes(slot, max_payload_bytes(end - start, self.settings.codec))
         try:
             size = self.store.get_into(key, buffer)
-        except ObjectTooLarge as e:  # no payload of this shard is that large: rejected, not a crash
+        except (ObjectTooLarge, ObjectChanged) as e:  # no payload is that large or keeps changing: rejected
             raise PayloadError(str(e)) from e
         self._count(down=size)
         return buffer[:size]

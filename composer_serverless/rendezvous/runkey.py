@@ -5,7 +5,11 @@ checksum. With ``diloco.authenticate`` the launcher creates a random 256-bit key
 and hands it to every replica as a secret environment variable (``ENV``, hex; never on a command line, in
 ``run.json``, ``launch.json``, a plan, a log or the store). Pseudo-gradient payloads and published states then
 carry a keyed MAC instead of the checksum, and a reader holding the key rejects anything whose MAC is missing
-or wrong: a writer with access to the bucket but not the key cannot get anything averaged or loaded.
+or wrong: a writer with access to the bucket but not the key cannot get any values averaged or loaded.
+Replicas MAC with the key bound to the run's id (``RunKey.for_run``), so a key a user exports for several
+runs does not let one run's genuine objects pass in another. Not covered: what the launcher writes for the
+replicas to read besides values (``run.json``, ``model/``, the harvested pairs under ``harvest/``) and the
+records that only steer (quorums, pointers, heartbeats); ``docs/architecture.md`` lists them with the reasons.
 
 The MAC is keyed BLAKE3 (the ``blake3`` package: SIMD, and multithreaded over large inputs). Measured here
 (2-core AMD EPYC, 64 MiB, best of 5): keyed BLAKE3 3.64 GB/s on one thread and 7.06 GB/s on both cores,
@@ -89,8 +93,15 @@ class RunKey:
         return hasher.hexdigest()
 
     def verify(self, tag: object, parts: Iterable[bytes | bytearray | memoryview]) -> bool:
-        """Whether ``tag`` is the MAC of ``parts``, compared in constant time."""
-        return isinstance(tag, str) and hmac.compare_digest(tag, self.mac(parts))
+        """Whether ``tag`` is the MAC of ``parts``, compared in constant time. A tag that is not an ASCII
+        string is simply wrong (``compare_digest`` raises on other text, and a forger chooses the tag)."""
+        return _same_tag(tag, self.mac(parts))
+
+    def for_run(self, run_id: str) -> RunKey:
+        """The key a run's replicas MAC with: this key bound to ``run_id`` (a keyed BLAKE3 of it). A user who
+        exports one key for several runs in a bucket then still cannot have one run's genuine state or
+        payload accepted by another."""
+        return RunKey(bytes.fromhex(self.mac([b"composer-serverless run ", framed(run_id)])))
 
     def fingerprint(self) -> str:
         """A tag that tells whether a key is the run's without revealing it (a MAC of a fixed label)."""
@@ -121,11 +132,15 @@ def check_fingerprint(store: ObjectStore, key: RunKey) -> None:
         return
     except (ValueError, AttributeError):
         recorded = None
-    if not hmac.compare_digest(str(recorded), key.fingerprint()):
+    if not _same_tag(recorded, key.fingerprint()):
         raise WrongRunKey(
             f"{ENV} holds a key that is not this run's ({store.url_of(layout.KEY_FINGERPRINT)} records "
             "another): with it no payload or state of the run would be accepted"
         )
+
+
+def _same_tag(tag: object, expected: str) -> bool:
+    return isinstance(tag, str) and tag.isascii() and hmac.compare_digest(tag, expected)
 
 
 def from_env(environ: Mapping[str, str] = os.environ) -> RunKey | None:

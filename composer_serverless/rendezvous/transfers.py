@@ -6,7 +6,8 @@ moving its shards one request at a time is capped at one connection's speed. Her
 larger than ``Transfers.part_bytes`` in parts: a multipart upload whose parts go up in parallel, and ranged
 GETs that land in parallel in the caller's buffer. Every request holds one of the store's ``Slots`` while it
 runs, whole object or part, so however objects and parts nest a process never has more than ``concurrency``
-requests in flight.
+requests in flight. Listings, existence checks and deletes (the exchange's polls) take no slot, and on a
+file store nothing does: there the threads of ``map`` are the only bound.
 
 What the store guarantees survives the split:
 
@@ -17,7 +18,9 @@ What the store guarantees survives the split:
 * **Bounded retries per request.** Each part is retried on its own through the store's retry loop
   (``retry.py``), so a dropped connection costs a part, not the object.
 * **One version per read.** Every ranged GET after the first carries ``If-Match`` with the first one's ETag:
-  a reader never mixes two versions of an object that was replaced while it read.
+  a reader never mixes two versions of an object that was replaced while it read. Such a read starts over
+  (the object's newest version, checked by its reader like any other), ``REREADS`` times at most; an
+  object that keeps changing raises ``ObjectChanged``.
 * **The size guard.** The first ranged GET reports the object's size; one larger than the caller's buffer
   raises ``ObjectTooLarge`` before anything else is fetched.
 """
@@ -25,6 +28,7 @@ What the store guarantees survives the split:
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -38,9 +42,13 @@ Buffer = bytes | bytearray | memoryview
 # What the store's retrying call looks like: (operation, key for logs and fault injection, one attempt).
 Call = Callable[[str, str, Callable[[], Any]], Any]
 
+logger = logging.getLogger(__name__)
+
 # S3 refuses multipart parts under 5 MiB (but the last).
 MIN_PART_BYTES = 5 << 20
 _RANGE_TOTAL = re.compile(r"/(\d+)$")
+# How many times a read that found its object replaced midway starts over.
+REREADS = 3
 
 
 @dataclass(frozen=True)
@@ -62,11 +70,14 @@ class Transfers:
             )
 
 
+class ObjectChanged(OSError):
+    """An object was replaced while it was read in parts, every time it was read."""
+
+
 class Slots:
     """The requests a process may have in flight; shared by a store and every child made from it."""
 
     def __init__(self, count: int) -> None:
-        self.count = count
         self._semaphore = threading.BoundedSemaphore(count)
 
     @contextmanager
@@ -89,7 +100,7 @@ def run_all(tasks: list[Callable[[], T]], workers: int) -> list[T]:
 
 def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:
     """[start, end) of the parts of an object of ``size`` bytes."""
-    return [(start, min(size, start + part_bytes)) for start in range(0, size, part_bytes)] or [(0, 0)]
+    return [(start, min(size, start + part_bytes)) for start in range(0, size, part_bytes)]
 
 
 class S3Parts:
@@ -211,15 +222,25 @@ class S3Parts:
         if view is not None and len(view) <= part:  # nothing that fits is worth splitting
             out, size, _ = self._call("get", key, lambda: self._get(bucket, name, path, view, None))
             return out[:size]
-        out, size, etag = self._call("get", key, lambda: self._get(bucket, name, path, view, (0, part)))
-        rest = part_ranges(size, part)[1:] if size > part else []
+        for _ in range(REREADS):
+            out, size, etag = self._call("get", key, lambda: self._get(bucket, name, path, view, (0, part)))
 
-        def fetch(start: int, end: int) -> None:
-            where = f"{key} bytes {start}"
-            self._call("get", where, lambda: self._get(bucket, name, path, out, (start, end), etag))
+            def fetch(start: int, end: int, out: memoryview = out, etag: str | None = etag) -> None:
+                where = f"{key} bytes {start}"
+                self._call("get", where, lambda: self._get(bucket, name, path, out, (start, end), etag))
 
-        run_all([lambda a=a, b=b: fetch(a, b) for a, b in rest], self._transfers.concurrency)
-        return out[:size]
+            try:
+                run_all(
+                    [lambda a=a, b=b: fetch(a, b) for a, b in part_ranges(size, part)[1:]],
+                    self._transfers.concurrency,
+                )
+            except OSError as e:
+                if _code(e) != "PreconditionFailed":
+                    raise
+                logger.info("%s was replaced while it was read; reading it again", path)
+                continue
+            return out[:size]
+        raise ObjectChanged(f"{path} was replaced while it was read, {REREADS} times in a row")
 
     def _get(
         self,

@@ -92,6 +92,7 @@ def run_replica(run: ObjectStore, rank: int, node: Node = SOLO) -> None:
         run.ensure_root()
         if key is not None:
             runkey.check_fingerprint(run, key)
+            key = key.for_run(config.run_id)
         _train(run, config, rank, reporter, node, key)
     except BaseException as e:
         reporter.beat(state="failed", error=f"{type(e).__name__}: {e}")

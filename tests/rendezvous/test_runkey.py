@@ -3,8 +3,10 @@ a reader that holds it; the key never shows in a repr, a pickle or an error; whe
 
 from __future__ import annotations
 
+import json
 import pickle
 import stat
+import struct
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,37 @@ def test_a_reader_with_the_key_refuses_no_mac_a_wrong_mac_and_altered_bytes() ->
     with pytest.raises(PayloadError, match="MAC mismatch"):
         accumulate(total, flipped, IDENTITY, "fp32", key=KEY)
     assert not total.any()  # nothing was added
+
+
+def test_a_forged_mac_of_any_text_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """A forger picks the MAC's text: non-ASCII (which ``compare_digest`` refuses to compare) or not a string
+    is a wrong MAC like any other, in a payload and in the run's fingerprint record."""
+    x = torch.randn(100)
+    payload = bytes(encode(x, IDENTITY, "fp32", KEY))
+    header, start = read_header(payload)
+    for forged in ("é" * 64, "\ud800" * 64):
+        header["__metadata__"][MAC_FIELD] = forged
+        raw = json.dumps(header).encode()  # escaped to ASCII, as a forger may write it
+        edited = struct.pack("<Q", len(raw)) + raw + payload[start:]
+        with pytest.raises(PayloadError, match="MAC mismatch"):
+            decode(edited, IDENTITY, "fp32", x.numel(), key=KEY)
+    assert not KEY.verify(["not", "a", "string"], [b""])
+    store = ObjectStore(f"file://{tmp_path}/run")
+    store.put("key.json", json.dumps({"fingerprint": "é" * 64}).encode())
+    with pytest.raises(WrongRunKey):
+        check_fingerprint(store, KEY)
+
+
+def test_a_runs_key_is_bound_to_its_run_id(tmp_path: Path) -> None:
+    """One key exported for two runs: each run's replicas MAC with the key bound to its id, so a genuine state
+    of run a copied into run b is refused there."""
+    a, b = KEY.for_run("run-a"), KEY.for_run("run-b")
+    assert a == KEY.for_run("run-a") and a != b and a != KEY
+    store = ObjectStore(f"file://{tmp_path}/s")
+    write_snapshot(store, "state/4/0", {"w": torch.arange(3.0)}, a)
+    assert torch.equal(read_snapshot(store, "state/4/0", a)["w"], torch.arange(3.0))
+    with pytest.raises(CheckpointError, match="MAC"):
+        read_snapshot(store, "state/4/0", b)
 
 
 def test_the_mac_covers_the_header_so_a_payload_cannot_be_relabelled() -> None:

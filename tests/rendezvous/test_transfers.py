@@ -4,6 +4,7 @@ path, a retry per part, no part or temporary object left by a failed upload, the
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 
@@ -12,7 +13,15 @@ import pytest
 from faults import FaultyStore
 
 from composer_serverless.rendezvous.store import ObjectStore, ObjectTooLarge
-from composer_serverless.rendezvous.transfers import MIN_PART_BYTES, Transfers, part_ranges, run_all
+from composer_serverless.rendezvous.transfers import (
+    MIN_PART_BYTES,
+    REREADS,
+    ObjectChanged,
+    S3Parts,
+    Transfers,
+    part_ranges,
+    run_all,
+)
 
 PART = MIN_PART_BYTES
 
@@ -38,7 +47,7 @@ def _open_uploads(store: ObjectStore) -> list[dict]:
 def test_part_ranges_cover_the_object_once() -> None:
     assert part_ranges(12, 5) == [(0, 5), (5, 10), (10, 12)]
     assert part_ranges(10, 5) == [(0, 5), (5, 10)]
-    assert part_ranges(0, 5) == [(0, 0)]
+    assert part_ranges(0, 5) == []
 
 
 def test_transfers_refuse_settings_no_store_takes() -> None:
@@ -65,7 +74,7 @@ def test_run_all_runs_concurrently_waits_for_all_and_raises_the_first_failure() 
     assert run_all([lambda i=i: i for i in range(5)], workers=1) == [0, 1, 2, 3, 4]
 
 
-def test_map_holds_at_most_concurrency_transfers_in_flight(tmp_path) -> None:
+def test_map_moves_concurrency_objects_at_once(tmp_path) -> None:
     store = ObjectStore(f"file://{tmp_path}/s", transfers=Transfers(concurrency=3))
     lock, now, most = threading.Lock(), [0], [0]
     both = threading.Barrier(3, timeout=30)
@@ -84,6 +93,31 @@ def test_map_holds_at_most_concurrency_transfers_in_flight(tmp_path) -> None:
     assert store.map(put, list(range(9))) == list(range(9))
     assert most[0] == 3
     assert [store.get(f"o/{i}") for i in range(9)] == [bytes([i]) * 10 for i in range(9)]
+
+
+def test_objects_and_their_parts_together_hold_at_most_concurrency_requests(s3_url, monkeypatch) -> None:
+    """Four 3-part objects moved by ``map`` two at a time, each in parts two at a time: without the shared
+    slots up to four part requests would be in flight; every S3 request is counted where s3fs sends it."""
+    store = ObjectStore(s3_url, transfers=Transfers(concurrency=2, part_bytes=PART))
+    fs = store._fs
+    original, now, most = fs._call_s3, [0], [0]
+
+    async def counted(method, *args, **kwargs):
+        if method in ("upload_part", "get_object"):
+            now[0] += 1  # on the filesystem's one event loop: no lock needed
+            most[0] = max(most[0], now[0])
+            try:
+                await asyncio.sleep(0.02)  # long enough for others to start, if they may
+                return await original(method, *args, **kwargs)
+            finally:
+                now[0] -= 1
+        return await original(method, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "_call_s3", counted)
+    blobs = [os.urandom(2 * PART + 1) for _ in range(4)]
+    store.map(lambda i: store.put(f"o/{i}", blobs[i]), list(range(4)))
+    assert store.map(lambda i: store.get(f"o/{i}"), list(range(4))) == blobs
+    assert 1 <= most[0] <= 2
 
 
 def test_a_large_object_goes_up_in_parts_and_comes_back_whole(s3_url: str) -> None:
@@ -146,3 +180,38 @@ def test_a_lost_answer_to_a_multipart_upload_is_not_a_failure(s3_url: str) -> No
     store.put("again", data)
     assert store.get("mine") == data and store.get("again") == data
     assert any(entry.endswith("mine complete") for entry in store.injected)
+
+
+def _replace_after_first_get(monkeypatch: pytest.MonkeyPatch, store: ObjectStore, key: str, times: int):
+    """Make ``key`` be rewritten (a new version, other bytes) right after the first ranged GET of each read,
+    ``times`` times; returns the versions written."""
+    bucket, name = _bucket_and_key(store, key)
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL_S3"])
+    original, versions = S3Parts._get, []
+
+    def get(self, bucket_, name_, path, view, span, etag=None):
+        out = original(self, bucket_, name_, path, view, span, etag)
+        if span is not None and span[0] == 0 and len(versions) < times:
+            versions.append(os.urandom(2 * PART + 3))
+            client.put_object(Bucket=bucket, Key=name, Body=versions[-1])
+        return out
+
+    monkeypatch.setattr(S3Parts, "_get", get)
+    return versions
+
+
+def test_an_object_replaced_while_it_is_read_is_read_again_whole(s3_url, monkeypatch) -> None:
+    """If-Match on the ranged GETs after the first: the read that saw the object change starts over and
+    returns the new version whole, never a mix of two."""
+    store = ObjectStore(s3_url, transfers=Transfers(concurrency=2, part_bytes=PART))
+    store.put("big", os.urandom(2 * PART + 3))
+    versions = _replace_after_first_get(monkeypatch, store, "big", times=1)
+    assert store.get("big") == versions[0]
+
+
+def test_an_object_that_keeps_changing_is_refused(s3_url, monkeypatch) -> None:
+    store = ObjectStore(s3_url, transfers=Transfers(concurrency=2, part_bytes=PART))
+    store.put("big", os.urandom(2 * PART + 3))
+    _replace_after_first_get(monkeypatch, store, "big", times=REREADS)
+    with pytest.raises(ObjectChanged, match="3 times"):
+        store.get_into("big", bytearray(3 * PART))
