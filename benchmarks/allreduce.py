@@ -36,13 +36,14 @@ waits) and points the replicas at it through AWS_ENDPOINT_URL_S3.
 ``link_emulator.py``, a proxy that gives every connection that one-way delay and bandwidth cap, and the
 phases are:
 
-- ``probe``: the bound's traffic (the raw phase's objects) moved with ``--concurrency`` requests at once per
+- ``probe``: the bound's traffic (the raw phase's objects; the exchange also uploads its reduced shard) moved with ``--concurrency`` requests at once per
   replica and large objects in ``--part-mb`` parts, as many connections as the exchange may use: the
   store's aggregate capacity for this traffic, measured in the same run. ``time_ratio_to_probe_bound`` =
   the exchange's wall time / the probe's.
 - ``allreduce``: the exchange with ``--concurrency`` requests at once (``Transfers``).
-- ``sequential``: the same exchange one request at a time (concurrency 1), the way it moved before;
-  ``speedup_vs_sequential`` = its wall time / the parallel exchange's.
+- ``sequential``: the same exchange one request at a time (concurrency 1, in the same parts);
+  ``speedup_vs_sequential`` = its wall time / the parallel exchange's. (Before ``Transfers`` each object went
+  in one request: the parts add round trips the old code did not make.)
 """
 
 from __future__ import annotations
@@ -243,7 +244,10 @@ def link_phase_functions(
     bounds = shard_bounds(values.numel(), n)
     raw = memoryview(values.numpy()).cast("B")
     wire = [len(encode(torch.zeros(b - a), IDENTITY, codec)) for a, b in bounds]
-    blobs = [raw[4 * a : 4 * a + size] for (a, _), size in zip(bounds, wire, strict=True)]
+    # A shard's wire size: its data (the tensor's own bytes) behind a stand-in for its header.
+    blobs = [
+        [bytes(size - 4 * (b - a)), raw[4 * a : 4 * b]] for (a, b), size in zip(bounds, wire, strict=True)
+    ]
     out, workspace = torch.empty_like(values), Workspace()
     reads = min(transfers.concurrency, 2 * (n - 1))
     size = max(max_payload_bytes(b - a, codec) for a, b in bounds)  # what the gather asks of these slots
@@ -263,11 +267,11 @@ def _probe(
     n: int,
     codec: str,
     *,
-    blobs: list[memoryview],
+    blobs: list[list[bytes | memoryview]],
     buffers: list[memoryview],
 ) -> tuple[int, int]:
     """The raw phase's objects, moved ``store.transfers.concurrency`` at a time (large ones in parts)."""
-    store.map(lambda s: store.put(f"{prefix}/{rank}-{s}", [blobs[s]]), list(range(n)))
+    store.map(lambda s: store.put(f"{prefix}/{rank}-{s}", blobs[s]), list(range(n)))
     _wait_for(store, prefix, n * n)
     reads = [f"{prefix}/{p}-{rank}" for p in range(n) if p != rank] + [
         f"{prefix}/{p}-{p}" for p in range(n) if p != rank
@@ -284,7 +288,7 @@ def _probe(
             with lock:
                 free.append(slot)
 
-    return sum(map(len, blobs)), sum(store.map(read, reads))
+    return sum(len(blob) for parts in blobs for blob in parts), sum(store.map(read, reads))
 
 
 def _raw(
@@ -390,9 +394,7 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
     raw, checksum, ours, naive = (
         _phase_walls(samples, name) for name in ("raw", "checksum", "allreduce", "naive")
     )
-    values = int(args.mb * 2**20 / 4)
-    wire = sum(len(encode(torch.zeros(b - a), IDENTITY, args.codec)) for a, b in shard_bounds(values, n))
-    bound = 2 * (n - 1) / n * wire
+    values, wire, bound = _bound(args)
     store_mbps = (raw["bytes_up_per_replica"] + raw["bytes_down_per_replica"]) / 1e6 / raw["wall_s"]
     # The bound's traffic is S_wire up and 2(N-1)/N * S_wire down per replica; the raw phase moves exactly
     # that, so bound_s is (up to the median) the raw phase's own time.
@@ -442,6 +444,13 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
     }
 
 
+def _bound(args: argparse.Namespace) -> tuple[int, int, float]:
+    """The values per replica, one replica's wire bytes (``bound_up_bytes``) and ``bound_down_bytes``."""
+    n, values = args.replicas, int(args.mb * 2**20 / 4)
+    wire = sum(len(encode(torch.zeros(b - a), IDENTITY, args.codec)) for a, b in shard_bounds(values, n))
+    return values, wire, 2 * (n - 1) / n * wire
+
+
 def _phase_walls(samples: list[dict[str, Any]], name: str) -> dict[str, Any]:
     rows = [s for s in samples if s["repeat"] > 0 and s["phase"] == name]
     walls = []
@@ -461,9 +470,7 @@ def summarise_link(samples: list[dict[str, Any]], args: argparse.Namespace) -> d
     the bound's traffic) and against the sequential exchange, all measured in this run."""
     n = args.replicas
     probe, ours, sequential = (_phase_walls(samples, p) for p in LINK_PHASES)
-    values = int(args.mb * 2**20 / 4)
-    wire = sum(len(encode(torch.zeros(b - a), IDENTITY, args.codec)) for a, b in shard_bounds(values, n))
-    bound = 2 * (n - 1) / n * wire
+    values, wire, bound = _bound(args)
     moved = probe["bytes_up_per_replica"] + probe["bytes_down_per_replica"]
     return {
         "replicas": n,
