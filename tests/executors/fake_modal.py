@@ -15,6 +15,9 @@ as it does against Modal. What the real client does, and the fake does too (read
 * Log entries are ``modal.types.LogEntry`` chunks of the container's output cut wherever the container's
   writes fell, not at line ends; ``logs.tail(entries=n)`` gives the last n entries.
 * Modal retries a failed call itself (``Retries.max_retries``), each attempt in a fresh container.
+* A ``with_options`` variant is hydrated at its first use, from the function of the app running then, and
+  stays bound to that app (``_make_function_variant``; ``spawn`` is a ``live_method`` that hydrates only an
+  unhydrated object): every later spawn of it runs in that app, whichever app runs now.
 * Stopping an app terminates its running calls; an unknown id raises ``NotFoundError``.
 
 Each spawned replica runs as a local process with a minimal "image" environment plus the options' env and
@@ -213,15 +216,20 @@ class FakeModal:
         class Function:
             def __init__(self, options: dict[str, Any]) -> None:
                 self.options = options
+                self.app_id: str | None = None  # the app it was hydrated in, at its first use
 
             def spawn(self, run_url: str, rank: int) -> Any:
-                app = fake.apps.get(fake_app.app_id or "")
                 fake._point("spawn.before", rank)
                 fake._api("spawn")
-                if app is None or not fake_app._running:
-                    from modal.exception import ExecutionError
+                if self.app_id is None:  # hydrated once, from the function of the app running now
+                    if not fake_app._running:
+                        from modal.exception import ExecutionError
 
-                    raise ExecutionError("Function has not been hydrated with the metadata it needs to run")
+                        raise ExecutionError(
+                            "Function has not been hydrated with the metadata it needs to run"
+                        )
+                    self.app_id = fake_app.app_id
+                app = fake.apps[self.app_id or ""]
                 env = {
                     "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
                     "PYTHONPATH": str(REPO),

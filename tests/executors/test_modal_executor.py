@@ -213,6 +213,21 @@ def test_the_run_key_reaches_the_replica_as_a_modal_secret_and_nowhere_else(
     assert all(key not in json.dumps({k: str(v) for k, v in o.items()}) for o in fake_modal.options)
 
 
+def test_each_call_runs_in_the_app_recorded_for_it(tmp_path, fake_modal):
+    """A with_options variant binds to the app it is first spawned in: each replica's call must be in its own
+    recorded app, so that stopping that app ends it and nothing else."""
+    fake_modal.command = lambda run_url, r: WAIT
+    supervisor = _supervisor(tmp_path)
+    zero, one = supervisor.start(supervisor.record.plan, note=lambda line: None)
+    assert zero.meta["app_id"] != one.meta["app_id"]
+    for handle in (zero, one):
+        assert fake_modal.calls[handle.backend_id].app_id == handle.meta["app_id"]
+        assert fake_modal.apps[handle.meta["app_id"]].calls == [handle.backend_id]
+
+    supervisor.executor.cancel([zero])
+    assert [s.state for s in supervisor.executor.status([zero, one])] == ["cancelled", "running"]
+
+
 def test_a_replica_that_cannot_be_recorded_is_not_started(tmp_path, fake_modal):
     """The store refuses the record of the attempt: no call is spawned, and the app made for it is stopped."""
 
@@ -300,10 +315,11 @@ def test_launcher_drives_modal_through_the_sdk(tmp_path, s3_store, fake_modal):
     summary = launch(_config(store, status_poll_s=0.5), "modal.toml", Console(file=out, width=120))
     assert summary is not None and summary["rounds_committed"] == 2, out.getvalue()
 
-    (options,) = fake_modal.options
-    assert options["gpu"] == "H100" and options["timeout"] == 6 * 3600
-    assert options["retries"].max_retries == 2
-    assert options["env"]["AWS_ENDPOINT_URL_S3"] == os.environ["AWS_ENDPOINT_URL_S3"]
+    assert len(fake_modal.options) == 2  # one variant per replica, made in the replica's own app
+    for options in fake_modal.options:
+        assert options["gpu"] == "H100" and options["timeout"] == 6 * 3600
+        assert options["retries"].max_retries == 2
+        assert options["env"]["AWS_ENDPOINT_URL_S3"] == os.environ["AWS_ENDPOINT_URL_S3"]
     assert len(fake_modal.apps) == 2 and all(app.detach for app in fake_modal.apps.values())
     assert fake_modal.requests.count("hello") == 1  # the token was checked before anything was written
 
