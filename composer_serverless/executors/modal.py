@@ -237,7 +237,14 @@ class ModalExecutor:
             yield from (lines[1:] if len(entries) >= wanted else lines)[-tail:]
             return
         if follow:
-            yield from whole_lines(entry.message for entry in call.logs.stream())
+            # Not retried here: the client's stream already retries a dropped connection from where it was.
+            try:
+                yield from whole_lines(entry.message for entry in call.logs.stream())
+            except Exception as e:
+                refusal = classify(e, what)
+                if refusal is None:
+                    raise
+                raise BackendError(refusal.message, 1 if refusal.transient else 2) from None
             return
         yield from whole_lines(self._call(what, lambda: [e.message for e in call.logs.fetch()]))
 

@@ -299,6 +299,29 @@ def test_api_errors_read_as_messages_with_their_exit_status(tmp_path, fake_modal
     assert e.value.exit_code == 2
 
 
+@pytest.mark.parametrize(
+    ("error", "says", "code"),
+    [
+        (
+            mx.AuthError("Token ID is malformed"),
+            "Modal rejected the token while reading the log of replica 0",
+            2,
+        ),
+        (mx.ServiceError("stream reset"), "cannot reach Modal while reading the log of replica 0", 1),
+    ],
+)
+def test_an_api_error_while_following_a_log_reads_as_a_message(tmp_path, fake_modal, error, says, code):
+    """`logs --follow`: what the client's stream raises once its own retries are spent is the API's, not a
+    crash of the command."""
+    fake_modal.command = lambda run_url, r: WAIT
+    supervisor = _supervisor(tmp_path, replicas=1)
+    (handle,) = supervisor.start(supervisor.record.plan, note=lambda line: None)
+    fake_modal.fail("logs", error)
+    with pytest.raises(BackendError, match=says) as e:
+        list(supervisor.executor.logs(handle, follow=True))
+    assert e.value.exit_code == code and "fix:" in str(e.value)
+
+
 def test_a_transient_error_is_retried_until_it_passes(tmp_path, fake_modal):
     fake_modal.command = lambda run_url, r: WAIT
     supervisor = _supervisor(tmp_path, replicas=1)
