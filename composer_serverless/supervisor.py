@@ -193,11 +193,7 @@ class Supervisor:
         """Start the ranks of ``handles`` again, each only once its attempt is cancelled and seen ended."""
         for handle in handles:
             self._end(handle)
-        ranks = {handle.rank for handle in handles}
-        plan = self.record.plan
-        return self.start(
-            dataclasses.replace(plan, replicas=tuple(s for s in plan.replicas if s.rank in ranks)), note
-        )
+        return self.start(self.record.plan.only({handle.rank for handle in handles}), note)
 
     def _end(self, handle: ReplicaHandle) -> None:
         """Cancel ``handle``'s attempt and wait until the backend reports it ended.
