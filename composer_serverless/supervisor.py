@@ -8,6 +8,8 @@ Policy, per replica:
 
 * ``failed``: started again with the same command while the plan's ``launcher_restarts`` allows (backends
   that retry by themselves, Modal, allow 0 here); after that the run fails with the end of the replica's log.
+  The budget counts the restarts of this launch: attempt numbers go on across resumes (``launch.json`` keeps
+  every attempt), but a resume gives every replica its restarts again.
   The replica rejoins the run from the store. The failed attempt is cancelled, and seen ended, first: a
   replica reported failed by mistake (a listing that missed it) must not end up running twice.
 * ``unscheduled`` (no hardware before the backend's scheduling deadline): cancelled, reported, and the run
@@ -107,6 +109,9 @@ class Supervisor:
         self.executor = executor
         self.record = record
         self._given_up: dict[int, str] = {}  # rank -> why the run goes on without it
+        # rank -> its first attempt of this launch (one it started, or one it adopted running): the restart
+        # budget counts from there, since attempt numbers go on across resumes.
+        self._first_attempt: dict[int, int] = {}
         # An interrupt held while replicas were being created: raised where the watch can act on it.
         self.held_interrupt: BaseException | None = None
 
@@ -121,6 +126,7 @@ class Supervisor:
 
     def launching(self, rank: int, meta: dict[str, str]) -> ReplicaHandle:
         handle = ReplicaHandle(rank, "", attempt=self.record.next_attempt(rank), meta=dict(meta))
+        self._first_attempt.setdefault(rank, handle.attempt)
         self.launched(handle)
         return handle
 
@@ -175,8 +181,9 @@ class Supervisor:
         if LaunchRecord.from_json(self.run.get(layout.LAUNCH_RECORD)).cancelled:
             raise RunCancelled("the run was cancelled from elsewhere (`cancel RUN`)")
         restarts = self.record.plan.launcher_restarts
-        if handle.attempt > restarts:
-            tried = f" after {handle.attempt} attempts" if handle.attempt > 1 else ""
+        tries = handle.attempt - self._first_attempt.setdefault(handle.rank, handle.attempt) + 1
+        if tries > restarts:
+            tried = f" after {tries} attempts" if tries > 1 else ""
             raise RunFailed(
                 f"replica {handle.rank} failed{tried} ({status.detail}); "
                 f"last lines of its log ({handle.log}):\n"
@@ -186,7 +193,7 @@ class Supervisor:
         (new,) = self.restart([handle], note=lambda line: None)
         return (
             f"replica {handle.rank} died ({status.detail}); started it again "
-            f"(attempt {new.attempt} of {restarts + 1}): {new.backend_id}"
+            f"(attempt {tries + 1} of {restarts + 1}): {new.backend_id}"
         )
 
     def restart(self, handles: list[ReplicaHandle], note: Callable[[str], None]) -> list[ReplicaHandle]:

@@ -160,6 +160,44 @@ def test_replica_that_keeps_failing_fails_the_run_with_its_log_tail(tmp_path):
     )  # the last 30 lines
 
 
+def _resumed(tmp_path, executor: ScriptedExecutor, earlier: list[tuple[int, int]], start: bool) -> Supervisor:
+    """A supervisor of a resumed run whose launch.json holds the (rank, attempt)s of ``earlier`` launches, one
+    restart allowed; with ``start``, it starts every replica again (a resume that rolled back), else it
+    watches the latest attempts as they run (a resume that adopted them)."""
+    specs = tuple(ReplicaSpec(r, ("worker", str(r))) for r in range(2))
+    plan = LaunchPlan("scripted", "run", "url", specs, CostEstimate(0, "free", 0, 0, 0), launcher_restarts=1)
+    handles = tuple(ReplicaHandle(rank, f"r{rank}a{attempt}", attempt=attempt) for rank, attempt in earlier)
+    supervisor = Supervisor(ObjectStore(str(tmp_path / "run")), executor, LaunchRecord(plan, handles))
+    supervisor.save()
+    if start:
+        supervisor.start(plan, note=lambda line: None)
+    return supervisor
+
+
+def test_a_resumed_run_gets_its_restarts_again(tmp_path):
+    """Attempt numbers go on across resumes; the restart budget counts the restarts of this launch."""
+    executor = ScriptedExecutor(
+        {(0, 3): ["running", "succeeded"], (1, 4): ["failed"], (1, 5): ["running", "succeeded"]}
+    )
+    earlier = [(0, 1), (0, 2), (1, 1), (1, 2), (1, 3)]
+    events = _until_finished(_resumed(tmp_path, executor, earlier, start=True))
+    assert events == ["replica 1 died (failed detail); started it again (attempt 2 of 2): r1a5"]
+
+    executor = ScriptedExecutor({(0, 3): ["running"], (1, 4): ["failed"], (1, 5): ["failed"]})
+    with pytest.raises(RunFailed, match=r"replica 1 failed after 2 attempts \(failed detail\)"):
+        _until_finished(_resumed(tmp_path, executor, earlier, start=True))
+
+
+def test_an_adopted_replica_gets_the_restarts_of_this_launch(tmp_path):
+    executor = ScriptedExecutor(
+        {(0, 2): ["running", "succeeded"], (1, 3): ["failed"], (1, 4): ["running", "succeeded"]}
+    )
+    supervisor = _resumed(tmp_path, executor, [(0, 1), (0, 2), (1, 1), (1, 2), (1, 3)], start=False)
+    events = _until_finished(supervisor)
+    assert events == ["replica 1 died (failed detail); started it again (attempt 2 of 2): r1a4"]
+    assert executor.launched == [1]
+
+
 def test_backend_that_retries_itself_gets_no_relaunch(tmp_path):
     executor = ScriptedExecutor({(0, 1): ["running"], (1, 1): ["failed"]})
     with pytest.raises(RunFailed, match="replica 1 failed"):
