@@ -43,6 +43,9 @@ LOG_TAIL_LINES = 30
 # fails rather than risk two live attempts of one rank.
 GONE_TIMEOUT_S = 120.0
 GONE_POLL_S = 1.0
+# What an attempt reads once it has really ended: ``unscheduled`` ends a replica's part in the run (it goes on
+# without it), but its job may still be waiting for hardware.
+ENDED_STATES = TERMINAL_STATES - {"unscheduled"}
 
 
 class RunFailed(RuntimeError):
@@ -198,27 +201,27 @@ class Supervisor:
 
     def restart(self, handles: list[ReplicaHandle], note: Callable[[str], None]) -> list[ReplicaHandle]:
         """Start the ranks of ``handles`` again, each only once its attempt is cancelled and seen ended."""
-        for handle in handles:
-            self._end(handle)
+        self.end(handles)
         return self.start(self.record.plan.only({handle.rank for handle in handles}), note)
 
-    def _end(self, handle: ReplicaHandle) -> None:
-        """Cancel ``handle``'s attempt and wait until the backend reports it ended.
+    def end(self, handles: list[ReplicaHandle]) -> None:
+        """Cancel each attempt of ``handles`` and wait until the backend reports it ended.
 
         Raises:
-            RunFailed: it still runs after ``GONE_TIMEOUT_S``: starting the rank again would run it twice.
+            RunFailed: one still runs after ``GONE_TIMEOUT_S``: starting its rank again would run it twice.
         """
-        self.executor.cancel([handle])
-        deadline = time.monotonic() + GONE_TIMEOUT_S
-        while (state := self.executor.status([handle])[0].state) not in TERMINAL_STATES:
-            if time.monotonic() > deadline:
-                raise RunFailed(
-                    f"replica {handle.rank} was reported failed, but its attempt {handle.attempt} "
-                    f"({handle.backend_id or 'being created'}) is still {state} {GONE_TIMEOUT_S:.0f} s after it "
-                    "was cancelled; not starting a second one\n"
-                    f"  fix: composer-serverless cancel {self.run.url}, then launch --resume {self.run.url}"
-                )
-            time.sleep(GONE_POLL_S)
+        for handle in handles:
+            self.executor.cancel([handle])
+            deadline = time.monotonic() + GONE_TIMEOUT_S
+            while (state := self.executor.status([handle])[0].state) not in ENDED_STATES:
+                if time.monotonic() > deadline:
+                    raise RunFailed(
+                        f"replica {handle.rank}'s attempt {handle.attempt} "
+                        f"({handle.backend_id or 'being created'}) is still {state} {GONE_TIMEOUT_S:.0f} s after "
+                        "it was cancelled; not starting a second one beside it\n"
+                        f"  fix: composer-serverless cancel {self.run.url}, then launch --resume {self.run.url}"
+                    )
+                time.sleep(GONE_POLL_S)
 
     def log_tail(self, handle: ReplicaHandle, lines: int = LOG_TAIL_LINES) -> list[str]:
         try:

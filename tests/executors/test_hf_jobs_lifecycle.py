@@ -6,18 +6,20 @@ API on loopback (``fake_hf_jobs.py``); replicas sync through a moto S3 server.
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 import time
 
 import pytest
+from rich.console import Console
 
 from composer_serverless.config import validate_config
 from composer_serverless.executors.base import LaunchRecord, ReplicaHandle
 from composer_serverless.executors.hf_jobs import HFJobsExecutor
 from tests.conftest import TINY
-from tests.executors.conftest import NAMESPACE, cli, cli_background, store_objects
+from tests.executors.conftest import HF_TOKEN, NAMESPACE, cli, cli_background, store_objects
 from tests.executors.test_hf_jobs import _config, launch_until_training
 
 pytestmark = pytest.mark.slow
@@ -66,6 +68,28 @@ def test_a_launcher_killed_with_sigkill_is_resumed_by_adopting_its_jobs(tmp_path
     assert resumed.returncode == 1 and "cancelled" in err, out + err
     assert "still has live replicas (0, 1): watching them again instead of starting a second set" in out
     assert not fake_hf.live_jobs() and all(job.proc.wait() != 0 for job in fake_hf.jobs.values())
+
+
+def test_a_resume_ends_a_job_still_scheduling_before_it_starts_another(s3_store, fake_hf, monkeypatch):
+    """The run's one job is past its scheduling deadline, so it reads `unscheduled` (terminal), yet the Hub
+    may still start it: a resume that finds no replica running cancels it, and waits to see it cancelled,
+    before it starts the rank again; never two live jobs of one rank."""
+    from huggingface_hub import constants
+
+    from composer_serverless.launcher import resume
+    from composer_serverless.supervisor import RunFailed
+
+    monkeypatch.setattr(constants, "ENDPOINT", fake_hf.url)  # read when HfApi is made
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    run_url = _existing_run(s3_store[0], fake_hf, past_deadline=True)  # no job gets hardware
+    (old,) = fake_hf.jobs.values()
+    out = io.StringIO()
+    with pytest.raises(RunFailed, match="no replica ran: replica 0 got no hardware"):  # nor does the new one
+        resume(run_url, Console(file=out, width=200))
+    assert len(fake_hf.jobs) == 2 and old.stage[0] == "CANCELED"
+    assert fake_hf.max_live == {("hf-existing", "0"): 1}
+    assert "ending the earlier attempts that may still be live" in out.getvalue()
+    assert "replica 0 attempt 1 (unscheduled)" in out.getvalue()
 
 
 def _record(client, run_id: str) -> LaunchRecord:
@@ -174,9 +198,10 @@ def _cli_calls(env: dict[str, str], *argvs: list[str]) -> list[dict]:
     return json.loads(result.stdout)
 
 
-def _existing_run(store: str, fake_hf) -> str:
-    """A launched run whose one job waits for hardware: run.json and launch.json in the store, the job in
-    the fake, written directly (no replica process)."""
+def _existing_run(store: str, fake_hf, past_deadline: bool = False) -> str:
+    """A launched run whose one job waits for hardware (``past_deadline``: for longer than its scheduling
+    deadline): run.json and launch.json in the store, the job in the fake, written directly (no replica
+    process). A job the run starts from here on is given up after 1 s without hardware."""
     from composer_serverless.rendezvous.store import ObjectStore
 
     run_url = f"{store}/hf-existing"
@@ -192,14 +217,18 @@ def _existing_run(store: str, fake_hf) -> str:
                 "namespace": NAMESPACE,
                 "private_store_endpoint": True,
                 "api_retry_s": 3,
+                "scheduling_deadline_s": 1,
+                "status_poll_s": 0.5,
             },
         }
     )
     plan = HFJobsExecutor().plan(config, run_url)
     fake_hf.hold = lambda spec: True
-    job = fake_hf._create(NAMESPACE, {"command": ["true"], "labels": {"run_id": "hf-existing", "rank": "0"}})
-    meta = {"namespace": NAMESPACE, "run_id": "hf-existing", "launched_at": f"{time.time():.3f}"}
-    handle = ReplicaHandle(0, job.id, "", meta={**meta, "scheduling_deadline_s": "1e9"})
+    labels = {"run_id": "hf-existing", "rank": "0", "attempt": "1"}
+    job = fake_hf._create(NAMESPACE, {"command": ["true"], "labels": labels})
+    launched_at, deadline = (time.time() - 60, "1") if past_deadline else (time.time(), "1e9")
+    meta = {"namespace": NAMESPACE, "run_id": "hf-existing", "launched_at": f"{launched_at:.3f}"}
+    handle = ReplicaHandle(0, job.id, "", attempt=1, meta={**meta, "scheduling_deadline_s": deadline})
     run = ObjectStore(run_url)
     run.put("run.json", config.resolved_json().encode())
     run.put("launch.json", LaunchRecord(plan, (handle,), created_at=time.time()).to_json())

@@ -20,13 +20,19 @@ from rich.console import Console
 
 from composer_serverless import runs, watch
 from composer_serverless.config import validate_config
-from composer_serverless.executors.base import BackendError, LaunchPlan, LaunchRecord, worker_argv
+from composer_serverless.executors.base import (
+    BackendError,
+    LaunchPlan,
+    LaunchRecord,
+    ReplicaHandle,
+    worker_argv,
+)
 from composer_serverless.executors.modal import ModalExecutor, whole_lines
 from composer_serverless.executors.modal_image import IMAGE_REQUIREMENTS
-from composer_serverless.launcher import create_run, launch, prepare, start
+from composer_serverless.launcher import create_run, launch, prepare, resume, start
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
-from composer_serverless.supervisor import RunCancelled, Supervisor
+from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor
 from tests.conftest import TINY
 from tests.executors.fake_modal import FakeModal, interrupt_points, unrecorded_live_calls
 
@@ -354,6 +360,40 @@ def test_launcher_drives_modal_through_the_sdk(tmp_path, s3_store, fake_modal):
     log = list(runs.logs(f"{store}/modal-run", 1, follow=False))
     call = fake_modal.calls[rows[1].backend_id]
     assert log == call.log.read_text().splitlines() and any("[replica 1]" in line for line in log)
+
+
+def test_a_resume_stops_the_app_of_a_call_never_recorded_before_it_starts_another(s3_store, fake_modal):
+    """The launcher died after spawning replica 0 but before recording its call id: that attempt reads
+    `failed`, yet its call runs in its app. A resume that finds no replica running stops that app before it
+    spawns the rank again."""
+
+    class DiesBeforeTheId:
+        def launching(self, rank, meta):
+            self.pending = ReplicaHandle(rank, "", attempt=1, meta=dict(meta))
+            return self.pending
+
+        def launched(self, handle):
+            raise OSError("the launcher was killed here")
+
+    store, _ = s3_store
+    config = _config(store, replicas=1, max_restarts=0, status_poll_s=0.5)
+    run = ObjectStore(f"{store}/modal-run")
+    run.put("run.json", config.resolved_json().encode())
+    executor, journal = ModalExecutor(), DiesBeforeTheId()
+    plan = executor.plan(config, run.url)
+    fake_modal.command = lambda run_url, r: WAIT
+    with pytest.raises(OSError, match="killed"):
+        executor.launch(plan, journal)
+    run.put("launch.json", LaunchRecord(plan, (journal.pending,)).to_json())
+    (old,) = fake_modal.live()
+
+    fake_modal.command = lambda run_url, r: [sys.executable, "-c", "raise SystemExit(3)"]
+    with pytest.raises(RunFailed, match="replica 0 failed"):  # the new attempt fails at once
+        resume(run.url, Console(file=io.StringIO()))
+    requests = fake_modal.requests
+    respawned = max(i for i, request in enumerate(requests) if request == "spawn")
+    assert requests.count("spawn") == 2 and "stop" in requests[:respawned]  # its app stopped, then a spawn
+    assert old.result == ("terminated", "App was stopped")
 
 
 @pytest.mark.slow
