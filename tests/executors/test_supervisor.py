@@ -138,6 +138,19 @@ def test_a_replica_reported_dead_is_relaunched_only_once_its_attempt_is_seen_end
     assert executor.launched == [0, 1, 1]
 
 
+def test_an_unscheduled_attempt_is_not_taken_for_ended(tmp_path, monkeypatch):
+    """`unscheduled` is past a deadline, not over: a job still SCHEDULING may get hardware. Restarting its
+    rank waits until the backend says the cancelled attempt ended."""
+    from composer_serverless import supervisor as supervisor_module
+
+    monkeypatch.setattr(supervisor_module, "GONE_POLL_S", 0.0)
+    executor = ScriptedExecutor({(0, 1): ["running"], (1, 1): ["unscheduled"], (1, 2): ["running"]}, ending=2)
+    supervisor = _supervisor(tmp_path, executor)
+    (handle,) = [h for h in supervisor.handles if h.rank == 1]
+    supervisor.restart([handle], note=lambda line: None)
+    assert executor.polled_after_cancel == {"r1a1": 3} and executor.launched == [0, 1, 1]
+
+
 def test_a_replica_that_will_not_end_is_not_started_twice(tmp_path, monkeypatch):
     from composer_serverless import supervisor as supervisor_module
 
