@@ -275,6 +275,21 @@ def test_cancel_never_signals_a_process_it_did_not_start(tmp_path):
     unrelated.wait()
 
 
+def test_a_worker_that_exits_while_the_processes_are_listed_is_passed_over(tmp_path, monkeypatch):
+    """A worker listed by psutil that has exited by the time its process group is asked for (os.getpgid
+    raises ProcessLookupError, not a psutil error): status and cancel go on without it."""
+    run = ObjectStore(str(tmp_path))
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    process = psutil.Process(exited.pid)
+    exited.wait()  # gone and reaped
+    process.info = {"cmdline": list(base.worker_argv(run.url, 0, sys.executable))}  # as listed before that
+    monkeypatch.setattr(psutil, "process_iter", lambda attrs: iter([process]))
+    unrecorded = ReplicaHandle(0, "", None, meta={"host": "here"})
+    executor = LocalProcessExecutor(run, tmp_path)
+    assert executor.status([unrecorded])[0].state == "failed"
+    executor.cancel([unrecorded])  # nothing left to signal: returns
+
+
 def test_a_log_path_outside_the_run_is_not_read(tmp_path):
     secret = tmp_path / "elsewhere" / "secret.txt"
     secret.parent.mkdir()
