@@ -35,11 +35,15 @@ def is_gone(error: Exception) -> bool:
     return status is not None and 400 <= status < 500 and status not in (401, 402, 403, 429)
 
 
-def classify(error: Exception, what: str, namespace: str | None, endpoint: str) -> Refusal | None:
+def classify(
+    error: Exception, what: str, namespace: str | None, endpoint: str, job: str | None = None
+) -> Refusal | None:
     """The ``Refusal`` a Hub client error means while doing ``what``; None for an error that is not the API's.
 
     ``namespace`` (the user or organisation the jobs run under) is named in the messages where it is the
-    thing to fix.
+    thing to fix. ``job`` is the job a request about one job names (its log): a 404 then says the Hub does
+    not know that job, since the namespace is the one the job was created in; a 404 to a request about the
+    namespace's jobs (listing, creating) says it does not know the namespace.
     """
     from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
 
@@ -66,6 +70,13 @@ def classify(error: Exception, what: str, namespace: str | None, endpoint: str) 
                 f"the token may not use HF Jobs in {ns} while {what} (HTTP 403{said})\n  fix: a token with "
                 "the Jobs permission for that namespace (or membership of the organisation), or "
                 "executor.namespace set to your own user",
+                transient=False,
+            )
+        if status == 404 and job is not None:
+            return Refusal(
+                f"HF Jobs does not know job {job} in {ns} (HTTP 404{said}) while {what}: it no longer exists "
+                "there, or never did\n  fix: `composer-serverless status RUN` shows what became of the replica; "
+                "a job the Hub does not know has no log to read",
                 transient=False,
             )
         if status == 404:

@@ -16,7 +16,8 @@ What the Jobs API teaches (see the project's research notes on HF Jobs):
 * A job can sit in SCHEDULING for hours when hardware is short. Past ``scheduling_deadline_s`` it is
   reported ``unscheduled``; the launcher cancels it and the run goes on without it.
 * Cancelling a job that has already ended is answered with a 4xx, which is not an error here.
-* The API's refusals are the user's to fix (401 token, 402 credits, 403 permissions, 404 namespace: exit 2)
+* The API's refusals are the user's to fix (401 token, 402 credits, 403 permissions, 404 namespace, or job
+  for a log: exit 2)
   or transient (429, 5xx, the network: retried, honouring ``Retry-After``, then exit 1); creating a job is
   retried only after a labelled listing shows the failed request did not create it.
 * Logs are for people: progress and outcome come from the store and the job's stage, never from a log
@@ -265,7 +266,7 @@ class HFJobsExecutor:
                         yield line
                 return
             except Exception as e:
-                refusal = classify(e, what, namespace, self._api.endpoint)
+                refusal = classify(e, what, namespace, self._api.endpoint, job=job_id)
                 if refusal is None:
                     raise
                 backoff.wait(refusal)

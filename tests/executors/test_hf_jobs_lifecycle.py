@@ -164,6 +164,31 @@ def test_api_refusals_at_launch_status_logs_and_cancel_read_as_messages(
         assert min(b - a for times in calls for a, b in zip(times, times[1:], strict=False)) >= 1.0
 
 
+def test_a_404_names_what_the_hub_does_not_know(fake_hf, monkeypatch):
+    """The real client against the fake: the log of a job the Hub does not know says so (its namespace is the
+    one it was created in, so setting executor.namespace would fix nothing); a listing in a namespace the Hub
+    does not know says that, with that fix."""
+    from huggingface_hub import HfApi
+
+    from composer_serverless.executors.base import BackendError
+
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    executor = HFJobsExecutor(api=HfApi(endpoint=fake_hf.url, token=HF_TOKEN), retry_s=0)
+    meta = {"namespace": NAMESPACE, "run_id": "hf-gone"}
+    with pytest.raises(BackendError) as gone:
+        list(executor.logs(ReplicaHandle(0, "0123456789abcdef01234567", meta=meta)))
+    said = str(gone.value)
+    assert gone.value.exit_code == 2 and "executor.namespace" not in said, said
+    assert f"HF Jobs does not know job 0123456789abcdef01234567 in namespace '{NAMESPACE}' (HTTP 404" in said
+    assert "while reading the log of replica 0" in said and "fix: `composer-serverless status RUN`" in said
+
+    with pytest.raises(BackendError) as unknown:
+        executor.status([ReplicaHandle(0, "0123456789abcdef01234567", meta={**meta, "namespace": "nobody"})])
+    said = str(unknown.value)
+    assert unknown.value.exit_code == 2 and "HF Jobs does not know namespace 'nobody' (HTTP 404" in said
+    assert "fix: set executor.namespace to an existing user or organisation" in said
+
+
 def test_no_credits_when_the_jobs_are_created_stops_the_launch_with_the_fix(
     tmp_path, s3_store, fake_hf, hf_env
 ):
