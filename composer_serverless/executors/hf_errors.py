@@ -28,6 +28,24 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+def _unsent_errors() -> tuple[type[BaseException], ...]:
+    found = []
+    for module in ("httpx", "httpx2"):
+        try:
+            http = importlib.import_module(module)
+            found += [http.ConnectError, http.ConnectTimeout, http.PoolTimeout]
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+def nothing_done(error: Exception) -> bool:
+    """Whether a failed request certainly did nothing on the server: no connection was made (refused, a name
+    that does not resolve, a connect or pool timeout), or the rate limiter refused it (429). After any other
+    failure (no answer in time, a dropped connection, a 5xx) the server may have carried it out."""
+    return _status_of(error) == 429 or isinstance(error, _unsent_errors())
+
+
 def is_gone(error: Exception) -> bool:
     """An answer to a request about one job that means the job has ended or no longer exists: 404, or
     another 4xx that is not about the caller (cancelling a job that already ended is refused with one)."""

@@ -189,6 +189,95 @@ def test_a_404_names_what_the_hub_does_not_know(fake_hf, monkeypatch):
     assert "fix: set executor.namespace to an existing user or organisation" in said
 
 
+class _Journal:
+    def launching(self, rank: int, meta: dict[str, str]) -> ReplicaHandle:
+        return ReplicaHandle(rank, "", attempt=1, meta=dict(meta))
+
+    def launched(self, handle: ReplicaHandle) -> None:
+        pass
+
+
+def _creating(fake_hf, monkeypatch):
+    """An HF executor (the real client, against the fake) and the plan of a 1-replica run whose job never
+    gets hardware; and the count of job creations the fake was asked for."""
+    from huggingface_hub import HfApi
+
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    fake_hf.hold = lambda spec: True
+    config = validate_config(
+        {
+            "run_id": "hf-create",
+            "store": "s3://bucket/runs",
+            "model": {"tiny": TINY.model_dump()},
+            "diloco": {"replicas": 1, "sync_every": 3, "rounds": 2},
+            "executor": {
+                "type": "hf_jobs",
+                "image": "ghcr.io/example/composer-serverless:test",
+                "namespace": NAMESPACE,
+                "private_store_endpoint": True,
+            },
+        }
+    )
+    executor = HFJobsExecutor(api=HfApi(endpoint=fake_hf.url, token=HF_TOKEN), retry_s=5)
+    plan = executor.plan(config, "s3://bucket/runs/hf-create")
+    return (
+        executor,
+        plan,
+        lambda: fake_hf.requests_to("POST", f"/api/jobs/{NAMESPACE}").count(f"/api/jobs/{NAMESPACE}"),
+    )
+
+
+def test_a_creation_that_may_have_created_the_job_is_not_sent_again(fake_hf, monkeypatch):
+    """The Hub created the job but the client saw a 504, and the listing that follows misses the job: the
+    request is not sent again (a second job would run beside the first); the launch stops, exit 1."""
+    from composer_serverless.executors.base import BackendError
+
+    executor, plan, creations = _creating(fake_hf, monkeypatch)
+    fake_hf.fail_after_creating(f"/api/jobs/{NAMESPACE}", 504)
+    fake_hf.omit_once(lambda job: True)
+    with pytest.raises(BackendError) as failed:
+        executor.launch(plan, _Journal())
+    assert creations() == 1 and len(fake_hf.jobs) == 1 and not fake_hf.omitted
+    said = str(failed.value)
+    assert failed.value.exit_code == 1 and "the Hub failed (HTTP 504" in said
+    assert "may still have created the job" in said and "fix: once the Hub answers again" in said
+    assert "launch --resume s3://bucket/runs/hf-create" in said
+
+
+def test_a_job_a_failed_creation_made_is_found_by_its_labels(fake_hf, monkeypatch):
+    executor, plan, creations = _creating(fake_hf, monkeypatch)
+    fake_hf.fail_after_creating(f"/api/jobs/{NAMESPACE}", 504)
+    (handle,) = executor.launch(plan, _Journal())
+    (job,) = fake_hf.jobs.values()
+    assert creations() == 1 and handle.backend_id == job.id
+
+
+def test_a_creation_refused_before_anything_was_done_is_retried(fake_hf, monkeypatch):
+    """A 429 is the rate limiter's: nothing was created, so asking again (after Retry-After) is safe."""
+    executor, plan, creations = _creating(fake_hf, monkeypatch)
+    fake_hf.refuse("POST", f"/api/jobs/{NAMESPACE}", 429, headers={"Retry-After": "0"})
+    (handle,) = executor.launch(plan, _Journal())
+    (job,) = fake_hf.jobs.values()
+    assert creations() == 2 and handle.backend_id == job.id
+
+
+def test_a_request_that_never_connected_did_nothing():
+    """What the real client raises when no connection was made (a closed port here; a name that does not
+    resolve raises the same class) shows that nothing was created."""
+    import socket
+
+    from huggingface_hub import HfApi
+
+    from composer_serverless.executors.hf_errors import nothing_done
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    with pytest.raises(Exception) as refused:  # noqa: B017 - the class is the client's to choose
+        HfApi(endpoint=endpoint, token=HF_TOKEN).run_job(image="img", command=["true"], namespace=NAMESPACE)
+    assert nothing_done(refused.value), type(refused.value)
+
+
 def test_no_credits_when_the_jobs_are_created_stops_the_launch_with_the_fix(
     tmp_path, s3_store, fake_hf, hf_env
 ):
