@@ -19,7 +19,7 @@ from composer_serverless.config import validate_config
 from composer_serverless.executors.base import LaunchRecord, ReplicaHandle
 from composer_serverless.executors.hf_jobs import HFJobsExecutor
 from tests.conftest import TINY
-from tests.executors.conftest import HF_TOKEN, NAMESPACE, cli, cli_background, store_objects
+from tests.executors.conftest import HF_TOKEN, NAMESPACE, cli, cli_background, read_until, store_objects
 from tests.executors.test_hf_jobs import _config, launch_until_training
 
 pytestmark = pytest.mark.slow
@@ -52,19 +52,17 @@ def test_a_launcher_killed_with_sigkill_is_resumed_by_adopting_its_jobs(tmp_path
     launcher = launch_until_training(tmp_path, s3_store, "hf-kill", hf_env)
     launcher.kill()
     launcher.communicate()
-    first = _record(client, "hf-kill").created_at
 
     resumed = cli_background("launch", "--resume", run_url, env=hf_env)
-    while _record(client, "hf-kill").created_at == first:
-        assert resumed.poll() is None, resumed.communicate()
-        time.sleep(0.3)
-    time.sleep(2)  # long enough for a resume that started jobs to have started them
+    # Printed as the watch begins: whatever the resume starts has been created by then.
+    seen = read_until(resumed, "estimated cost:")
     assert len(fake_hf.jobs) == 2 and len(fake_hf.live_jobs()) == 2
     assert fake_hf.max_live == {("hf-kill", "0"): 1, ("hf-kill", "1"): 1}
 
     cancel = cli("cancel", run_url, env=hf_env)
     assert cancel.returncode == 0, cancel.stderr
     out, err = resumed.communicate(timeout=120)
+    out = seen + out
     assert resumed.returncode == 1 and "cancelled" in err, out + err
     assert "still has live replicas (0, 1): watching them again instead of starting a second set" in out
     assert not fake_hf.live_jobs() and all(job.proc.wait() != 0 for job in fake_hf.jobs.values())

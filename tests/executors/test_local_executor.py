@@ -35,6 +35,7 @@ from tests.executors.conftest import (
     SECRET_ACCESS_KEY,
     cli,
     cli_background,
+    read_until,
     store_objects,
     write_config,
 )
@@ -226,12 +227,9 @@ def test_a_launcher_killed_with_sigkill_is_resumed_by_adopting_its_live_replicas
     launcher.communicate()
     assert all(_state(pid) == "alive" for pid in pids)
 
-    first = LaunchRecord.from_json(record_path.read_bytes()).created_at
     resumed = cli_background("launch", "--resume", run_url, env=env)
-    while LaunchRecord.from_json(record_path.read_bytes()).created_at == first:
-        assert resumed.poll() is None, resumed.communicate()
-        time.sleep(0.3)
-    time.sleep(2)  # long enough for a resume that started replicas to have started them
+    # Printed as the watch begins: whatever the resume starts has been started by then.
+    seen = read_until(resumed, "estimated cost:")
     workers = _worker_processes(ObjectStore(run_url))
     assert sorted(str(p.pid) for p in workers) == pids
     record = LaunchRecord.from_json(record_path.read_bytes())
@@ -240,6 +238,7 @@ def test_a_launcher_killed_with_sigkill_is_resumed_by_adopting_its_live_replicas
     cancel = cli("cancel", run_url, env=env)
     assert cancel.returncode == 0, cancel.stderr
     out, err = resumed.communicate(timeout=120)
+    out = seen + out
     assert resumed.returncode == 1 and "cancelled" in err, out + err
     assert "still has live replicas (0, 1): watching them again instead of starting a second set" in out
     assert all(_state(pid) in ("Z", "gone") for pid in pids) and not _worker_processes(ObjectStore(run_url))
