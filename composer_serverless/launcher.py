@@ -56,6 +56,9 @@ from composer_serverless.watch import Choice, Followed, ReplicaView, cancel_on_i
 MODEL_CHECK_TIMEOUT_S = 300.0
 # The states of a replica that a resume starts again beside live ones.
 _RESTARTED = frozenset({"failed", "cancelled", "unscheduled"})
+# The states in which an attempt whose id was recorded is known to have ended (not ``unscheduled``: a job past
+# its scheduling deadline may still be waiting for hardware).
+_KNOWN_ENDED = frozenset({"succeeded", "failed", "cancelled"})
 
 __all__ = ["Prepared", "prepare", "start", "launch", "resume", "follow", "create_run"]
 
@@ -273,9 +276,11 @@ def resume(
     Adopting rather than refusing keeps the rounds the live replicas are in, and gives the run its supervisor
     (relaunches, progress, the report) back.
 
-    If none runs, the run is rolled back to its newest checkpoint (``latest.roll_back``) and every replica is
-    started again, continuing from it and their own states saved with it, with the configuration the run was
-    created with (``run.json`` is write-once): the rounds after the checkpoint are redone. Either way the new
+    If none runs, every earlier attempt not known to have ended is ended first (cancelled, and seen ended:
+    ``_end_open_attempts``), then the run is rolled back to its newest checkpoint (``latest.roll_back``) and
+    every replica is started again, continuing from it and their own states saved with it, with the
+    configuration the run was created with (``run.json`` is write-once): the rounds after the checkpoint are
+    redone. Either way the new
     attempts are added to ``launch.json`` beside the earlier ones, so ``cancel`` still reaches every one.
 
     Raises:
@@ -306,6 +311,7 @@ def resume(
             statuses and all(s.state == "succeeded" for s in statuses)
         ):
             return _adopt(run, executor, config, earlier, statuses, console, on_interrupt)
+        _end_open_attempts(run, executor, earlier, console)
     run.ensure_root()
     earlier_wall_s = _wall_so_far(run)
     try:
@@ -362,6 +368,30 @@ def _adopt(
     record = dataclasses.replace(earlier, created_at=now, earlier_wall_s=wall)
     supervisor = _start_replicas(run, executor, record, config, console, restart=ended)
     return follow(supervisor, config, console, on_interrupt)
+
+
+def _end_open_attempts(
+    run: ObjectStore, executor: ServerlessExecutor, earlier: LaunchRecord, console: Console
+) -> None:
+    """Cancel every earlier attempt of the run that is not known to have ended, and wait until each is seen
+    ended, before the roll back and the new attempts: an attempt can read as ended and still be live (a job
+    past its scheduling deadline, still SCHEDULING; an attempt whose id was never recorded reads ``failed``
+    when no listing shows it, and on Modal its call may still run in its app).
+
+    Raises:
+        RunFailed: one still runs after the cancel: starting the replicas again would run it twice.
+    """
+    handles = list(earlier.handles)
+    seen = zip(handles, executor.status(handles), strict=True)
+    open_ = [(h, s) for h, s in seen if not (h.created and s.state in _KNOWN_ENDED)]
+    if not open_:
+        return
+    console.print(
+        "ending the earlier attempts that may still be live before starting new ones: "
+        + ", ".join(f"replica {h.rank} attempt {h.attempt} ({s.state})" for h, s in open_),
+        highlight=False,
+    )
+    Supervisor(run, executor, earlier).end([h for h, _ in open_])
 
 
 def _launch_record(run: ObjectStore) -> LaunchRecord | None:

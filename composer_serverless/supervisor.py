@@ -8,6 +8,8 @@ Policy, per replica:
 
 * ``failed``: started again with the same command while the plan's ``launcher_restarts`` allows (backends
   that retry by themselves, Modal, allow 0 here); after that the run fails with the end of the replica's log.
+  The budget counts the restarts of this launch: attempt numbers go on across resumes (``launch.json`` keeps
+  every attempt), but a resume gives every replica its restarts again.
   The replica rejoins the run from the store. The failed attempt is cancelled, and seen ended, first: a
   replica reported failed by mistake (a listing that missed it) must not end up running twice.
 * ``unscheduled`` (no hardware before the backend's scheduling deadline): cancelled, reported, and the run
@@ -41,6 +43,9 @@ LOG_TAIL_LINES = 30
 # fails rather than risk two live attempts of one rank.
 GONE_TIMEOUT_S = 120.0
 GONE_POLL_S = 1.0
+# What an attempt reads once it has really ended: ``unscheduled`` ends a replica's part in the run (it goes on
+# without it), but its job may still be waiting for hardware.
+ENDED_STATES = TERMINAL_STATES - {"unscheduled"}
 
 
 class RunFailed(RuntimeError):
@@ -107,6 +112,9 @@ class Supervisor:
         self.executor = executor
         self.record = record
         self._given_up: dict[int, str] = {}  # rank -> why the run goes on without it
+        # rank -> its first attempt of this launch (one it started, or one it adopted running): the restart
+        # budget counts from there, since attempt numbers go on across resumes.
+        self._first_attempt: dict[int, int] = {}
         # An interrupt held while replicas were being created: raised where the watch can act on it.
         self.held_interrupt: BaseException | None = None
 
@@ -121,6 +129,7 @@ class Supervisor:
 
     def launching(self, rank: int, meta: dict[str, str]) -> ReplicaHandle:
         handle = ReplicaHandle(rank, "", attempt=self.record.next_attempt(rank), meta=dict(meta))
+        self._first_attempt.setdefault(rank, handle.attempt)
         self.launched(handle)
         return handle
 
@@ -175,8 +184,9 @@ class Supervisor:
         if LaunchRecord.from_json(self.run.get(layout.LAUNCH_RECORD)).cancelled:
             raise RunCancelled("the run was cancelled from elsewhere (`cancel RUN`)")
         restarts = self.record.plan.launcher_restarts
-        if handle.attempt > restarts:
-            tried = f" after {handle.attempt} attempts" if handle.attempt > 1 else ""
+        tries = handle.attempt - self._first_attempt.setdefault(handle.rank, handle.attempt) + 1
+        if tries > restarts:
+            tried = f" after {tries} attempts" if tries > 1 else ""
             raise RunFailed(
                 f"replica {handle.rank} failed{tried} ({status.detail}); "
                 f"last lines of its log ({handle.log}):\n"
@@ -186,36 +196,32 @@ class Supervisor:
         (new,) = self.restart([handle], note=lambda line: None)
         return (
             f"replica {handle.rank} died ({status.detail}); started it again "
-            f"(attempt {new.attempt} of {restarts + 1}): {new.backend_id}"
+            f"(attempt {tries + 1} of {restarts + 1}): {new.backend_id}"
         )
 
     def restart(self, handles: list[ReplicaHandle], note: Callable[[str], None]) -> list[ReplicaHandle]:
         """Start the ranks of ``handles`` again, each only once its attempt is cancelled and seen ended."""
-        for handle in handles:
-            self._end(handle)
-        ranks = {handle.rank for handle in handles}
-        plan = self.record.plan
-        return self.start(
-            dataclasses.replace(plan, replicas=tuple(s for s in plan.replicas if s.rank in ranks)), note
-        )
+        self.end(handles)
+        return self.start(self.record.plan.only({handle.rank for handle in handles}), note)
 
-    def _end(self, handle: ReplicaHandle) -> None:
-        """Cancel ``handle``'s attempt and wait until the backend reports it ended.
+    def end(self, handles: list[ReplicaHandle]) -> None:
+        """Cancel each attempt of ``handles`` and wait until the backend reports it ended.
 
         Raises:
-            RunFailed: it still runs after ``GONE_TIMEOUT_S``: starting the rank again would run it twice.
+            RunFailed: one still runs after ``GONE_TIMEOUT_S``: starting its rank again would run it twice.
         """
-        self.executor.cancel([handle])
-        deadline = time.monotonic() + GONE_TIMEOUT_S
-        while (state := self.executor.status([handle])[0].state) not in TERMINAL_STATES:
-            if time.monotonic() > deadline:
-                raise RunFailed(
-                    f"replica {handle.rank} was reported failed, but its attempt {handle.attempt} "
-                    f"({handle.backend_id or 'being created'}) is still {state} {GONE_TIMEOUT_S:.0f} s after it "
-                    "was cancelled; not starting a second one\n"
-                    f"  fix: composer-serverless cancel {self.run.url}, then launch --resume {self.run.url}"
-                )
-            time.sleep(GONE_POLL_S)
+        for handle in handles:
+            self.executor.cancel([handle])
+            deadline = time.monotonic() + GONE_TIMEOUT_S
+            while (state := self.executor.status([handle])[0].state) not in ENDED_STATES:
+                if time.monotonic() > deadline:
+                    raise RunFailed(
+                        f"replica {handle.rank}'s attempt {handle.attempt} "
+                        f"({handle.backend_id or 'being created'}) is still {state} {GONE_TIMEOUT_S:.0f} s after "
+                        "it was cancelled; not starting a second one beside it\n"
+                        f"  fix: composer-serverless cancel {self.run.url}, then launch --resume {self.run.url}"
+                    )
+                time.sleep(GONE_POLL_S)
 
     def log_tail(self, handle: ReplicaHandle, lines: int = LOG_TAIL_LINES) -> list[str]:
         try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -119,9 +119,9 @@ class LaunchPlan:
             ranks_per_replica=data.get("ranks_per_replica", 1),
         )
 
-    def only(self, rank: int) -> LaunchPlan:
-        """The same plan restricted to one replica: what a relaunch of ``rank`` starts."""
-        return dataclasses.replace(self, replicas=tuple(s for s in self.replicas if s.rank == rank))
+    def only(self, ranks: Collection[int]) -> LaunchPlan:
+        """The same plan restricted to the replicas of ``ranks``: what a relaunch of them starts."""
+        return dataclasses.replace(self, replicas=tuple(s for s in self.replicas if s.rank in ranks))
 
 
 def model_plan(config: RunConfig) -> dict[str, Any]:

@@ -28,6 +28,24 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+def _unsent_errors() -> tuple[type[BaseException], ...]:
+    found = []
+    for module in ("httpx", "httpx2"):
+        try:
+            http = importlib.import_module(module)
+            found += [http.ConnectError, http.ConnectTimeout, http.PoolTimeout]
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+def nothing_done(error: Exception) -> bool:
+    """Whether a failed request certainly did nothing on the server: no connection was made (refused, a name
+    that does not resolve, a connect or pool timeout), or the rate limiter refused it (429). After any other
+    failure (no answer in time, a dropped connection, a 5xx) the server may have carried it out."""
+    return _status_of(error) == 429 or isinstance(error, _unsent_errors())
+
+
 def is_gone(error: Exception) -> bool:
     """An answer to a request about one job that means the job has ended or no longer exists: 404, or
     another 4xx that is not about the caller (cancelling a job that already ended is refused with one)."""
@@ -35,11 +53,15 @@ def is_gone(error: Exception) -> bool:
     return status is not None and 400 <= status < 500 and status not in (401, 402, 403, 429)
 
 
-def classify(error: Exception, what: str, namespace: str | None, endpoint: str) -> Refusal | None:
+def classify(
+    error: Exception, what: str, namespace: str | None, endpoint: str, job: str | None = None
+) -> Refusal | None:
     """The ``Refusal`` a Hub client error means while doing ``what``; None for an error that is not the API's.
 
     ``namespace`` (the user or organisation the jobs run under) is named in the messages where it is the
-    thing to fix.
+    thing to fix. ``job`` is the job a request about one job names (its log): a 404 then says the Hub does
+    not know that job, since the namespace is the one the job was created in; a 404 to a request about the
+    namespace's jobs (listing, creating) says it does not know the namespace.
     """
     from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
 
@@ -66,6 +88,13 @@ def classify(error: Exception, what: str, namespace: str | None, endpoint: str) 
                 f"the token may not use HF Jobs in {ns} while {what} (HTTP 403{said})\n  fix: a token with "
                 "the Jobs permission for that namespace (or membership of the organisation), or "
                 "executor.namespace set to your own user",
+                transient=False,
+            )
+        if status == 404 and job is not None:
+            return Refusal(
+                f"HF Jobs does not know job {job} in {ns} (HTTP 404{said}) while {what}: it no longer exists "
+                "there, or never did\n  fix: `composer-serverless status RUN` shows what became of the replica; "
+                "a job the Hub does not know has no log to read",
                 transient=False,
             )
         if status == 404:

@@ -16,9 +16,12 @@ What the Jobs API teaches (see the project's research notes on HF Jobs):
 * A job can sit in SCHEDULING for hours when hardware is short. Past ``scheduling_deadline_s`` it is
   reported ``unscheduled``; the launcher cancels it and the run goes on without it.
 * Cancelling a job that has already ended is answered with a 4xx, which is not an error here.
-* The API's refusals are the user's to fix (401 token, 402 credits, 403 permissions, 404 namespace: exit 2)
-  or transient (429, 5xx, the network: retried, honouring ``Retry-After``, then exit 1); creating a job is
-  retried only after a labelled listing shows the failed request did not create it.
+* The API's refusals are the user's to fix (401 token, 402 credits, 403 permissions, 404 namespace, or job
+  for a log: exit 2)
+  or transient (429, 5xx, the network: retried, honouring ``Retry-After``, then exit 1). Creating a job is
+  retried only after a failure that shows nothing was created (no connection made, a 429); after another
+  one (no answer in time, a 5xx) a labelled listing is asked once, and if it shows no job the launch stops
+  rather than risk a second job beside one the listing missed.
 * Logs are for people: progress and outcome come from the store and the job's stage, never from a log
   stream (streams stall and drop lines).
 
@@ -40,6 +43,7 @@ from composer_serverless.config import DEFAULT_HF_JOBS_IMAGE, RunConfig
 from composer_serverless.config.hardware import HF_FLAVOR_PRICES
 from composer_serverless.executors import retrying
 from composer_serverless.executors.base import (
+    BackendError,
     Journal,
     LaunchPlan,
     LaunchRecord,
@@ -56,7 +60,7 @@ from composer_serverless.executors.environment import (
     secret_name_problems,
     secret_value,
 )
-from composer_serverless.executors.hf_errors import classify, is_gone
+from composer_serverless.executors.hf_errors import classify, is_gone, nothing_done
 from composer_serverless.executors.pricing import estimate_cost
 
 if TYPE_CHECKING:
@@ -177,41 +181,52 @@ class HFJobsExecutor:
         return handles
 
     def _create(self, plan: LaunchPlan, spec: ReplicaSpec, namespace: str, labels: dict[str, str]) -> Any:
-        """``run_job`` for one attempt. A retry first lists the attempt's labels: a request that failed after
-        the server created the job must not create a second one."""
+        """``run_job`` for one attempt, retried only after a failure that shows it created nothing
+        (``nothing_done``). After any other failure the job may exist, and a listing can miss a live job, so
+        the request is not sent again: one labelled listing is asked, a job it shows is the attempt's, and if
+        it shows none the launch stops (``launch --resume`` ends such a job, found by its labels, before it
+        starts the replicas again)."""
         res = plan.resources
-        tries = 0
+        what = f"creating the job of replica {spec.rank}"
 
         def create() -> Any:
-            nonlocal tries
-            tries += 1
-            if tries > 1:
-                created = self._jobs(
-                    namespace, labels, "looking for a job a failed request created", once=True
+            try:
+                return self._api.run_job(
+                    image=res["image"],
+                    command=list(spec.command),
+                    env=dict(spec.env),
+                    secrets=launch_secrets(spec.secrets, self.run_secrets),
+                    flavor=res["flavor"],
+                    timeout=res["timeout_s"],
+                    labels=labels,
+                    name=f"{plan.run_id}-r{labels['rank']}-a{labels['attempt']}",
+                    namespace=namespace,
                 )
-                if created:
-                    return created[0]
-            return self._api.run_job(
-                image=res["image"],
-                command=list(spec.command),
-                env=dict(spec.env),
-                secrets=launch_secrets(spec.secrets, self.run_secrets),
-                flavor=res["flavor"],
-                timeout=res["timeout_s"],
-                labels=labels,
-                name=f"{plan.run_id}-r{labels['rank']}-a{labels['attempt']}",
-                namespace=namespace,
-            )
+            except Exception as e:
+                refusal = classify(e, what, namespace, self._api.endpoint)
+                if refusal is not None and refusal.transient and not nothing_done(e):
+                    raise _MaybeCreated(refusal.message.splitlines()[0]) from e
+                raise
 
-        return self._call(f"creating the job of replica {spec.rank}", create, namespace)
+        try:
+            return self._call(what, create, namespace)
+        except _MaybeCreated as e:
+            cause = str(e)
+        created = self._jobs(namespace, labels, "looking for the job a failed request may have created")
+        if created:
+            return created[0]
+        raise BackendError(
+            f"{cause}; the request may still have created the job, and no listing shows it yet, so it is not "
+            "sent again (a second job could run beside it)\n"
+            f"  fix: once the Hub answers again, composer-serverless launch --resume {plan.run_url} (it first "
+            "ends any job this attempt created, found by its labels)",
+            1,
+        )
 
-    def _jobs(self, namespace: str, labels: dict[str, str], what: str, *, once: bool = False) -> list[Any]:
-        def listing() -> list[Any]:
-            return list(self._api.list_jobs(namespace=namespace, labels=labels))
-
-        if once:
-            return listing()
-        return self._call(what, listing, namespace)
+    def _jobs(self, namespace: str, labels: dict[str, str], what: str) -> list[Any]:
+        return self._call(
+            what, lambda: list(self._api.list_jobs(namespace=namespace, labels=labels)), namespace
+        )
 
     def _inspect(self, handle: ReplicaHandle) -> Any | None:
         """The job of ``handle`` asked for by id, or None if the Hub no longer knows it."""
@@ -265,7 +280,7 @@ class HFJobsExecutor:
                         yield line
                 return
             except Exception as e:
-                refusal = classify(e, what, namespace, self._api.endpoint)
+                refusal = classify(e, what, namespace, self._api.endpoint, job=job_id)
                 if refusal is None:
                     raise
                 backoff.wait(refusal)
@@ -336,6 +351,10 @@ class HFJobsExecutor:
                 logger.info("job %s not cancelled: %s", job_id, e)
 
         self._call(f"cancelling job {job_id}", cancel, namespace)
+
+
+class _MaybeCreated(Exception):
+    """A job creation failed in a way that does not show whether the job was created (its message: why)."""
 
 
 def _command(run_url: str, rank: int, package: str | None) -> tuple[str, ...]:

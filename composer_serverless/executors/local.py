@@ -384,7 +384,7 @@ def _worker_processes(
             continue
         if wanted is not None and (ranked is None or not ranked.isdigit() or int(ranked) not in wanted):
             continue
-        with contextlib.suppress(psutil.Error):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):  # it may exit meanwhile: not ours then
             if os.getpgid(process.pid) == process.pid and process.status() != psutil.STATUS_ZOMBIE:
                 found.append(process)
     return found

@@ -21,6 +21,9 @@ What Modal teaches (see the project's research notes on Modal):
   container cap, since a cap below N would queue replicas behind a sync barrier that waits for them.
 * GPU type, timeout, retries, secrets and environment are per-run options (``with_options``), not decorator
   arguments: decorator arguments are evaluated again in every container, where the launcher's config is gone.
+  The variant is made inside each replica's ``app.run`` block: it binds to the app running when it is first
+  used (``_make_function_variant`` hydrates it once, from the function of that app) and stays bound, so one
+  variant for every replica would spawn them all in the first replica's app.
 * Secrets go to Modal as a ``Secret`` built from this environment at spawn time (plus any named secrets of
   the workspace); their values never enter the plan, the command or a log.
 """
@@ -140,30 +143,12 @@ class ModalExecutor:
         self._call("checking the Modal token", lambda: modal.Client.from_env().hello())
 
     def launch(self, plan: LaunchPlan, journal: Journal) -> list[ReplicaHandle]:
-        import modal
-
-        from composer_serverless.executors.modal_app import train_replica
-
-        res = plan.resources
-        first = plan.replicas[0]
-        secrets = [modal.Secret.from_name(name) for name in res["modal_secrets"]]
-        if first.secrets:
-            secrets.insert(0, modal.Secret.from_dict(launch_secrets(first.secrets, self.run_secrets)))
-        function = train_replica.with_options(
-            gpu=res["gpu"],
-            timeout=res["timeout_s"],
-            retries=modal.Retries(
-                max_retries=res["retries"], initial_delay=RETRY_DELAY_S, backoff_coefficient=1.0
-            ),
-            secrets=secrets,
-            env=dict(first.env),
-        )
         handles = []
         for index, spec in enumerate(plan.replicas):
             what = f"starting replica {spec.rank} on Modal"
             try:
                 # Modal's output (the image build, the first time) is shown for the first app only.
-                handles.append(self._spawn(function, plan, spec.rank, journal, show_output=index == 0))
+                handles.append(self._spawn(plan, spec.rank, journal, show_output=index == 0))
             except Exception as e:  # no retry: a second spawn could start a second replica
                 refusal = classify(e, what)
                 if refusal is None:
@@ -171,9 +156,7 @@ class ModalExecutor:
                 raise BackendError(refusal.message, 1 if refusal.transient else 2) from None
         return handles
 
-    def _spawn(
-        self, function: Any, plan: LaunchPlan, rank: int, journal: Journal, *, show_output: bool
-    ) -> ReplicaHandle:
+    def _spawn(self, plan: LaunchPlan, rank: int, journal: Journal, *, show_output: bool) -> ReplicaHandle:
         """Spawn replica ``rank`` in a detached app of its own, recorded (the app) before the call exists."""
         import modal
 
@@ -185,7 +168,7 @@ class ModalExecutor:
         with output, app.run(detach=True, name=f"{plan.run_id} replica {rank}"):
             try:
                 pending = journal.launching(rank, {"app_id": app.app_id or "", "own_app": "true"})
-                call = function.spawn(plan.run_url, rank)
+                call = self._function(plan).spawn(plan.run_url, rank)
                 handle = dataclasses.replace(
                     pending, backend_id=call.object_id, log=f"modal call {call.object_id}"
                 )
@@ -199,6 +182,30 @@ class ModalExecutor:
             raise kept
         assert handle is not None
         return handle
+
+    def _function(self, plan: LaunchPlan) -> Any:
+        """The replica function with this run's options, made inside the running app that is to hold the
+        call: a ``with_options`` variant binds to the app running when it is first used and stays bound, so
+        one made once for every replica would put them all in the first replica's app. Its secrets are made
+        here too, for the same reason (a secret made from a dict belongs to the app it is first used in)."""
+        import modal
+
+        from composer_serverless.executors.modal_app import train_replica
+
+        res = plan.resources
+        first = plan.replicas[0]
+        secrets = [modal.Secret.from_name(name) for name in res["modal_secrets"]]
+        if first.secrets:
+            secrets.insert(0, modal.Secret.from_dict(launch_secrets(first.secrets, self.run_secrets)))
+        return train_replica.with_options(
+            gpu=res["gpu"],
+            timeout=res["timeout_s"],
+            retries=modal.Retries(
+                max_retries=res["retries"], initial_delay=RETRY_DELAY_S, backoff_coefficient=1.0
+            ),
+            secrets=secrets,
+            env=dict(first.env),
+        )
 
     def status(self, handles: list[ReplicaHandle]) -> list[ReplicaStatus]:
         statuses = []
@@ -230,7 +237,14 @@ class ModalExecutor:
             yield from (lines[1:] if len(entries) >= wanted else lines)[-tail:]
             return
         if follow:
-            yield from whole_lines(entry.message for entry in call.logs.stream())
+            # Not retried here: the client's stream already retries a dropped connection from where it was.
+            try:
+                yield from whole_lines(entry.message for entry in call.logs.stream())
+            except Exception as e:
+                refusal = classify(e, what)
+                if refusal is None:
+                    raise
+                raise BackendError(refusal.message, 1 if refusal.transient else 2) from None
             return
         yield from whole_lines(self._call(what, lambda: [e.message for e in call.logs.fetch()]))
 

@@ -160,6 +160,21 @@ def cli_background(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
     )
 
 
+def read_until(process: subprocess.Popen[str], text: str) -> str:
+    """What ``process`` (started by ``cli_background``) prints up to the first line containing ``text``, as it
+    prints it; fails with its output if it exits first."""
+    assert process.stdout is not None
+    seen = []
+    while line := process.stdout.readline():
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    out, err = process.communicate()
+    raise AssertionError(
+        f"exited ({process.returncode}) before printing {text!r}:\n{''.join(seen)}{out}{err}"
+    )
+
+
 def store_objects(client, bucket: str = "bucket") -> dict[str, bytes]:
     """Every object in the bucket, by key."""
     keys = [

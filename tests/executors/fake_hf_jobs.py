@@ -6,7 +6,8 @@ from the start on every connection and stay open until the process has exited, l
 cancelling a terminal job, a SCHEDULING phase before each job starts, ``{"error": ...}`` bodies that the
 client shows as the server's message). What a real server also does now and then, tests can ask for:
 ``omit_once`` leaves a job out of the next listing that would show it, and ``refuse`` answers the next
-requests to a route with an error status (401, 402, 403, 429 with ``Retry-After``, 5xx). ``max_live`` is
+requests to a route with an error status (401, 402, 403, 429 with ``Retry-After``, 5xx), and
+``fail_after_creating`` answers a job creation with an error after creating the job. ``max_live`` is
 the most jobs of one (run, rank) that were ever live (SCHEDULING or RUNNING) at once.
 
 A job runs in a minimal "image" environment plus the job's ``environment`` and ``secrets`` and nothing of the
@@ -97,6 +98,8 @@ class FakeHFJobs:
         self.refusals: list[
             tuple[str, str, int, dict[str, str]]
         ] = []  # (method, path prefix, status, headers)
+        # (path prefix, status): job creations carried out, then answered with that status instead
+        self.failed_after: list[tuple[str, int]] = []
         self.max_live: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -125,6 +128,7 @@ class FakeHFJobs:
             self.request_times.clear()
             self.omitted.clear()
             self.refusals.clear()
+            self.failed_after.clear()
             self.max_live.clear()
         self.hold = lambda spec: False
 
@@ -143,6 +147,12 @@ class FakeHFJobs:
     ) -> None:
         """Answer the next ``times`` ``method`` requests whose path starts with ``path_prefix`` with ``status``."""
         self.refusals += [(method, path_prefix, status, headers or {})] * times
+
+    def fail_after_creating(self, path_prefix: str, status: int, times: int = 1) -> None:
+        """Create the job of each of the next ``times`` creations whose path starts with ``path_prefix``, then
+        answer ``status`` instead of it (a gateway that gave up waiting while the server went on: the job
+        exists, and the client sees a 504)."""
+        self.failed_after += [(path_prefix, status)] * times
 
     def live_jobs(self) -> list[FakeJob]:
         return [job for job in self.jobs.values() if job.stage[0] in ("SCHEDULING", "RUNNING")]
@@ -264,9 +274,13 @@ class FakeHFJobs:
                 namespace, rest = segments[2], segments[3:]
                 if method == "POST" and not rest:
                     length = int(self.headers.get("Content-Length", 0))
-                    return self._json(
-                        200, fake._create(namespace, json.loads(self.rfile.read(length))).info()
-                    )
+                    job = fake._create(namespace, json.loads(self.rfile.read(length)))
+                    for failure in fake.failed_after:
+                        prefix, status = failure
+                        if parts.path.startswith(prefix):
+                            fake.failed_after.remove(failure)
+                            return self._json(status, {"error": f"Gateway Timeout ({status})"})
+                    return self._json(200, job.info())
                 if method == "GET" and not rest:
                     return self._list(parse_qsl(parts.query))
                 job = fake.jobs.get(rest[0])

@@ -15,7 +15,14 @@ as it does against Modal. What the real client does, and the fake does too (read
 * Log entries are ``modal.types.LogEntry`` chunks of the container's output cut wherever the container's
   writes fell, not at line ends; ``logs.tail(entries=n)`` gives the last n entries.
 * Modal retries a failed call itself (``Retries.max_retries``), each attempt in a fresh container.
+* A ``with_options`` variant is hydrated at its first use, from the function of the app running then, and
+  stays bound to that app (``_make_function_variant``; ``spawn`` is a ``live_method`` that hydrates only an
+  unhydrated object): every later spawn of it runs in that app, whichever app runs now.
 * Stopping an app terminates its running calls; an unknown id raises ``NotFoundError``.
+
+Every stand-in binds its arguments to the installed SDK's signature before it acts (``with_options`` and
+``Secret.from_dict`` call the real ones), so a call the real client would refuse with a TypeError is refused
+here too; ``used`` names the entry points the executor reached.
 
 Each spawned replica runs as a local process with a minimal "image" environment plus the options' env and
 the secrets' values, and nothing else, so a secret the executor forgot to request is really missing.
@@ -26,6 +33,8 @@ SDK call raise a Modal API error.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import itertools
 import os
 import signal
@@ -84,6 +93,8 @@ class FakeModal:
         self.interrupt_at: list[tuple[str, int]] = []
         self.failures: dict[str, list[BaseException]] = {}
         self.requests: list[str] = []
+        # The SDK entry points the executor called, each checked against the installed SDK's signature.
+        self.used: set[str] = set()
         self.secret_values: dict[int, dict[str, str]] = {}
         # What a replica runs: the worker, or (for tests about the launch itself) something that only waits.
         self.command: Callable[[str, int], list[str]] = lambda run_url, rank: list(
@@ -112,6 +123,22 @@ class FakeModal:
                 call.proc.wait()
 
     # --- inside ----------------------------------------------------------------------------------------
+
+    def _shaped_as(self, name: str, real: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A stand-in's calls bound to the installed SDK's signature of ``real`` first: an argument the SDK
+        does not take raises the TypeError the SDK would (a method's ``self`` stands for the SDK object's)."""
+        signature = inspect.signature(real)
+
+        def shape(stand_in: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(stand_in)
+            def checked(*args: Any, **kwargs: Any) -> Any:
+                signature.bind(*args, **kwargs)
+                self.used.add(name)
+                return stand_in(*args, **kwargs)
+
+            return checked
+
+        return shape
 
     def _api(self, method: str) -> None:
         self.requests.append(method)
@@ -172,10 +199,12 @@ class FakeModal:
 
     def install(self, monkeypatch: Any) -> None:
         import modal
+        from modal._logs_manager import FunctionCallLogsManager
 
         from composer_serverless.executors import modal_app
 
         fake = self
+        shaped = self._shaped_as
         real_with_options = modal_app.train_replica.with_options
         real_from_dict = modal.Secret.from_dict
 
@@ -189,6 +218,7 @@ class FakeModal:
                 return self._app_id
 
             @contextmanager
+            @shaped("App.run", modal.App.run)
             def run(self, *, detach: bool = False, name: str | None = None, **_: Any) -> Iterator[App]:
                 from modal.exception import InvalidError
 
@@ -213,15 +243,21 @@ class FakeModal:
         class Function:
             def __init__(self, options: dict[str, Any]) -> None:
                 self.options = options
+                self.app_id: str | None = None  # the app it was hydrated in, at its first use
 
+            @shaped("Function.spawn", modal.Function.spawn)
             def spawn(self, run_url: str, rank: int) -> Any:
-                app = fake.apps.get(fake_app.app_id or "")
                 fake._point("spawn.before", rank)
                 fake._api("spawn")
-                if app is None or not fake_app._running:
-                    from modal.exception import ExecutionError
+                if self.app_id is None:  # hydrated once, from the function of the app running now
+                    if not fake_app._running:
+                        from modal.exception import ExecutionError
 
-                    raise ExecutionError("Function has not been hydrated with the metadata it needs to run")
+                        raise ExecutionError(
+                            "Function has not been hydrated with the metadata it needs to run"
+                        )
+                    self.app_id = fake_app.app_id
+                app = fake.apps[self.app_id or ""]
                 env = {
                     "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
                     "PYTHONPATH": str(REPO),
@@ -254,6 +290,7 @@ class FakeModal:
             @staticmethod
             def with_options(**options: Any) -> Function:
                 real_with_options(**options)  # the real one checks the options (lazily, offline)
+                fake.used.add("Function.with_options")
                 fake.options.append(options)
                 return Function(options)
 
@@ -261,14 +298,17 @@ class FakeModal:
             def __init__(self, call: FakeCall) -> None:
                 self._call = call
 
+            @shaped("logs.fetch", FunctionCallLogsManager.fetch)
             def fetch(self, **_: Any) -> Iterator[Any]:
                 fake._api("logs")
                 yield from fake._entries(self._call)
 
+            @shaped("logs.tail", FunctionCallLogsManager.tail)
             def tail(self, entries: int = 100, **_: Any) -> Iterator[Any]:
                 fake._api("logs")
                 yield from fake._entries(self._call)[-entries:]
 
+            @shaped("logs.stream", FunctionCallLogsManager.stream)
             def stream(self, timeout: float | None = None) -> Iterator[Any]:
                 fake._api("logs")
                 given = 0
@@ -286,6 +326,7 @@ class FakeModal:
                 self.object_id = call_id
 
             @classmethod
+            @shaped("FunctionCall.from_id", modal.FunctionCall.from_id)
             def from_id(cls, call_id: str, client: Any = None) -> FunctionCall:
                 return cls(call_id)
 
@@ -296,6 +337,7 @@ class FakeModal:
                     raise NotFoundError(f"Function call {self.object_id} not found")
                 return fake.calls[self.object_id]
 
+            @shaped("FunctionCall.get", modal.FunctionCall.get)
             def get(self, timeout: float | None = None, *, index: int = 0) -> Any:
                 fake._api("get")
                 call = self._call()
@@ -303,6 +345,7 @@ class FakeModal:
                     raise TimeoutError()
                 return _process(*call.result)
 
+            @shaped("FunctionCall.cancel", modal.FunctionCall.cancel)
             def cancel(self, terminate_containers: bool = False) -> None:
                 fake._api("cancel")
                 fake._end(self._call(), ("terminated", "Function call cancelled"))
@@ -315,10 +358,12 @@ class FakeModal:
             def __init__(self, app: FakeApp) -> None:
                 self._app = app
 
+            @shaped("App.stop", modal.App.stop)
             def stop(self, *, client: Any = None) -> None:
                 fake._api("stop")
                 fake._stop(self._app)
 
+        @shaped("App.lookup", modal.App.lookup)
         def lookup(name: str, **_: Any) -> AppHandle:
             from modal.exception import NotFoundError
 
@@ -328,15 +373,18 @@ class FakeModal:
             return AppHandle(fake.apps[name])
 
         class Client:
-            @staticmethod
-            def from_env(*_: Any) -> Client:
-                return Client()
+            @classmethod
+            @shaped("Client.from_env", modal.Client.from_env)
+            def from_env(cls, _override_config: Any = None) -> Client:
+                return cls()
 
+            @shaped("Client.hello", modal.Client.hello)
             def hello(self) -> None:
                 fake._api("hello")
 
         def from_dict(env_dict: dict[str, str | None] = {}) -> Any:  # noqa: B006 - the real signature
             secret = real_from_dict(env_dict)
+            fake.used.add("Secret.from_dict")
             fake.secret_values[id(secret)] = {k: v for k, v in env_dict.items() if v is not None}
             return secret
 

@@ -6,18 +6,20 @@ API on loopback (``fake_hf_jobs.py``); replicas sync through a moto S3 server.
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 import time
 
 import pytest
+from rich.console import Console
 
 from composer_serverless.config import validate_config
 from composer_serverless.executors.base import LaunchRecord, ReplicaHandle
 from composer_serverless.executors.hf_jobs import HFJobsExecutor
 from tests.conftest import TINY
-from tests.executors.conftest import NAMESPACE, cli, cli_background, store_objects
+from tests.executors.conftest import HF_TOKEN, NAMESPACE, cli, cli_background, read_until, store_objects
 from tests.executors.test_hf_jobs import _config, launch_until_training
 
 pytestmark = pytest.mark.slow
@@ -50,22 +52,42 @@ def test_a_launcher_killed_with_sigkill_is_resumed_by_adopting_its_jobs(tmp_path
     launcher = launch_until_training(tmp_path, s3_store, "hf-kill", hf_env)
     launcher.kill()
     launcher.communicate()
-    first = _record(client, "hf-kill").created_at
 
     resumed = cli_background("launch", "--resume", run_url, env=hf_env)
-    while _record(client, "hf-kill").created_at == first:
-        assert resumed.poll() is None, resumed.communicate()
-        time.sleep(0.3)
-    time.sleep(2)  # long enough for a resume that started jobs to have started them
+    # Printed as the watch begins: whatever the resume starts has been created by then.
+    seen = read_until(resumed, "estimated cost:")
     assert len(fake_hf.jobs) == 2 and len(fake_hf.live_jobs()) == 2
     assert fake_hf.max_live == {("hf-kill", "0"): 1, ("hf-kill", "1"): 1}
 
     cancel = cli("cancel", run_url, env=hf_env)
     assert cancel.returncode == 0, cancel.stderr
     out, err = resumed.communicate(timeout=120)
+    out = seen + out
     assert resumed.returncode == 1 and "cancelled" in err, out + err
     assert "still has live replicas (0, 1): watching them again instead of starting a second set" in out
     assert not fake_hf.live_jobs() and all(job.proc.wait() != 0 for job in fake_hf.jobs.values())
+
+
+def test_a_resume_ends_a_job_still_scheduling_before_it_starts_another(s3_store, fake_hf, monkeypatch):
+    """The run's one job is past its scheduling deadline, so it reads `unscheduled` (terminal), yet the Hub
+    may still start it: a resume that finds no replica running cancels it, and waits to see it cancelled,
+    before it starts the rank again; never two live jobs of one rank."""
+    from huggingface_hub import constants
+
+    from composer_serverless.launcher import resume
+    from composer_serverless.supervisor import RunFailed
+
+    monkeypatch.setattr(constants, "ENDPOINT", fake_hf.url)  # read when HfApi is made
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    run_url = _existing_run(s3_store[0], fake_hf, past_deadline=True)  # no job gets hardware
+    (old,) = fake_hf.jobs.values()
+    out = io.StringIO()
+    with pytest.raises(RunFailed, match="no replica ran: replica 0 got no hardware"):  # nor does the new one
+        resume(run_url, Console(file=out, width=200))
+    assert len(fake_hf.jobs) == 2 and old.stage[0] == "CANCELED"
+    assert fake_hf.max_live == {("hf-existing", "0"): 1}
+    assert "ending the earlier attempts that may still be live" in out.getvalue()
+    assert "replica 0 attempt 1 (unscheduled)" in out.getvalue()
 
 
 def _record(client, run_id: str) -> LaunchRecord:
@@ -140,6 +162,120 @@ def test_api_refusals_at_launch_status_logs_and_cancel_read_as_messages(
         assert min(b - a for times in calls for a, b in zip(times, times[1:], strict=False)) >= 1.0
 
 
+def test_a_404_names_what_the_hub_does_not_know(fake_hf, monkeypatch):
+    """The real client against the fake: the log of a job the Hub does not know says so (its namespace is the
+    one it was created in, so setting executor.namespace would fix nothing); a listing in a namespace the Hub
+    does not know says that, with that fix."""
+    from huggingface_hub import HfApi
+
+    from composer_serverless.executors.base import BackendError
+
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    executor = HFJobsExecutor(api=HfApi(endpoint=fake_hf.url, token=HF_TOKEN), retry_s=0)
+    meta = {"namespace": NAMESPACE, "run_id": "hf-gone"}
+    with pytest.raises(BackendError) as gone:
+        list(executor.logs(ReplicaHandle(0, "0123456789abcdef01234567", meta=meta)))
+    said = str(gone.value)
+    assert gone.value.exit_code == 2 and "executor.namespace" not in said, said
+    assert f"HF Jobs does not know job 0123456789abcdef01234567 in namespace '{NAMESPACE}' (HTTP 404" in said
+    assert "while reading the log of replica 0" in said and "fix: `composer-serverless status RUN`" in said
+
+    with pytest.raises(BackendError) as unknown:
+        executor.status([ReplicaHandle(0, "0123456789abcdef01234567", meta={**meta, "namespace": "nobody"})])
+    said = str(unknown.value)
+    assert unknown.value.exit_code == 2 and "HF Jobs does not know namespace 'nobody' (HTTP 404" in said
+    assert "fix: set executor.namespace to an existing user or organisation" in said
+
+
+class _Journal:
+    def launching(self, rank: int, meta: dict[str, str]) -> ReplicaHandle:
+        return ReplicaHandle(rank, "", attempt=1, meta=dict(meta))
+
+    def launched(self, handle: ReplicaHandle) -> None:
+        pass
+
+
+def _creating(fake_hf, monkeypatch):
+    """An HF executor (the real client, against the fake) and the plan of a 1-replica run whose job never
+    gets hardware; and the count of job creations the fake was asked for."""
+    from huggingface_hub import HfApi
+
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    fake_hf.hold = lambda spec: True
+    config = validate_config(
+        {
+            "run_id": "hf-create",
+            "store": "s3://bucket/runs",
+            "model": {"tiny": TINY.model_dump()},
+            "diloco": {"replicas": 1, "sync_every": 3, "rounds": 2},
+            "executor": {
+                "type": "hf_jobs",
+                "image": "ghcr.io/example/composer-serverless:test",
+                "namespace": NAMESPACE,
+                "private_store_endpoint": True,
+            },
+        }
+    )
+    executor = HFJobsExecutor(api=HfApi(endpoint=fake_hf.url, token=HF_TOKEN), retry_s=5)
+    plan = executor.plan(config, "s3://bucket/runs/hf-create")
+    return (
+        executor,
+        plan,
+        lambda: fake_hf.requests_to("POST", f"/api/jobs/{NAMESPACE}").count(f"/api/jobs/{NAMESPACE}"),
+    )
+
+
+def test_a_creation_that_may_have_created_the_job_is_not_sent_again(fake_hf, monkeypatch):
+    """The Hub created the job but the client saw a 504, and the listing that follows misses the job: the
+    request is not sent again (a second job would run beside the first); the launch stops, exit 1."""
+    from composer_serverless.executors.base import BackendError
+
+    executor, plan, creations = _creating(fake_hf, monkeypatch)
+    fake_hf.fail_after_creating(f"/api/jobs/{NAMESPACE}", 504)
+    fake_hf.omit_once(lambda job: True)
+    with pytest.raises(BackendError) as failed:
+        executor.launch(plan, _Journal())
+    assert creations() == 1 and len(fake_hf.jobs) == 1 and not fake_hf.omitted
+    said = str(failed.value)
+    assert failed.value.exit_code == 1 and "the Hub failed (HTTP 504" in said
+    assert "may still have created the job" in said and "fix: once the Hub answers again" in said
+    assert "launch --resume s3://bucket/runs/hf-create" in said
+
+
+def test_a_job_a_failed_creation_made_is_found_by_its_labels(fake_hf, monkeypatch):
+    executor, plan, creations = _creating(fake_hf, monkeypatch)
+    fake_hf.fail_after_creating(f"/api/jobs/{NAMESPACE}", 504)
+    (handle,) = executor.launch(plan, _Journal())
+    (job,) = fake_hf.jobs.values()
+    assert creations() == 1 and handle.backend_id == job.id
+
+
+def test_a_creation_refused_before_anything_was_done_is_retried(fake_hf, monkeypatch):
+    """A 429 is the rate limiter's: nothing was created, so asking again (after Retry-After) is safe."""
+    executor, plan, creations = _creating(fake_hf, monkeypatch)
+    fake_hf.refuse("POST", f"/api/jobs/{NAMESPACE}", 429, headers={"Retry-After": "0"})
+    (handle,) = executor.launch(plan, _Journal())
+    (job,) = fake_hf.jobs.values()
+    assert creations() == 2 and handle.backend_id == job.id
+
+
+def test_a_request_that_never_connected_did_nothing():
+    """What the real client raises when no connection was made (a closed port here; a name that does not
+    resolve raises the same class) shows that nothing was created."""
+    import socket
+
+    from huggingface_hub import HfApi
+
+    from composer_serverless.executors.hf_errors import nothing_done
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    with pytest.raises(Exception) as refused:  # noqa: B017 - the class is the client's to choose
+        HfApi(endpoint=endpoint, token=HF_TOKEN).run_job(image="img", command=["true"], namespace=NAMESPACE)
+    assert nothing_done(refused.value), type(refused.value)
+
+
 def test_no_credits_when_the_jobs_are_created_stops_the_launch_with_the_fix(
     tmp_path, s3_store, fake_hf, hf_env
 ):
@@ -174,9 +310,10 @@ def _cli_calls(env: dict[str, str], *argvs: list[str]) -> list[dict]:
     return json.loads(result.stdout)
 
 
-def _existing_run(store: str, fake_hf) -> str:
-    """A launched run whose one job waits for hardware: run.json and launch.json in the store, the job in
-    the fake, written directly (no replica process)."""
+def _existing_run(store: str, fake_hf, past_deadline: bool = False) -> str:
+    """A launched run whose one job waits for hardware (``past_deadline``: for longer than its scheduling
+    deadline): run.json and launch.json in the store, the job in the fake, written directly (no replica
+    process). A job the run starts from here on is given up after 1 s without hardware."""
     from composer_serverless.rendezvous.store import ObjectStore
 
     run_url = f"{store}/hf-existing"
@@ -192,14 +329,18 @@ def _existing_run(store: str, fake_hf) -> str:
                 "namespace": NAMESPACE,
                 "private_store_endpoint": True,
                 "api_retry_s": 3,
+                "scheduling_deadline_s": 1,
+                "status_poll_s": 0.5,
             },
         }
     )
     plan = HFJobsExecutor().plan(config, run_url)
     fake_hf.hold = lambda spec: True
-    job = fake_hf._create(NAMESPACE, {"command": ["true"], "labels": {"run_id": "hf-existing", "rank": "0"}})
-    meta = {"namespace": NAMESPACE, "run_id": "hf-existing", "launched_at": f"{time.time():.3f}"}
-    handle = ReplicaHandle(0, job.id, "", meta={**meta, "scheduling_deadline_s": "1e9"})
+    labels = {"run_id": "hf-existing", "rank": "0", "attempt": "1"}
+    job = fake_hf._create(NAMESPACE, {"command": ["true"], "labels": labels})
+    launched_at, deadline = (time.time() - 60, "1") if past_deadline else (time.time(), "1e9")
+    meta = {"namespace": NAMESPACE, "run_id": "hf-existing", "launched_at": f"{launched_at:.3f}"}
+    handle = ReplicaHandle(0, job.id, "", attempt=1, meta={**meta, "scheduling_deadline_s": deadline})
     run = ObjectStore(run_url)
     run.put("run.json", config.resolved_json().encode())
     run.put("launch.json", LaunchRecord(plan, (handle,), created_at=time.time()).to_json())

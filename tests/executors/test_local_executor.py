@@ -35,6 +35,7 @@ from tests.executors.conftest import (
     SECRET_ACCESS_KEY,
     cli,
     cli_background,
+    read_until,
     store_objects,
     write_config,
 )
@@ -226,12 +227,9 @@ def test_a_launcher_killed_with_sigkill_is_resumed_by_adopting_its_live_replicas
     launcher.communicate()
     assert all(_state(pid) == "alive" for pid in pids)
 
-    first = LaunchRecord.from_json(record_path.read_bytes()).created_at
     resumed = cli_background("launch", "--resume", run_url, env=env)
-    while LaunchRecord.from_json(record_path.read_bytes()).created_at == first:
-        assert resumed.poll() is None, resumed.communicate()
-        time.sleep(0.3)
-    time.sleep(2)  # long enough for a resume that started replicas to have started them
+    # Printed as the watch begins: whatever the resume starts has been started by then.
+    seen = read_until(resumed, "estimated cost:")
     workers = _worker_processes(ObjectStore(run_url))
     assert sorted(str(p.pid) for p in workers) == pids
     record = LaunchRecord.from_json(record_path.read_bytes())
@@ -240,6 +238,7 @@ def test_a_launcher_killed_with_sigkill_is_resumed_by_adopting_its_live_replicas
     cancel = cli("cancel", run_url, env=env)
     assert cancel.returncode == 0, cancel.stderr
     out, err = resumed.communicate(timeout=120)
+    out = seen + out
     assert resumed.returncode == 1 and "cancelled" in err, out + err
     assert "still has live replicas (0, 1): watching them again instead of starting a second set" in out
     assert all(_state(pid) in ("Z", "gone") for pid in pids) and not _worker_processes(ObjectStore(run_url))
@@ -273,6 +272,21 @@ def test_cancel_never_signals_a_process_it_did_not_start(tmp_path):
     assert unrelated.poll() is None
     unrelated.kill()
     unrelated.wait()
+
+
+def test_a_worker_that_exits_while_the_processes_are_listed_is_passed_over(tmp_path, monkeypatch):
+    """A worker listed by psutil that has exited by the time its process group is asked for (os.getpgid
+    raises ProcessLookupError, not a psutil error): status and cancel go on without it."""
+    run = ObjectStore(str(tmp_path))
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    process = psutil.Process(exited.pid)
+    exited.wait()  # gone and reaped
+    process.info = {"cmdline": list(base.worker_argv(run.url, 0, sys.executable))}  # as listed before that
+    monkeypatch.setattr(psutil, "process_iter", lambda attrs: iter([process]))
+    unrecorded = ReplicaHandle(0, "", None, meta={"host": "here"})
+    executor = LocalProcessExecutor(run, tmp_path)
+    assert executor.status([unrecorded])[0].state == "failed"
+    executor.cancel([unrecorded])  # nothing left to signal: returns
 
 
 def test_a_log_path_outside_the_run_is_not_read(tmp_path):

@@ -20,13 +20,19 @@ from rich.console import Console
 
 from composer_serverless import runs, watch
 from composer_serverless.config import validate_config
-from composer_serverless.executors.base import BackendError, LaunchPlan, LaunchRecord, worker_argv
+from composer_serverless.executors.base import (
+    BackendError,
+    LaunchPlan,
+    LaunchRecord,
+    ReplicaHandle,
+    worker_argv,
+)
 from composer_serverless.executors.modal import ModalExecutor, whole_lines
 from composer_serverless.executors.modal_image import IMAGE_REQUIREMENTS
-from composer_serverless.launcher import create_run, launch, prepare, start
+from composer_serverless.launcher import create_run, launch, prepare, resume, start
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
-from composer_serverless.supervisor import RunCancelled, Supervisor
+from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor
 from tests.conftest import TINY
 from tests.executors.fake_modal import FakeModal, interrupt_points, unrecorded_live_calls
 
@@ -213,6 +219,21 @@ def test_the_run_key_reaches_the_replica_as_a_modal_secret_and_nowhere_else(
     assert all(key not in json.dumps({k: str(v) for k, v in o.items()}) for o in fake_modal.options)
 
 
+def test_each_call_runs_in_the_app_recorded_for_it(tmp_path, fake_modal):
+    """A with_options variant binds to the app it is first spawned in: each replica's call must be in its own
+    recorded app, so that stopping that app ends it and nothing else."""
+    fake_modal.command = lambda run_url, r: WAIT
+    supervisor = _supervisor(tmp_path)
+    zero, one = supervisor.start(supervisor.record.plan, note=lambda line: None)
+    assert zero.meta["app_id"] != one.meta["app_id"]
+    for handle in (zero, one):
+        assert fake_modal.calls[handle.backend_id].app_id == handle.meta["app_id"]
+        assert fake_modal.apps[handle.meta["app_id"]].calls == [handle.backend_id]
+
+    supervisor.executor.cancel([zero])
+    assert [s.state for s in supervisor.executor.status([zero, one])] == ["cancelled", "running"]
+
+
 def test_a_replica_that_cannot_be_recorded_is_not_started(tmp_path, fake_modal):
     """The store refuses the record of the attempt: no call is spawned, and the app made for it is stopped."""
 
@@ -284,6 +305,29 @@ def test_api_errors_read_as_messages_with_their_exit_status(tmp_path, fake_modal
     assert e.value.exit_code == 2
 
 
+@pytest.mark.parametrize(
+    ("error", "says", "code"),
+    [
+        (
+            mx.AuthError("Token ID is malformed"),
+            "Modal rejected the token while reading the log of replica 0",
+            2,
+        ),
+        (mx.ServiceError("stream reset"), "cannot reach Modal while reading the log of replica 0", 1),
+    ],
+)
+def test_an_api_error_while_following_a_log_reads_as_a_message(tmp_path, fake_modal, error, says, code):
+    """`logs --follow`: what the client's stream raises once its own retries are spent is the API's, not a
+    crash of the command."""
+    fake_modal.command = lambda run_url, r: WAIT
+    supervisor = _supervisor(tmp_path, replicas=1)
+    (handle,) = supervisor.start(supervisor.record.plan, note=lambda line: None)
+    fake_modal.fail("logs", error)
+    with pytest.raises(BackendError, match=says) as e:
+        list(supervisor.executor.logs(handle, follow=True))
+    assert e.value.exit_code == code and "fix:" in str(e.value)
+
+
 def test_a_transient_error_is_retried_until_it_passes(tmp_path, fake_modal):
     fake_modal.command = lambda run_url, r: WAIT
     supervisor = _supervisor(tmp_path, replicas=1)
@@ -300,10 +344,11 @@ def test_launcher_drives_modal_through_the_sdk(tmp_path, s3_store, fake_modal):
     summary = launch(_config(store, status_poll_s=0.5), "modal.toml", Console(file=out, width=120))
     assert summary is not None and summary["rounds_committed"] == 2, out.getvalue()
 
-    (options,) = fake_modal.options
-    assert options["gpu"] == "H100" and options["timeout"] == 6 * 3600
-    assert options["retries"].max_retries == 2
-    assert options["env"]["AWS_ENDPOINT_URL_S3"] == os.environ["AWS_ENDPOINT_URL_S3"]
+    assert len(fake_modal.options) == 2  # one variant per replica, made in the replica's own app
+    for options in fake_modal.options:
+        assert options["gpu"] == "H100" and options["timeout"] == 6 * 3600
+        assert options["retries"].max_retries == 2
+        assert options["env"]["AWS_ENDPOINT_URL_S3"] == os.environ["AWS_ENDPOINT_URL_S3"]
     assert len(fake_modal.apps) == 2 and all(app.detach for app in fake_modal.apps.values())
     assert fake_modal.requests.count("hello") == 1  # the token was checked before anything was written
 
@@ -315,6 +360,40 @@ def test_launcher_drives_modal_through_the_sdk(tmp_path, s3_store, fake_modal):
     log = list(runs.logs(f"{store}/modal-run", 1, follow=False))
     call = fake_modal.calls[rows[1].backend_id]
     assert log == call.log.read_text().splitlines() and any("[replica 1]" in line for line in log)
+
+
+def test_a_resume_stops_the_app_of_a_call_never_recorded_before_it_starts_another(s3_store, fake_modal):
+    """The launcher died after spawning replica 0 but before recording its call id: that attempt reads
+    `failed`, yet its call runs in its app. A resume that finds no replica running stops that app before it
+    spawns the rank again."""
+
+    class DiesBeforeTheId:
+        def launching(self, rank, meta):
+            self.pending = ReplicaHandle(rank, "", attempt=1, meta=dict(meta))
+            return self.pending
+
+        def launched(self, handle):
+            raise OSError("the launcher was killed here")
+
+    store, _ = s3_store
+    config = _config(store, replicas=1, max_restarts=0, status_poll_s=0.5)
+    run = ObjectStore(f"{store}/modal-run")
+    run.put("run.json", config.resolved_json().encode())
+    executor, journal = ModalExecutor(), DiesBeforeTheId()
+    plan = executor.plan(config, run.url)
+    fake_modal.command = lambda run_url, r: WAIT
+    with pytest.raises(OSError, match="killed"):
+        executor.launch(plan, journal)
+    run.put("launch.json", LaunchRecord(plan, (journal.pending,)).to_json())
+    (old,) = fake_modal.live()
+
+    fake_modal.command = lambda run_url, r: [sys.executable, "-c", "raise SystemExit(3)"]
+    with pytest.raises(RunFailed, match="replica 0 failed"):  # the new attempt fails at once
+        resume(run.url, Console(file=io.StringIO()))
+    requests = fake_modal.requests
+    respawned = max(i for i, request in enumerate(requests) if request == "spawn")
+    assert requests.count("spawn") == 2 and "stop" in requests[:respawned]  # its app stopped, then a spawn
+    assert old.result == ("terminated", "App was stopped")
 
 
 @pytest.mark.slow

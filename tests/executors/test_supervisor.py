@@ -138,6 +138,19 @@ def test_a_replica_reported_dead_is_relaunched_only_once_its_attempt_is_seen_end
     assert executor.launched == [0, 1, 1]
 
 
+def test_an_unscheduled_attempt_is_not_taken_for_ended(tmp_path, monkeypatch):
+    """`unscheduled` is past a deadline, not over: a job still SCHEDULING may get hardware. Restarting its
+    rank waits until the backend says the cancelled attempt ended."""
+    from composer_serverless import supervisor as supervisor_module
+
+    monkeypatch.setattr(supervisor_module, "GONE_POLL_S", 0.0)
+    executor = ScriptedExecutor({(0, 1): ["running"], (1, 1): ["unscheduled"], (1, 2): ["running"]}, ending=2)
+    supervisor = _supervisor(tmp_path, executor)
+    (handle,) = [h for h in supervisor.handles if h.rank == 1]
+    supervisor.restart([handle], note=lambda line: None)
+    assert executor.polled_after_cancel == {"r1a1": 3} and executor.launched == [0, 1, 1]
+
+
 def test_a_replica_that_will_not_end_is_not_started_twice(tmp_path, monkeypatch):
     from composer_serverless import supervisor as supervisor_module
 
@@ -158,6 +171,44 @@ def test_replica_that_keeps_failing_fails_the_run_with_its_log_tail(tmp_path):
     assert "r1a2 line 49" in str(failure.value) and "r1a2 line 19" not in str(
         failure.value
     )  # the last 30 lines
+
+
+def _resumed(tmp_path, executor: ScriptedExecutor, earlier: list[tuple[int, int]], start: bool) -> Supervisor:
+    """A supervisor of a resumed run whose launch.json holds the (rank, attempt)s of ``earlier`` launches, one
+    restart allowed; with ``start``, it starts every replica again (a resume that rolled back), else it
+    watches the latest attempts as they run (a resume that adopted them)."""
+    specs = tuple(ReplicaSpec(r, ("worker", str(r))) for r in range(2))
+    plan = LaunchPlan("scripted", "run", "url", specs, CostEstimate(0, "free", 0, 0, 0), launcher_restarts=1)
+    handles = tuple(ReplicaHandle(rank, f"r{rank}a{attempt}", attempt=attempt) for rank, attempt in earlier)
+    supervisor = Supervisor(ObjectStore(str(tmp_path / "run")), executor, LaunchRecord(plan, handles))
+    supervisor.save()
+    if start:
+        supervisor.start(plan, note=lambda line: None)
+    return supervisor
+
+
+def test_a_resumed_run_gets_its_restarts_again(tmp_path):
+    """Attempt numbers go on across resumes; the restart budget counts the restarts of this launch."""
+    executor = ScriptedExecutor(
+        {(0, 3): ["running", "succeeded"], (1, 4): ["failed"], (1, 5): ["running", "succeeded"]}
+    )
+    earlier = [(0, 1), (0, 2), (1, 1), (1, 2), (1, 3)]
+    events = _until_finished(_resumed(tmp_path, executor, earlier, start=True))
+    assert events == ["replica 1 died (failed detail); started it again (attempt 2 of 2): r1a5"]
+
+    executor = ScriptedExecutor({(0, 3): ["running"], (1, 4): ["failed"], (1, 5): ["failed"]})
+    with pytest.raises(RunFailed, match=r"replica 1 failed after 2 attempts \(failed detail\)"):
+        _until_finished(_resumed(tmp_path, executor, earlier, start=True))
+
+
+def test_an_adopted_replica_gets_the_restarts_of_this_launch(tmp_path):
+    executor = ScriptedExecutor(
+        {(0, 2): ["running", "succeeded"], (1, 3): ["failed"], (1, 4): ["running", "succeeded"]}
+    )
+    supervisor = _resumed(tmp_path, executor, [(0, 1), (0, 2), (1, 1), (1, 2), (1, 3)], start=False)
+    events = _until_finished(supervisor)
+    assert events == ["replica 1 died (failed detail); started it again (attempt 2 of 2): r1a4"]
+    assert executor.launched == [1]
 
 
 def test_backend_that_retries_itself_gets_no_relaunch(tmp_path):
