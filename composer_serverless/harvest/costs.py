@@ -104,7 +104,3 @@ class Budget:
             if overrun is not None and self.broken is None:
                 self.broken = overrun
             self._changed.notify_all()
-
-    @property
-    def left(self) -> Fraction:
-        return self.max_usd - self.spent

@@ -44,7 +44,7 @@ from composer_serverless.harvest.stats import HarvestResult, usd
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import fixed_participants
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.harvest_schedule import last_harvested, read_taken
+from composer_serverless.replicas.harvest_schedule import Taken, last_harvested, read_taken
 from composer_serverless.replicas.records import RecordError
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,11 @@ def ready_ranks(run: ObjectStore, config: RunConfig, k: int) -> list[int] | None
     if latest_rollout_round(run) > k:
         return recorded
     return None
+
+
+def _too_late(taken_at: int, decided: Taken) -> str:
+    """Why a round is not harvested, or its harvest is cancelled: the replicas went on without its pairs."""
+    return f"too late: the end of round {taken_at} took nothing ({decided.detail})"
 
 
 def _report(k: int, spent: Fraction, **fields: Any) -> bytes:
@@ -187,7 +192,7 @@ class LiveHarvester:
         taken_at = k + self.harvest.live_lag
         decided = await asyncio.to_thread(read_taken, self.run, taken_at, k)
         if decided is not None:  # the replicas went on without it: its pairs would be taken by no round
-            await self._skip(k, f"too late: the end of round {taken_at} took nothing ({decided.detail})")
+            await self._skip(k, _too_late(taken_at, decided))
             return True
         ranks = await asyncio.to_thread(ready_ranks, self.run, self.config, k)
         if ranks is None:
@@ -231,8 +236,7 @@ class LiveHarvester:
                     None if asking.done() else await asyncio.to_thread(read_taken, self.run, taken_at, k)
                 )
                 if decided is not None:
-                    why = f"too late: the end of round {taken_at} took nothing ({decided.detail})"
-                    await self._cut_short(k, spent, budget, asking, why)
+                    await self._cut_short(k, spent, budget, asking, _too_late(taken_at, decided))
                     return
         except asyncio.CancelledError:
             await self._cut_short(k, spent, budget, asking, "the launcher stopped watching the run")

@@ -11,7 +11,7 @@ HTTP/1.1 keep-alive.
 Each prompt's script says, per attempt, what happens: an answer, an error status, a delay, a body that is not
 JSON, an answer without usage. The server counts tokens as a tokenizer would at worst for the bound (a token
 per byte of every message's text, 4 per message, 3 to prime the reply) and an answer's tokens as its
-characters, and bills every 200 it sends at its prices: ``billed_usd`` is what a provider would charge.
+characters, and bills every 200 it sends at its prices: ``billed`` is what a provider would charge.
 """
 
 from __future__ import annotations
@@ -113,10 +113,6 @@ class FakeTeacher:
     def base_url(self) -> str:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}/v1"
-
-    @property
-    def billed_usd(self) -> Fraction:
-        return self.billed
 
     def stop(self) -> None:
         self._server.shutdown()
