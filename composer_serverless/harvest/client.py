@@ -40,8 +40,10 @@ INITIAL_RETRY_DELAY_S = 0.5
 MAX_RETRY_DELAY_S = 8.0
 RETRIED_STATUSES = frozenset({408, 409, 429})
 FATAL_STATUSES = {401: "unauthorized", 403: "forbidden", 404: "not found (the base URL or the model)"}
-# Transport failures before a byte of the request left: the server cannot have billed them.
-NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# Transport failures before a byte of the request left, so the server cannot have billed them: no connection,
+# or a request h11 refused to write (LocalProtocolError; for these requests, whose body is known in full before
+# they go, an illegal header, found before anything is written).
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.LocalProtocolError)
 
 
 class MalformedAnswer(ValueError):
@@ -296,24 +298,41 @@ class TeacherClient:
             completion = parse_completion(response.content)
         except MalformedAnswer as e:
             usage = usage_of(_json_or_none(response.content))
-            charged = worst if usage is None else self._price.cost(*usage)
+            charged, overrun = self._charge(usage, worst)
             return await self._failed(
-                reply, worst, charged, budget, started, response.status_code, str(e), retry_index, usage
+                reply,
+                worst,
+                charged,
+                budget,
+                started,
+                response.status_code,
+                str(e),
+                retry_index,
+                usage,
+                overrun,
             )
         usage = completion.usage
-        charged = worst if usage is None else self._price.cost(*usage)
-        overrun = None
-        if charged > worst:
-            overrun = (
-                f"teacher {self.teacher.name} reported {usage} tokens (in, out), more than the bound of this "
-                f"request: raise its extra_input_tokens (or check max_tokens); no further request is sent"
-            )
-            logger.error(overrun)
+        charged, overrun = self._charge(usage, worst)
         await budget.settle(worst, charged, overrun)
         tokens = usage or (0, 0)
         reply.attempts.append(Attempt(latency, response.status_code, True, tokens[0], tokens[1], charged))
         reply.outcome, reply.completion, reply.error = "answered", completion, None
         return None
+
+    def _charge(self, usage: tuple[int, int] | None, worst: Fraction) -> tuple[Fraction, str | None]:
+        """What a response is charged: what its usage reports, else its worst case; and, when the usage is more
+        than the bound, why no further request is sent (``Budget.broken``)."""
+        if usage is None:
+            return worst, None
+        charged = self._price.cost(*usage)
+        if charged <= worst:
+            return charged, None
+        overrun = (
+            f"teacher {self.teacher.name} reported {usage} tokens (in, out), more than the bound of this "
+            f"request: raise its extra_input_tokens (or check max_tokens); no further request is sent"
+        )
+        logger.error(overrun)
+        return charged, overrun
 
     async def _failed(
         self,
@@ -326,8 +345,9 @@ class TeacherClient:
         reason: str,
         retry_index: int,
         usage: tuple[int, int] | None = None,
+        overrun: str | None = None,
     ) -> float:
-        await budget.settle(worst, charged)
+        await budget.settle(worst, charged, overrun)
         tokens = usage or (0, 0)
         reply.attempts.append(
             Attempt(time.monotonic() - started, status, False, tokens[0], tokens[1], charged, reason)

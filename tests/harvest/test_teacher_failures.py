@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from fractions import Fraction
 
+import pytest
+
 from composer_serverless.harvest.cache import AnswerCache, cache_key
 from composer_serverless.harvest.costs import Budget
 from composer_serverless.harvest.harvester import harvest, request_body
@@ -49,13 +51,23 @@ def test_a_longer_wait_than_allowed_is_not_retried(teachers, tmp_path, monkeypat
     assert len(fake.seen) == 2 and result.teachers[0].unanswered == 2 and not result.pairs
 
 
-def test_a_teacher_reporting_more_than_the_bound_stops_the_harvest(teachers, tmp_path, monkeypatch):
+@pytest.mark.parametrize("chat_completion", [True, False], ids=["answer", "not-a-chat-completion"])
+def test_a_teacher_reporting_more_than_the_bound_stops_the_harvest(
+    teachers, tmp_path, monkeypatch, quick_backoff, chat_completion
+):
+    """Whether or not the response is a chat completion, the usage it reports is what it is charged, and
+    usage beyond the bound stops every further request (the retry of a response without choices too)."""
     monkeypatch.setenv("TEACHER_KEY", "k")
-    (fake,) = teachers(1, key="k", usd_per_m_input=1.0, script=answers({}, default="a"))
+    (fake,) = teachers(
+        1,
+        key="k",
+        usd_per_m_input=1.0,
+        script=lambda prompt, attempt: Behaviour(answer="a", no_choices=not chat_completion),
+    )
     fake.tokens_in = lambda messages: 10_000  # a server whose prompts cost more than their bytes
     config = harvest_config([fake], threshold=1, teacher={"concurrency": 1})
     result, budget = _run(config, tmp_path / "cache")
-    assert len(fake.seen) == 1 and budget.refused == 11
+    assert len(fake.seen) == 1 and budget.refused == 11 + (not chat_completion)
     assert "reported (10000, 1) tokens" in result.stopped and "extra_input_tokens" in result.stopped
     assert result.spent == Fraction(10_000 + 0, 10**6)  # charged what it reported (output is free here)
 
