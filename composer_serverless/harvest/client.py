@@ -10,8 +10,10 @@ do not come back together. A server asking for more than ``max_retry_after_s`` i
 the whole teacher for its wait, not only the request that got it. 401, 403 and 404 mean the key or the model
 is wrong: the teacher is asked nothing more.
 
-The key is read from the environment variable the config names when each request is sent, goes only into the
-Authorization header, and is scrubbed from any error text a server echoes before it is logged.
+The key is read from the environment variable the config names when each request is sent, without the
+whitespace around it (``read_key``), goes only into the Authorization header, and is scrubbed from any error
+text before it is logged. A key holding a character no HTTP header may carry is never sent: the teacher is
+disabled, naming the variable, not the value (``harvest`` and ``launch`` refuse it before anything starts).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import logging
 import math
 import os
 import random
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -44,6 +47,33 @@ FATAL_STATUSES = {401: "unauthorized", 403: "forbidden", 404: "not found (the ba
 # or a request h11 refused to write (LocalProtocolError; for these requests, whose body is known in full before
 # they go, an illegal header, found before anything is written).
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.LocalProtocolError)
+
+
+# What a key may hold to be sent in a header: visible ASCII (RFC 9110's field-vchar without obs-text; a Bearer
+# token, RFC 6750, is narrower still). No space, no control character, nothing httpx could not encode.
+HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
+
+
+class UnusableKey(ValueError):
+    """A key no HTTP header can carry; the message names its variable, never the value."""
+
+
+def read_key(name: str) -> str | None:
+    """The key in the environment variable ``name`` without the whitespace around it (a ``.env`` file saved
+    with CRLF line ends leaves a CR after it); None when it is unset or blank.
+
+    Raises:
+        UnusableKey: what is left holds a space, a control character or a non-ASCII character.
+    """
+    key = os.environ.get(name, "").strip()
+    if not key:
+        return None
+    if not HEADER_SAFE.fullmatch(key):
+        raise UnusableKey(
+            f"the key in {name} holds a character an HTTP header cannot carry (a space, a control character "
+            "or a non-ASCII one)"
+        )
+    return key
 
 
 class MalformedAnswer(ValueError):
@@ -138,7 +168,14 @@ def error_text(response: httpx.Response, secret: str | None) -> str:
 
 
 def scrub(text: str, secret: str | None) -> str:
-    return text.replace(secret, "***") if secret else text
+    """``text`` without ``secret``, as it is and as Python or JSON escape it (an error that shows the bytes
+    it refused, ``b'Bearer sk-...\\r'``, holds the key escaped)."""
+    if not secret:
+        return text
+    forms = {secret, repr(secret)[1:-1], repr(secret.encode())[2:-1], json.dumps(secret)[1:-1]}
+    for form in sorted(forms, key=len, reverse=True):
+        text = text.replace(form, "***")
+    return text
 
 
 @dataclass
@@ -201,8 +238,12 @@ class TeacherClient:
         name = self.teacher.api_key_env
         if name is None:
             return None
-        key = os.environ.get(name)
-        if not key:
+        try:
+            key = read_key(name)
+        except UnusableKey as e:
+            self.disabled = str(e)
+            return None
+        if key is None:
             self.disabled = f"the environment variable {name} is not set"
         return key
 

@@ -99,7 +99,7 @@ def test_dry_run_then_harvest_then_the_cache_and_no_key_anywhere(fakes, tmp_path
     assert plan["worst_usd"] > plan["expected_usd"] > 0 and plan["missing_keys"] == ["TEACHER_KEY"]
     assert "estimated cost: expected $" in dry.stderr and "export TEACHER_KEY=..." in dry.stderr
 
-    first = _cli("harvest", str(config))
+    first = _cli("harvest", str(config), key=CANARY + "\r\n")  # as a .env file saved with CRLF gives it
     assert first.returncode == 0, first.stdout + first.stderr
     assert "pairs produced: 2" in first.stdout and "saved by the cache $0.00" in first.stdout
     pairs = read_pairs(str(tmp_path / "out" / "pairs.jsonl"))  # the replay channel's own reader
@@ -142,6 +142,7 @@ def test_dry_run_then_harvest_then_the_cache_and_no_key_anywhere(fakes, tmp_path
         ({"max_usd": "0"}, CANARY, "harvest.max_usd: Input should be greater than 0"),
         ({"live": "true"}, CANARY, "harvest.live"),
         ({"teachres": "[]"}, CANARY, "did you mean harvest.teachers?"),
+        ({}, CANARY[:12] + " " + CANARY[12:], "the key in TEACHER_KEY holds a character an HTTP header"),
     ],
 )
 def test_mistakes_exit_2_before_anything_is_sent(fakes, tmp_path, extra, key, message):
@@ -149,6 +150,9 @@ def test_mistakes_exit_2_before_anything_is_sent(fakes, tmp_path, extra, key, me
     result = _cli("harvest", str(config), key=key)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr
+    if "TEACHER_KEY" in message:
+        assert "fix: export TEACHER_KEY=..." in result.stderr
+    assert CANARY[:12] not in result.stdout + result.stderr
     assert not any(f.seen for f in fakes)
     assert not (tmp_path / "out").exists()
 

@@ -20,6 +20,7 @@ from composer_serverless.harvest.client import (
     error_text,
     parse_completion,
     retry_after_s,
+    scrub,
     should_retry,
 )
 from composer_serverless.harvest.costs import Budget
@@ -94,6 +95,14 @@ def test_error_text_is_the_openai_message_without_the_key():
         json={"error": {"message": "Incorrect API key provided: sk-secret-123.", "type": "x", "code": None}},
     )
     assert error_text(response, "sk-secret-123") == "HTTP 401: Incorrect API key provided: ***."
+
+
+def test_scrub_removes_the_key_escaped_too():
+    """httpx shows the header value it refused as bytes (b'Bearer sk-x\\r'), the key escaped in it."""
+    key = "sk-secret-123\r\n"
+    message = f"Illegal header value {f'Bearer {key}'.encode()!r}; as text {key!r}; as JSON {json.dumps(key)}"
+    assert "sk-secret-123" not in scrub(message, key)
+    assert scrub("HTTP 401: sk-secret-123 is wrong", "sk-secret-123") == "HTTP 401: *** is wrong"
 
 
 def test_the_fake_is_a_server_the_real_openai_client_accepts(teachers):

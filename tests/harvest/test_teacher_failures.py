@@ -43,6 +43,28 @@ def test_a_wrong_key_disables_its_teacher_and_its_echo_is_never_logged(
     assert CANARY not in caplog.text and CANARY[-4:] not in caplog.text  # not even OpenAI's masked echo
 
 
+def test_a_key_read_with_its_line_end_is_sent_without_it(teachers, tmp_path, monkeypatch, caplog):
+    """A .env file saved with CRLF line ends leaves a CR (or CRLF) after the key: it is sent without it, and
+    neither it nor an escaped form of it reaches a log line."""
+    caplog.set_level("INFO")
+    monkeypatch.setenv("TEACHER_KEY", CANARY + "\r\n")
+    (fake,) = teachers(1, key=CANARY, script=answers({}, default="a"))
+    result, _ = _run(harvest_config([fake], threshold=1), tmp_path / "cache", states=STATES[:2])
+    assert result.teachers[0].answered == 2 and all(s.authorized for s in fake.seen)
+    assert CANARY not in caplog.text
+
+
+def test_a_key_an_http_header_cannot_carry_is_never_sent(teachers, tmp_path, monkeypatch, caplog):
+    caplog.set_level("INFO")
+    broken = CANARY[:12] + "\x01" + CANARY[12:]  # a control character inside: no header may carry it
+    monkeypatch.setenv("TEACHER_KEY", broken)
+    (fake,) = teachers(1, key=CANARY, script=answers({}, default="a"))
+    result, _ = _run(harvest_config([fake], threshold=1), tmp_path / "cache", states=STATES[:2])
+    assert not fake.seen and result.teachers[0].answered == 0
+    assert "the key in TEACHER_KEY holds a character an HTTP header cannot carry" in result.problems[0]
+    assert CANARY[:12] not in caplog.text and CANARY[12:] not in caplog.text
+
+
 def test_a_longer_wait_than_allowed_is_not_retried(teachers, tmp_path, monkeypatch):
     monkeypatch.setenv("TEACHER_KEY", "k")
     (fake,) = teachers(1, key="k", script=lambda prompt, attempt: Behaviour(status=429, retry_after="600"))
