@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -215,7 +216,9 @@ async def harvest(
 
     Each teacher has a connection pool of its own, as large as its concurrency: one teacher's slow or dead
     connections never hold up another's, and httpx's pool, which scans its connections for every request it
-    places, scans only those.
+    places, scans only those. An https teacher is asked through the proxy the environment names, if any
+    (``HTTPS_PROXY``, ``ALL_PROXY``: a CONNECT tunnel, the key stays inside TLS); a plain-http one never is,
+    since a proxy would read its key in clear (the config allows plain http with a key only to this machine).
 
     Args:
         seed: of the backoff jitter (None: from the system's randomness).
@@ -229,7 +232,8 @@ async def harvest(
         http = {}
         for t in config.teachers:
             limits = httpx.Limits(max_connections=t.concurrency, max_keepalive_connections=t.concurrency)
-            client = httpx.AsyncClient(limits=limits, timeout=timeout, verify=tls)
+            proxied = urlsplit(t.base_url).scheme == "https"
+            client = httpx.AsyncClient(limits=limits, timeout=timeout, verify=tls, trust_env=proxied)
             http[t.name] = await stack.enter_async_context(client)
         run = _Harvest(config, cache, budget, http, progress, seed)
         queries = [(prompt, teacher) for prompt in prompts for teacher in config.teachers]

@@ -4,7 +4,9 @@ bound, and one flooded with prompts; and an entry in the cache that is not one."
 from __future__ import annotations
 
 import asyncio
+import threading
 from fractions import Fraction
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -63,6 +65,48 @@ def test_a_key_an_http_header_cannot_carry_is_never_sent(teachers, tmp_path, mon
     assert not fake.seen and result.teachers[0].answered == 0
     assert "the key in TEACHER_KEY holds a character an HTTP header cannot carry" in result.problems[0]
     assert CANARY[:12] not in caplog.text and CANARY[12:] not in caplog.text
+
+
+class _Proxy(BaseHTTPRequestHandler):
+    """A forward proxy that records what it is asked to forward (the request line and the Authorization it
+    would read in clear) and forwards nothing."""
+
+    seen: list[tuple[str, str | None]] = []
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        self.seen.append((self.requestline, self.headers.get("authorization")))
+        self.send_response(502)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+
+def test_a_plain_http_teacher_is_asked_directly_whatever_proxy_the_environment_names(
+    teachers, tmp_path, monkeypatch
+):
+    """A proxy would read the key of a plain-http request in clear: such a teacher (on this machine, when a
+    key is sent) is never asked through one."""
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
+    threading.Thread(target=proxy.serve_forever, args=(0.02,), daemon=True).start()
+    try:
+        address = f"http://127.0.0.1:{proxy.server_address[1]}"
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+            monkeypatch.setenv(name, address)
+            monkeypatch.setenv(name.lower(), address)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.setenv("TEACHER_KEY", CANARY)
+        (fake,) = teachers(1, key=CANARY, script=answers({}, default="a"))
+        result, _ = _run(
+            harvest_config([fake], threshold=1, retries=0), tmp_path / "cache", states=STATES[:2]
+        )
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+    assert _Proxy.seen == []
+    assert result.teachers[0].answered == 2 and all(s.authorized for s in fake.seen)
 
 
 def test_a_longer_wait_than_allowed_is_not_retried(teachers, tmp_path, monkeypatch):
