@@ -308,6 +308,11 @@ class TeacherClient:
             charged = worst if sent else Fraction(0)
             reason = f"{type(e).__name__}: {scrub(str(e), key) or 'no response'}"
             return await self._failed(reply, worst, charged, budget, started, None, reason, retry_index)
+        except BaseException:
+            # Anything else (the harvest cancelled, its client closed): the request may have left, so it is
+            # counted at its worst case, and the error goes on.
+            await budget.settle(worst, worst)
+            raise
         latency = time.monotonic() - started
         if not response.is_success:
             reason = error_text(response, key)

@@ -238,7 +238,16 @@ async def harvest(
         run = _Harvest(config, cache, budget, http, progress, seed)
         queries = [(prompt, teacher) for prompt in prompts for teacher in config.teachers]
         run.total = len(queries)
-        asked = await asyncio.gather(*(run.ask(teacher, prompt) for prompt, teacher in queries))
+        tasks = [asyncio.ensure_future(run.ask(teacher, prompt)) for prompt, teacher in queries]
+        try:
+            asked = await asyncio.gather(*tasks)
+        except BaseException:
+            # A query failed (the cache's store, say) or the harvest is cancelled: the other queries stop here,
+            # before their clients close, rather than go on sending; each settles what it reserved.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
     answers: dict[str, dict[str, Asked]] = {prompt: {} for prompt in prompts}
     for (prompt, teacher), reply in zip(queries, asked, strict=True):
         answers[prompt][teacher.name] = reply

@@ -109,6 +109,34 @@ def test_a_plain_http_teacher_is_asked_directly_whatever_proxy_the_environment_n
     assert result.teachers[0].answered == 2 and all(s.authorized for s in fake.seen)
 
 
+class _UnwritableCache(AnswerCache):
+    """A cache whose store refuses every write."""
+
+    async def aput(self, *args: object) -> None:
+        raise OSError("the store refused the write")
+
+
+def test_a_store_error_stops_the_harvest_with_nothing_left_running_or_uncounted(
+    teachers, tmp_path, monkeypatch
+):
+    """The first answer cannot be cached: the harvest fails with that error, and by then every other query is
+    stopped (none goes on sending) and each request it had reserved for is settled, at its worst case if it may
+    have been sent."""
+    monkeypatch.setenv("TEACHER_KEY", "k")
+    (fake,) = teachers(1, key="k", usd_per_m_input=1.0, usd_per_m_output=1.0, script=answers({}, default="a"))
+    config = harvest_config([fake], threshold=1, teacher={"concurrency": 4})
+
+    async def scenario():
+        budget = Budget(Fraction(10))
+        with pytest.raises(OSError, match="the store refused the write"):
+            await harvest(STATES, config, _UnwritableCache(ObjectStore(str(tmp_path / "cache"))), budget)
+        return budget, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    budget, running = asyncio.run(scenario())
+    assert running == []
+    assert budget.in_flight == 0 and fake.billed <= budget.spent
+
+
 def test_a_longer_wait_than_allowed_is_not_retried(teachers, tmp_path, monkeypatch):
     monkeypatch.setenv("TEACHER_KEY", "k")
     (fake,) = teachers(1, key="k", script=lambda prompt, attempt: Behaviour(status=429, retry_after="600"))
