@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from composer_serverless.config import ConfigError
-from composer_serverless.harvest.live import harvested_rounds, next_round, ready_ranks, spent_so_far
+from composer_serverless.harvest.live import counted_spend, harvested_rounds, next_round, ready_ranks
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from tests.harvest.conftest import live_run_config
@@ -62,16 +62,29 @@ def test_once_a_later_round_has_rollouts_the_missing_ones_are_not_waited_for(tmp
     assert ready_ranks(run, CONFIG, 1) == []  # pruned, or never recorded: nothing to ask about
 
 
-def test_the_spend_is_every_report_exactly(tmp_path):
+def test_the_spend_is_every_harvest_in_the_ledger_exactly(tmp_path):
+    """Every harvest's entry counts, the two of a round harvested twice (its first report was never
+    written) included; reports are not what is counted."""
     run = ObjectStore(str(tmp_path))
-    for k, spent in ((1, "1/3"), (2, "1/6")):
-        run.put(layout.harvest_report(k), json.dumps({"round": k, "spent_exact": spent}).encode())
+    for k, attempt, spent in ((1, "a", "1/3"), (1, "b", "0"), (2, "c", "1/6")):
+        run.put(layout.harvest_spend(k, attempt), json.dumps({"round": k, "spent_exact": spent}).encode())
+    run.put(layout.harvest_report(1), json.dumps({"round": 1, "spent_exact": "0"}).encode())
+    assert sum(counted_spend(run).values()) == Fraction(1, 2)
+    # The entries of harvests that ended are final: those already read are not read again.
+    known = counted_spend(run)
+    run.put(layout.harvest_spend(3, "d"), json.dumps({"round": 3, "spent_exact": "1/2"}).encode())
+    again = counted_spend(run, {**known, next(iter(known)): Fraction(0)})
+    assert len(again) == 4 and sum(again.values()) == Fraction(2, 3)
+
+
+def test_reports_are_read_once(tmp_path):
+    run = ObjectStore(str(tmp_path))
+    for k in (1, 2):
+        run.put(layout.harvest_report(k), json.dumps({"round": k, "pairs": k}).encode())
     reports = harvested_rounds(run)
-    assert set(reports) == {1, 2} and spent_so_far(reports) == Fraction(1, 2)
-    # A report is written once: one already read is not read again (a long run's poll reads the new ones).
-    run.put(layout.harvest_report(3), json.dumps({"round": 3, "spent_exact": "1/2"}).encode())
-    again = harvested_rounds(run, {**reports, 1: {"round": 1, "spent_exact": "0"}})
-    assert set(again) == {1, 2, 3} and spent_so_far(again) == Fraction(2, 3)
+    run.put(layout.harvest_report(3), json.dumps({"round": 3, "pairs": 3}).encode())
+    again = harvested_rounds(run, {**reports, 1: {"round": 1, "pairs": 0}})
+    assert {k: r["pairs"] for k, r in again.items()} == {1: 0, 2: 2, 3: 3}
 
 
 @pytest.mark.parametrize(
