@@ -10,8 +10,10 @@ The schedule is fixed (``replicas/harvest_schedule.py``): the pairs of round k a
 the end of round k + ``live_lag``, and the harvester harvests every round from 1 to ``rounds - live_lag - 1``
 in order, skipping none, and writes a report for each: its pairs, or why it made none (the cap was spent, it
 failed, it was too late). Round k is harvested once the rollouts of every replica of the sync that ended it
-(its quorum) are in the store, or those there are once a later round has some (the others' will not come);
-only those replicas' rollouts are read, so a replica that joined late changes nothing. A round whose pairs
+(its quorum) are in the store, or those there are once the others' can no longer come: a later round has
+rollouts, or each missing member's heartbeat says it is gone (``MemberWatch``; with ``live_lag`` 0 no later
+round comes while the replicas wait for the harvest). Only the quorum's rollouts are read, so a replica that
+joined late changes nothing. A round whose pairs
 the replicas already went on without (they timed out, say) is not harvested, and a harvest in progress when
 that happens is cancelled: nobody would take its pairs.
 
@@ -34,6 +36,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
@@ -49,7 +52,7 @@ from composer_serverless.harvest.stats import HarvestResult, usd
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import fixed_participants
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.harvest_schedule import Taken, last_harvested, read_taken
+from composer_serverless.replicas.harvest_schedule import SILENT_S, Taken, last_harvested, read_taken
 from composer_serverless.replicas.records import RecordError
 
 logger = logging.getLogger(__name__)
@@ -94,15 +97,59 @@ def next_round(config: RunConfig, reports: dict[int, dict[str, Any]]) -> int | N
     return next((k for k in range(1, last + 1) if k not in reports), None)
 
 
-def ready_ranks(run: ObjectStore, config: RunConfig, k: int) -> list[int] | None:
+class MemberWatch:
+    """What the harvester has seen of the replicas' heartbeats (``layout.heartbeat``): each one's last bytes and
+    when they last changed, on the harvester's monotonic clock (no two machines' clocks are compared)."""
+
+    def __init__(
+        self, run: ObjectStore, silent_s: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._run = run
+        self.silent_s = SILENT_S if silent_s is None else silent_s
+        self._clock = clock
+        self._seen: dict[int, tuple[bytes | None, float]] = {}
+        self._gone: set[tuple[int, int]] = set()
+
+    def gone(self, rank: int, k: int) -> bool:
+        """Whether replica ``rank``, a member of the quorum that ended round ``k`` that has not recorded its
+        rollouts of it, never will: its heartbeat names no round or one before k (it failed, or started again:
+        the replica in the quorum had trained round k), or has not changed, or not been there, for
+        ``silent_s`` (it was killed). Once gone for round k, gone for good."""
+        try:
+            raw: bytes | None = self._run.get(layout.heartbeat(rank))
+        except FileNotFoundError:
+            raw = None
+        now = self._clock()
+        last = self._seen.get(rank)
+        if last is None or last[0] != raw:
+            last = self._seen[rank] = (raw, now)
+        if (raw is not None and not _beats_round(raw, k)) or now - last[1] >= self.silent_s:
+            self._gone.add((rank, k))
+        return (rank, k) in self._gone
+
+
+def _beats_round(raw: bytes, k: int) -> bool:
+    """Whether a heartbeat names round ``k`` or a later one."""
+    try:
+        beat = json.loads(raw)
+    except ValueError:
+        return False
+    round_ = beat.get("round") if isinstance(beat, dict) else None
+    return isinstance(round_, int) and round_ >= k
+
+
+def ready_ranks(run: ObjectStore, config: RunConfig, k: int, members: MemberWatch) -> list[int] | None:
     """The replicas whose rollouts of round ``k`` are harvested, once they are all in the store: the quorum
-    of the sync that ended round k, or, once a later round has rollouts, the replicas that recorded k (the
-    others' will not come). None while they are not there."""
+    of the sync that ended round k, less the members that ``members`` finds gone; or, once a later round has
+    rollouts, the replicas that recorded k (the others' will not come). None while they are not there."""
     dl = config.diloco
     recorded = rollout_ranks(run, k)
     quorum = fixed_participants(run, k, dl.fragments - 1, dl.replicas)
-    if quorum is not None and set(quorum) <= set(recorded):
-        return quorum
+    if quorum is not None:
+        missing = [rank for rank in quorum if rank not in recorded]
+        gone = [members.gone(rank, k) for rank in missing]  # each looked at: silence is timed per look
+        if all(gone):
+            return [rank for rank in quorum if rank in recorded]
     if latest_rollout_round(run) > k:
         return recorded
     return None
@@ -144,6 +191,7 @@ class LiveHarvester:
         self._capped = False
         self._reports: dict[int, dict[str, Any]] = {}
         self._spend: dict[str, Fraction] = {}
+        self._members = MemberWatch(run)
         self._thread = threading.Thread(target=self._main, name=f"harvest-{config.run_id}", daemon=True)
 
     def start(self) -> None:
@@ -224,7 +272,7 @@ class LiveHarvester:
         if decided is not None:  # the replicas went on without it: its pairs would be taken by no round
             await self._skip(k, _too_late(taken_at, decided))
             return True
-        ranks = await asyncio.to_thread(ready_ranks, self.run, self.config, k)
+        ranks = await asyncio.to_thread(ready_ranks, self.run, self.config, k, self._members)
         if ranks is None:
             self._doing = f"waiting for the rollouts of round {k}"
             return False

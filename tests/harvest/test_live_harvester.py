@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import threading
 import time
 from fractions import Fraction
@@ -33,6 +34,8 @@ def quick(monkeypatch):
     monkeypatch.setenv("TEACHER_KEY", CANARY)
     monkeypatch.setattr(live, "POLL_S", 0.02)
     monkeypatch.setattr(live, "BEAT_S", 0.02)
+    # No replica here is gone by silence: a test says when one is, whatever the machine's speed.
+    monkeypatch.setattr(live, "SILENT_S", math.inf)
 
 
 def _scripted(fakes, gate=None):
@@ -229,3 +232,22 @@ def test_a_harvester_that_does_not_stop_in_time_is_left_behind_saying_so(
     released.set()
     assert "the harvester did not stop within 0.01s" in caplog.text
     assert "is left behind" in out.getvalue()
+
+
+def test_with_no_lag_a_member_that_failed_before_recording_is_not_waited_for(teachers, tmp_path, quick):
+    """live_lag 0: every replica waits for round 1's harvest at round 1's end, so no later round brings
+    rollouts; replica 1 failed between the sync and recording its own. The harvest asks about replica 0's."""
+    fakes = teachers(3, key=CANARY, usd_per_m_input=2.0, usd_per_m_output=8.0)
+    _scripted(fakes)
+    config = live_run_config(fakes, tmp_path, "lagless", rounds=2, live_lag=0)
+    run = ObjectStore(str(tmp_path / "lagless"))
+    _round(run, 1, [0, 1], {0: {"add 2 3=": "6"}})
+    run.put(layout.heartbeat(0), json.dumps({"rank": 0, "state": "waiting", "round": 1}).encode())
+    run.put(layout.heartbeat(1), json.dumps({"rank": 1, "state": "failed", "error": "killed"}).encode())
+    harvester = live.LiveHarvester(run, config, Console(file=io.StringIO(), width=200))
+    harvester.start()
+    try:
+        report = _report(run, 1)
+    finally:
+        harvester.stop()
+    assert (report["ranks"], report["prompts"], report["pairs"]) == ([0], 1, 1)
