@@ -11,8 +11,8 @@ the end of round k + ``live_lag``, and the harvester harvests every round from 1
 in order, skipping none, and writes a report for each: its pairs, or why it made none (the cap was spent, it
 failed, it was too late). Round k is harvested once the rollouts of every replica of the sync that ended it
 (its quorum) are in the store, or those there are once the others' can no longer come: a later round has
-rollouts, or each missing member's heartbeat says it is gone (``MemberWatch``; with ``live_lag`` 0 no later
-round comes while the replicas wait for the harvest). Only the quorum's rollouts are read, so a replica that
+rollouts, or, with ``live_lag`` 0 (no later round comes while the replicas wait for the harvest), each missing
+member's heartbeat says it is gone (``MemberWatch``). Only the quorum's rollouts are read, so a replica that
 joined late changes nothing. A round whose pairs
 the replicas already went on without (they timed out, say) is not harvested, and a harvest in progress when
 that happens is cancelled: nobody would take its pairs.
@@ -140,15 +140,20 @@ def _beats_round(raw: bytes, k: int) -> bool:
 
 def ready_ranks(run: ObjectStore, config: RunConfig, k: int, members: MemberWatch) -> list[int] | None:
     """The replicas whose rollouts of round ``k`` are harvested, once they are all in the store: the quorum
-    of the sync that ended round k, less the members that ``members`` finds gone; or, once a later round has
-    rollouts, the replicas that recorded k (the others' will not come). None while they are not there."""
+    of the sync that ended round k (with ``live_lag`` 0, less the members that ``members`` finds gone); or,
+    once a later round has rollouts, the replicas that recorded k (the others' will not come). None while
+    they are not there."""
+    assert config.harvest is not None
     dl = config.diloco
     recorded = rollout_ranks(run, k)
     quorum = fixed_participants(run, k, dl.fragments - 1, dl.replicas)
     if quorum is not None:
         missing = [rank for rank in quorum if rank not in recorded]
-        gone = [members.gone(rank, k) for rank in missing]  # each looked at: silence is timed per look
-        if all(gone):
+        if not missing:
+            return quorum
+        # With live_lag 0 every replica waits for this harvest at round k's end: no later round brings
+        # rollouts, so a member that is gone is not waited for. (Each is looked at: silence is timed per look.)
+        if config.harvest.live_lag == 0 and all([members.gone(rank, k) for rank in missing]):
             return [rank for rank in quorum if rank in recorded]
     if latest_rollout_round(run) > k:
         return recorded

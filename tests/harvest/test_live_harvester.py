@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import threading
 import time
 from fractions import Fraction
@@ -34,8 +33,6 @@ def quick(monkeypatch):
     monkeypatch.setenv("TEACHER_KEY", CANARY)
     monkeypatch.setattr(live, "POLL_S", 0.02)
     monkeypatch.setattr(live, "BEAT_S", 0.02)
-    # No replica here is gone by silence: a test says when one is, whatever the machine's speed.
-    monkeypatch.setattr(live, "SILENT_S", math.inf)
 
 
 def _scripted(fakes, gate=None):

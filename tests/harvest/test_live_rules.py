@@ -24,6 +24,7 @@ from tests.harvest.conftest import live_run_config
 CONFIG = SimpleNamespace(
     diloco=SimpleNamespace(replicas=3, rounds=6, fragments=2), harvest=SimpleNamespace(live_lag=1)
 )
+NO_LAG = SimpleNamespace(diloco=CONFIG.diloco, harvest=SimpleNamespace(live_lag=0))
 
 
 def _rollouts(run, k, *ranks):
@@ -90,23 +91,32 @@ def test_once_a_later_round_has_rollouts_the_missing_ones_are_not_waited_for(tmp
     assert ready_ranks(run, CONFIG, 1, watch) == []  # pruned, or never recorded: nothing to ask about
 
 
-def test_a_quorum_member_whose_rollouts_can_no_longer_come_is_not_waited_for(tmp_path):
+def test_with_no_lag_a_quorum_member_whose_rollouts_can_no_longer_come_is_not_waited_for(tmp_path):
     """With live_lag 0 no later round comes while the replicas wait for the harvest: a member of the quorum
-    that will not write its rollouts (it failed, started again, or its heartbeat stopped) is not waited for."""
+    that will not write its rollouts (it failed, started again, or its heartbeat stopped) is not waited for.
+    With a lag, the replicas go on to the next round meanwhile: the harvest waits for its rollouts."""
     run = ObjectStore(str(tmp_path))
+    _quorum(run, 1, 0, 1)
+    _rollouts(run, 1, 0)
+    _beat(run, 1, state="failed", error="killed")
+    assert ready_ranks(run, CONFIG, 1, _watch(run)) is None
+    _rollouts(run, 2, 0)
+    assert ready_ranks(run, CONFIG, 1, _watch(run)) == [0]
+
+    run = ObjectStore(str(tmp_path / "lag0"))
     clock = Clock()
     watch = _watch(run, clock)
     _quorum(run, 1, 0, 1, 2)
     _rollouts(run, 1, 0)
     for rank in (0, 1, 2):
         _beat(run, rank, state="training", round=2)  # synced round 1; 1 and 2 have not recorded it yet
-    assert ready_ranks(run, CONFIG, 1, watch) is None
+    assert ready_ranks(run, NO_LAG, 1, watch) is None
     _beat(run, 1, state="failed", error="killed")  # a failed replica's beat names no round
     clock.now = 59.0
     _beat(run, 0, state="waiting for the harvest of round 1", round=1)
-    assert ready_ranks(run, CONFIG, 1, watch) is None  # replica 2 may still record its rollouts
+    assert ready_ranks(run, NO_LAG, 1, watch) is None  # replica 2 may still record its rollouts
     clock.now = 60.0  # replica 2's heartbeat has not changed for the silence bound: gone
-    assert ready_ranks(run, CONFIG, 1, watch) == [0]
+    assert ready_ranks(run, NO_LAG, 1, watch) == [0]
     # Round 2: a replica started again (its new heartbeat names no round, or one before 2: it went back to a
     # checkpoint) is gone for round 2 for good, whatever it beats next.
     other = _watch(run, Clock())
@@ -114,10 +124,10 @@ def test_a_quorum_member_whose_rollouts_can_no_longer_come_is_not_waited_for(tmp
     _rollouts(run, 2, 0)
     _beat(run, 1, state="starting")
     _beat(run, 2, state="training", round=3)
-    assert ready_ranks(run, CONFIG, 2, other) is None
+    assert ready_ranks(run, NO_LAG, 2, other) is None
     _beat(run, 1, state="training", round=3)
     _beat(run, 2, state="training", round=1)
-    assert ready_ranks(run, CONFIG, 2, other) == [0]
+    assert ready_ranks(run, NO_LAG, 2, other) == [0]
 
 
 def test_the_spend_is_every_harvest_in_the_ledger_exactly(tmp_path):
