@@ -364,10 +364,9 @@ def _print_harvest_plan(prepared: HarvestPrepared) -> None:
         markup=False,
         highlight=False,
     )
-    if prepared.missing_keys:
-        err_console.print(
-            textwrap.indent(plan.key_problem(prepared.missing_keys), "  "), markup=False, highlight=False
-        )
+    problem = plan.key_problem(prepared.config)
+    if problem is not None:
+        err_console.print(textwrap.indent(problem, "  "), markup=False, highlight=False)
 
 
 @contextlib.contextmanager

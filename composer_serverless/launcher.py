@@ -141,9 +141,9 @@ def _preflight(executor: ServerlessExecutor, plan: LaunchPlan, config: RunConfig
     harvest (the launcher harvests, so they are needed here, never by the replicas)."""
     problems = executor.preflight(plan)
     if config.live_harvest and config.harvest is not None:
-        missing = harvest_plan.missing_keys(config.harvest)
-        if missing:
-            problems.append(harvest_plan.key_problem(missing))
+        problem = harvest_plan.key_problem(config.harvest)
+        if problem is not None:
+            problems.append(problem)
     return problems
 
 

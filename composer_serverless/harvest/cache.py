@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 
 def cache_key(teacher: TeacherConfig, body: bytes) -> str:
-    """The SHA-256 (hex) of the teacher's base URL and model and the request body."""
-    identity = json.dumps({"base_url": teacher.base_url, "model": teacher.model}, sort_keys=True)
+    """The SHA-256 (hex) of the teacher's identity (base URL and model) and the request body."""
+    base_url, model = teacher.identity
+    identity = json.dumps({"base_url": base_url, "model": model}, sort_keys=True)
     return hashlib.sha256(identity.encode() + b"\n" + body).hexdigest()
 
 

@@ -10,8 +10,10 @@ do not come back together. A server asking for more than ``max_retry_after_s`` i
 the whole teacher for its wait, not only the request that got it. 401, 403 and 404 mean the key or the model
 is wrong: the teacher is asked nothing more.
 
-The key is read from the environment variable the config names when each request is sent, goes only into the
-Authorization header, and is scrubbed from any error text a server echoes before it is logged.
+The key is read from the environment variable the config names when each request is sent, without the
+whitespace around it (``read_key``), goes only into the Authorization header, and is scrubbed from any error
+text before it is logged. A key holding a character no HTTP header may carry is never sent: the teacher is
+disabled, naming the variable, not the value (``harvest`` and ``launch`` refuse it before anything starts).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import logging
 import math
 import os
 import random
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -40,8 +43,37 @@ INITIAL_RETRY_DELAY_S = 0.5
 MAX_RETRY_DELAY_S = 8.0
 RETRIED_STATUSES = frozenset({408, 409, 429})
 FATAL_STATUSES = {401: "unauthorized", 403: "forbidden", 404: "not found (the base URL or the model)"}
-# Transport failures before a byte of the request left: the server cannot have billed them.
-NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# Transport failures before a byte of the request left, so the server cannot have billed them: no connection,
+# or a request h11 refused to write (LocalProtocolError; for these requests, whose body is known in full before
+# they go, an illegal header, found before anything is written).
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.LocalProtocolError)
+
+
+# What a key may hold to be sent in a header: visible ASCII (RFC 9110's field-vchar without obs-text; a Bearer
+# token, RFC 6750, is narrower still). No space, no control character, nothing httpx could not encode.
+HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
+
+
+class UnusableKey(ValueError):
+    """A key no HTTP header can carry; the message names its variable, never the value."""
+
+
+def read_key(name: str) -> str | None:
+    """The key in the environment variable ``name`` without the whitespace around it (a ``.env`` file saved
+    with CRLF line ends leaves a CR after it); None when it is unset or blank.
+
+    Raises:
+        UnusableKey: what is left holds a space, a control character or a non-ASCII character.
+    """
+    key = os.environ.get(name, "").strip()
+    if not key:
+        return None
+    if not HEADER_SAFE.fullmatch(key):
+        raise UnusableKey(
+            f"the key in {name} holds a character an HTTP header cannot carry (a space, a control character "
+            "or a non-ASCII one)"
+        )
+    return key
 
 
 class MalformedAnswer(ValueError):
@@ -136,7 +168,14 @@ def error_text(response: httpx.Response, secret: str | None) -> str:
 
 
 def scrub(text: str, secret: str | None) -> str:
-    return text.replace(secret, "***") if secret else text
+    """``text`` without ``secret``, as it is and as Python or JSON escape it (an error that shows the bytes
+    it refused, ``b'Bearer sk-...\\r'``, holds the key escaped)."""
+    if not secret:
+        return text
+    forms = {secret, repr(secret)[1:-1], repr(secret.encode())[2:-1], json.dumps(secret)[1:-1]}
+    for form in sorted(forms, key=len, reverse=True):
+        text = text.replace(form, "***")
+    return text
 
 
 @dataclass
@@ -199,8 +238,12 @@ class TeacherClient:
         name = self.teacher.api_key_env
         if name is None:
             return None
-        key = os.environ.get(name)
-        if not key:
+        try:
+            key = read_key(name)
+        except UnusableKey as e:
+            self.disabled = str(e)
+            return None
+        if key is None:
             self.disabled = f"the environment variable {name} is not set"
         return key
 
@@ -265,6 +308,11 @@ class TeacherClient:
             charged = worst if sent else Fraction(0)
             reason = f"{type(e).__name__}: {scrub(str(e), key) or 'no response'}"
             return await self._failed(reply, worst, charged, budget, started, None, reason, retry_index)
+        except BaseException:
+            # Anything else (the harvest cancelled, its client closed): the request may have left, so it is
+            # counted at its worst case, and the error goes on.
+            await budget.settle(worst, worst)
+            raise
         latency = time.monotonic() - started
         if not response.is_success:
             reason = error_text(response, key)
@@ -296,24 +344,41 @@ class TeacherClient:
             completion = parse_completion(response.content)
         except MalformedAnswer as e:
             usage = usage_of(_json_or_none(response.content))
-            charged = worst if usage is None else self._price.cost(*usage)
+            charged, overrun = self._charge(usage, worst)
             return await self._failed(
-                reply, worst, charged, budget, started, response.status_code, str(e), retry_index, usage
+                reply,
+                worst,
+                charged,
+                budget,
+                started,
+                response.status_code,
+                str(e),
+                retry_index,
+                usage,
+                overrun,
             )
         usage = completion.usage
-        charged = worst if usage is None else self._price.cost(*usage)
-        overrun = None
-        if charged > worst:
-            overrun = (
-                f"teacher {self.teacher.name} reported {usage} tokens (in, out), more than the bound of this "
-                f"request: raise its extra_input_tokens (or check max_tokens); no further request is sent"
-            )
-            logger.error(overrun)
+        charged, overrun = self._charge(usage, worst)
         await budget.settle(worst, charged, overrun)
         tokens = usage or (0, 0)
         reply.attempts.append(Attempt(latency, response.status_code, True, tokens[0], tokens[1], charged))
         reply.outcome, reply.completion, reply.error = "answered", completion, None
         return None
+
+    def _charge(self, usage: tuple[int, int] | None, worst: Fraction) -> tuple[Fraction, str | None]:
+        """What a response is charged: what its usage reports, else its worst case; and, when the usage is more
+        than the bound, why no further request is sent (``Budget.broken``)."""
+        if usage is None:
+            return worst, None
+        charged = self._price.cost(*usage)
+        if charged <= worst:
+            return charged, None
+        overrun = (
+            f"teacher {self.teacher.name} reported {usage} tokens (in, out), more than the bound of this "
+            f"request: raise its extra_input_tokens (or check max_tokens); no further request is sent"
+        )
+        logger.error(overrun)
+        return charged, overrun
 
     async def _failed(
         self,
@@ -326,8 +391,9 @@ class TeacherClient:
         reason: str,
         retry_index: int,
         usage: tuple[int, int] | None = None,
+        overrun: str | None = None,
     ) -> float:
-        await budget.settle(worst, charged)
+        await budget.settle(worst, charged, overrun)
         tokens = usage or (0, 0)
         reply.attempts.append(
             Attempt(time.monotonic() - started, status, False, tokens[0], tokens[1], charged, reason)

@@ -27,6 +27,7 @@ what it reported, and no further request is sent by anyone (``Budget.broken``).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -63,28 +64,44 @@ def worst_case(body: bytes, teacher: TeacherConfig) -> Fraction:
     return Price.of(teacher).cost(tokens_in, teacher.max_tokens)
 
 
+# Makes a bound of a budget's spend durable (a live harvest's ledger entry in the run).
+Record = Callable[[Fraction], Awaitable[None]]
+
+
 class Budget:
     """The hard cap, shared by every request of a harvest (one event loop).
 
     ``reserve`` before a request is sent, ``settle`` once it is over. A request whose worst case fits only
     once requests in flight settle waits for them; one that cannot fit even then is refused, as is every
-    request once ``broken``.
+    request once ``broken``. ``spent`` starts at what earlier harvests spent (``spent_before``).
+
+    With ``record``, a reservation is recorded before ``reserve`` returns: ``record`` is given a bound of what
+    this budget may have spent, its charges since it was made plus everything in flight at its worst case,
+    whenever that exceeds the last bound it was given. So whatever may have been sent is on record even if the
+    harvest never gets to report (a live harvest's ledger).
     """
 
-    def __init__(self, max_usd: Fraction, spent: Fraction = Fraction(0)) -> None:
+    def __init__(
+        self, max_usd: Fraction, spent: Fraction = Fraction(0), record: Record | None = None
+    ) -> None:
         self.max_usd = max_usd
+        self.spent_before = spent
         self.spent = spent
         self.in_flight = Fraction(0)
         self.broken: str | None = None
         self.refused = 0
         self._changed = asyncio.Condition()
+        self._record = record
+        self._recorded = Fraction(0)
+        self._recording = asyncio.Lock()
 
     def fits(self, worst: Fraction) -> bool:
         """Whether a request of this worst case could ever be sent (with nothing else in flight)."""
         return self.broken is None and self.spent + worst <= self.max_usd
 
     async def reserve(self, worst: Fraction) -> bool:
-        """Hold ``worst`` for one request; False (and nothing held) if the cap does not allow it."""
+        """Hold ``worst`` for one request; False (and nothing held) if the cap does not allow it. Raises what
+        ``record`` raises, holding nothing."""
         async with self._changed:
             while True:
                 if not self.fits(worst):
@@ -92,8 +109,25 @@ class Budget:
                     return False
                 if self.spent + self.in_flight + worst <= self.max_usd:
                     self.in_flight += worst
-                    return True
+                    break
                 await self._changed.wait()  # something in flight settles below its worst case, or not
+        if self._record is not None:
+            try:
+                await self._cover()
+            except BaseException:
+                await self.settle(worst, Fraction(0))  # not sent
+                raise
+        return True
+
+    async def _cover(self) -> None:
+        """Record a bound covering every reservation so far; one write covers every reservation made while
+        another was under way."""
+        assert self._record is not None
+        async with self._recording:
+            bound = self.spent - self.spent_before + self.in_flight
+            if bound > self._recorded:
+                await self._record(bound)
+                self._recorded = bound
 
     async def settle(self, worst: Fraction, charged: Fraction, overrun: str | None = None) -> None:
         """Release a reservation of ``worst`` and add ``charged`` to the spend; ``overrun`` says why a charge
@@ -104,7 +138,3 @@ class Budget:
             if overrun is not None and self.broken is None:
                 self.broken = overrun
             self._changed.notify_all()
-
-    @property
-    def left(self) -> Fraction:
-        return self.max_usd - self.spent

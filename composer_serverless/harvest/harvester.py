@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -215,7 +216,9 @@ async def harvest(
 
     Each teacher has a connection pool of its own, as large as its concurrency: one teacher's slow or dead
     connections never hold up another's, and httpx's pool, which scans its connections for every request it
-    places, scans only those.
+    places, scans only those. An https teacher is asked through the proxy the environment names, if any
+    (``HTTPS_PROXY``, ``ALL_PROXY``: a CONNECT tunnel, the key stays inside TLS); a plain-http one never is,
+    since a proxy would read its key in clear (the config allows plain http with a key only to this machine).
 
     Args:
         seed: of the backoff jitter (None: from the system's randomness).
@@ -229,12 +232,22 @@ async def harvest(
         http = {}
         for t in config.teachers:
             limits = httpx.Limits(max_connections=t.concurrency, max_keepalive_connections=t.concurrency)
-            client = httpx.AsyncClient(limits=limits, timeout=timeout, verify=tls)
+            proxied = urlsplit(t.base_url).scheme == "https"
+            client = httpx.AsyncClient(limits=limits, timeout=timeout, verify=tls, trust_env=proxied)
             http[t.name] = await stack.enter_async_context(client)
         run = _Harvest(config, cache, budget, http, progress, seed)
         queries = [(prompt, teacher) for prompt in prompts for teacher in config.teachers]
         run.total = len(queries)
-        asked = await asyncio.gather(*(run.ask(teacher, prompt) for prompt, teacher in queries))
+        tasks = [asyncio.ensure_future(run.ask(teacher, prompt)) for prompt, teacher in queries]
+        try:
+            asked = await asyncio.gather(*tasks)
+        except BaseException:
+            # A query failed (the cache's store, say) or the harvest is cancelled: the other queries stop here,
+            # before their clients close, rather than go on sending; each settles what it reserved.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
     answers: dict[str, dict[str, Asked]] = {prompt: {} for prompt in prompts}
     for (prompt, teacher), reply in zip(queries, asked, strict=True):
         answers[prompt][teacher.name] = reply

@@ -5,7 +5,6 @@ checked before any request is sent; what it may cost (``--dry-run``); running it
 from __future__ import annotations
 
 import asyncio
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
@@ -13,6 +12,7 @@ from typing import Any
 
 from composer_serverless.config import ConfigError, HarvestConfig, TeacherConfig
 from composer_serverless.harvest.cache import AnswerCache, CachedAnswer, cache_key
+from composer_serverless.harvest.client import UnusableKey, read_key
 from composer_serverless.harvest.costs import Budget, Price, worst_case
 from composer_serverless.harvest.harvester import Progress, harvest, messages, pairs_jsonl, request_body
 from composer_serverless.harvest.states import (
@@ -46,21 +46,40 @@ class Prepared:
     output: ObjectStore
     output_name: str
     missing_keys: list[str]
+    unusable_keys: list[str]
 
     @property
     def output_url(self) -> str:
         return self.output.url_of(self.output_name)
 
 
-def missing_keys(config: HarvestConfig) -> list[str]:
-    """The environment variables a teacher names for its key that are not set here (names only)."""
-    names = [t.api_key_env for t in config.teachers if t.api_key_env]
-    return [name for name in dict.fromkeys(names) if not os.environ.get(name)]
+def check_keys(config: HarvestConfig) -> tuple[list[str], dict[str, str]]:
+    """The environment variables a teacher names for its key that are unset or blank here, and those whose key
+    cannot be sent (``client.read_key``) with why: names only, never a value."""
+    missing: list[str] = []
+    unusable: dict[str, str] = {}
+    for name in dict.fromkeys(t.api_key_env for t in config.teachers if t.api_key_env):
+        try:
+            if read_key(name) is None:
+                missing.append(name)
+        except UnusableKey as e:
+            unusable[name] = str(e)
+    return missing, unusable
 
 
-def key_problem(names: list[str]) -> str:
-    exports = "; ".join(f"export {name}=..." for name in names)
-    return f"the teachers' keys are not in the environment: {', '.join(names)}\n  fix: {exports}"
+def key_problem(config: HarvestConfig) -> str | None:
+    """What keeps the teachers' keys from being sent, with the fix; None when nothing does."""
+    missing, unusable = check_keys(config)
+    problems = [
+        f"{why}\n  fix: export {name}=... with the key alone (the whitespace around it is dropped)"
+        for name, why in unusable.items()
+    ]
+    if missing:
+        exports = "; ".join(f"export {name}=..." for name in missing)
+        problems.insert(
+            0, f"the teachers' keys are not in the environment: {', '.join(missing)}\n  fix: {exports}"
+        )
+    return "\n".join(problems) or None
 
 
 def prepare(config: HarvestConfig) -> Prepared:
@@ -109,7 +128,8 @@ def prepare(config: HarvestConfig) -> Prepared:
     except ValueError:
         raise ConfigError(f"harvest.output {config.output!r} does not end in a file name") from None
     output = open_store(where or ".", fix="harvest.output: a .jsonl path or URL")
-    return Prepared(config, states, source, AnswerCache(cache_store), output, name, missing_keys(config))
+    missing, unusable = check_keys(config)
+    return Prepared(config, states, source, AnswerCache(cache_store), output, name, missing, list(unusable))
 
 
 def _read(read: Any) -> list[State]:
@@ -207,6 +227,7 @@ def plan_json(prepared: Prepared, estimates: list[TeacherEstimate]) -> dict[str,
         "worst_usd": float(sum((e.worst_usd for e in estimates), Fraction(0))),
         "expected_usd": sum(e.expected_usd for e in estimates),
         "missing_keys": prepared.missing_keys,
+        "unusable_keys": prepared.unusable_keys,
     }
 
 
@@ -214,10 +235,11 @@ def run(prepared: Prepared, progress: Progress | None = None) -> HarvestResult:
     """Run the harvest under a cap of ``max_usd`` and write its pairs to the output.
 
     Raises:
-        ConfigError: a teacher's key is not in the environment (nothing was sent).
+        ConfigError: a teacher's key is not in the environment, or cannot be sent (nothing was sent).
     """
-    if prepared.missing_keys:
-        raise ConfigError(key_problem(prepared.missing_keys))
+    problem = key_problem(prepared.config)
+    if problem is not None:
+        raise ConfigError(problem)
     budget = Budget(Fraction(prepared.config.max_usd))
     result = asyncio.run(harvest(prepared.states, prepared.config, prepared.cache, budget, progress=progress))
     prepared.output.put(prepared.output_name, pairs_jsonl(result.pairs))

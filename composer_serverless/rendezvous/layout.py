@@ -64,6 +64,10 @@ HARVEST_PAIRS = f"{HARVEST}/pairs"
 """Pairs harvested live, one file per round of rollouts; the replicas take each at the round boundary the
 schedule gives it (``replicas/harvest_schedule.py``)."""
 HARVEST_REPORTS = f"{HARVEST}/reports"
+HARVEST_SPEND = f"{HARVEST}/spend"
+"""The live harvest's spend ledger, one entry per harvest: what it may have spent, recorded before each of its
+requests is sent and made exact when it ends. A run's cap counts every entry, so a harvest whose report was
+never written (a failed write, a killed launcher) is counted all the same."""
 HARVEST_TAKEN = f"{HARVEST}/taken"
 """What each round boundary of a live harvest took: decided once, by the first replica to decide, for all."""
 HARVESTER = f"{HARVEST}/harvester.json"
@@ -182,6 +186,11 @@ def harvest_report(round_index: int) -> str:
     return f"{HARVEST_REPORTS}/{round_index:06d}.json"
 
 
+def harvest_spend(round_index: int, attempt: str) -> str:
+    """What one harvest (``attempt``) of round ``round_index``'s rollouts may have spent."""
+    return f"{HARVEST_SPEND}/{round_index:06d}-{attempt}.json"
+
+
 def harvest_taken(round_index: int) -> str:
     """Which harvested pair files the replicas take at the end of round ``round_index`` (create-if-absent: the
     first replica to decide decides for every replica)."""
@@ -239,6 +248,10 @@ def describe() -> list[tuple[str, str]]:
         (
             harvest_report(k),
             "that harvest's requests, latency, tokens and USD per teacher, or why it made none",
+        ),
+        (
+            harvest_spend(k, placeholder("attempt")),
+            "what one harvest of round k may have spent: recorded before each request, exact at its end",
         ),
         (harvest_taken(k), "the pair files the replicas take at the end of round k, created once"),
         (HARVESTER, "the launcher's live harvester's heartbeat: what it does, or that it stopped"),

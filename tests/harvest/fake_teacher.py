@@ -9,9 +9,9 @@ characters), 429 with ``Retry-After`` (seconds or an HTTP date) or ``retry-after
 HTTP/1.1 keep-alive.
 
 Each prompt's script says, per attempt, what happens: an answer, an error status, a delay, a body that is not
-JSON, an answer without usage. The server counts tokens as a tokenizer would at worst for the bound (a token
+JSON, an answer without usage, a dropped connection. The server counts tokens as a tokenizer would at worst for the bound (a token
 per byte of every message's text, 4 per message, 3 to prime the reply) and an answer's tokens as its
-characters, and bills every 200 it sends at its prices: ``billed_usd`` is what a provider would charge.
+characters, and bills every 200 it sends at its prices: ``billed`` is what a provider would charge.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ class Behaviour:
         no_choices: a JSON body without choices.
         together: hold the answer until this many requests are in the server at once (at most
             ``TOGETHER_WAIT_S``): how many a client keeps in flight is then seen whatever the machine's speed.
+        hold: hold the answer until this event is set (at most ``HOLD_WAIT_S``): a request slower than any
+            timeout, whatever the machine's speed.
+        drop: bill the answer, then close the connection without sending it (a server that died mid-request).
     """
 
     answer: str | None = "ok"
@@ -54,9 +57,12 @@ class Behaviour:
     usage: bool = True
     no_choices: bool = False
     together: int = 0
+    hold: threading.Event | None = None
+    drop: bool = False
 
 
 TOGETHER_WAIT_S = 5.0
+HOLD_WAIT_S = 60.0
 Script = Callable[[str, int], Behaviour]  # (the user message, attempt number from 0) -> behaviour
 
 
@@ -113,10 +119,6 @@ class FakeTeacher:
     def base_url(self) -> str:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}/v1"
-
-    @property
-    def billed_usd(self) -> Fraction:
-        return self.billed
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -226,6 +228,8 @@ class FakeTeacher:
                         fake._in_flight_changed.wait_for(
                             lambda: fake.in_flight >= act.together, timeout=TOGETHER_WAIT_S
                         )
+                if act.hold is not None:
+                    act.hold.wait(HOLD_WAIT_S)
                 if act.delay_s:
                     time.sleep(act.delay_s)
                 if act.status != 200:
@@ -254,6 +258,9 @@ class FakeTeacher:
                 tokens_out = 0 if content is None else len(content)
                 with fake._lock:
                     fake._bill(tokens_in, tokens_out)
+                if act.drop:
+                    self.close_connection = True
+                    return 200
                 if act.malformed:
                     self._send(200, b'{"id": "chatcmpl-x", "choices": [{"message": ')  # cut off mid-object
                     return 200

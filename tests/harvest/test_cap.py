@@ -1,6 +1,7 @@
 """The hard cap, randomised: over prices, latencies, answer lengths, failures and concurrency, what the
 servers bill never exceeds max_usd, and neither does what the harvest counted (which is never less than the
-bill)."""
+bill); and the cap refuses a request only when it must. Every assertion holds in every trial, whatever the
+order in which the requests happen to settle."""
 
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ def _script(rng: random.Random):
 def test_the_cap_is_never_exceeded(teachers, tmp_path, quick_backoff):
     rng = random.Random(20260501)
     fakes = teachers(3, key=None)
-    bound = 0
     for trial in range(TRIALS):
         for fake in fakes:
             fake.usd_per_m_input = rng.choice([0.05, 0.6, 3.0, 15.0, 75.0])
@@ -56,8 +56,8 @@ def test_the_cap_is_never_exceeded(teachers, tmp_path, quick_backoff):
         )
         prompts = [f"trial {trial} prompt {i} " + "z" * rng.randrange(0, 300) for i in range(PROMPTS)]
         # A cap between a tenth and the whole of what every first attempt could cost at worst: it binds.
-        everything = sum(worst_case(request_body(config, t, p), t) for t in config.teachers for p in prompts)
-        cap = everything * Fraction(rng.randrange(10, 100), 100)
+        worst = [worst_case(request_body(config, t, p), t) for t in config.teachers for p in prompts]
+        cap = sum(worst) * Fraction(rng.randrange(10, 100), 100)
         budget = Budget(cap)
         states = [State(str(i), p, "student") for i, p in enumerate(prompts)]
         cache = AnswerCache(ObjectStore(str(tmp_path / f"cache-{trial}")))
@@ -65,5 +65,6 @@ def test_the_cap_is_never_exceeded(teachers, tmp_path, quick_backoff):
         billed = sum((f.billed for f in fakes), Fraction(0))
         assert billed <= result.spent <= cap, (trial, float(billed), float(result.spent), float(cap))
         assert budget.in_flight == 0
-        bound += result.refused > 0
-    assert bound >= TRIALS // 2  # the cap really stopped requests in most trials
+        # A request is refused only once the spend leaves it no room (spend only grows, so the final spend
+        # shows it): never for requests merely in flight, which it waits for.
+        assert result.refused == 0 or result.spent + max(worst) > cap, trial

@@ -85,21 +85,23 @@ def fakes(teachers):
     return teachers(3, key=CANARY, usd_per_m_input=2.0, usd_per_m_output=8.0)
 
 
-def test_dry_run_then_harvest_then_the_cache_and_no_key_anywhere(fakes, tmp_path):
+def test_dry_run_then_harvest_then_the_cache_and_no_key_anywhere(fakes, tmp_path, monkeypatch):
     for fake, table in zip(fakes, ANSWERS, strict=True):
         fake.script = answers(table)
     config = _write(tmp_path, fakes)
 
+    monkeypatch.setenv("TEACHER_KEY", CANARY)  # the dry run has the key to hand, and must not show it
     dry, loaded = cli_in_fresh_process("harvest", str(config), "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert loaded == [] and not any(f.seen for f in fakes)
     plan = _plan(dry.stdout)
     assert (plan["states"], plan["prompts"], plan["max_usd"]) == (3, 3, 1.0)
     assert [t["api_key_env"] for t in plan["teachers"]] == ["TEACHER_KEY"] * 3
-    assert plan["worst_usd"] > plan["expected_usd"] > 0 and plan["missing_keys"] == ["TEACHER_KEY"]
-    assert "estimated cost: expected $" in dry.stderr and "export TEACHER_KEY=..." in dry.stderr
+    assert plan["worst_usd"] > plan["expected_usd"] > 0
+    assert (plan["missing_keys"], plan["unusable_keys"]) == ([], [])
+    assert "estimated cost: expected $" in dry.stderr and "export TEACHER_KEY" not in dry.stderr
 
-    first = _cli("harvest", str(config))
+    first = _cli("harvest", str(config), key=CANARY + "\r\n")  # as a .env file saved with CRLF gives it
     assert first.returncode == 0, first.stdout + first.stderr
     assert "pairs produced: 2" in first.stdout and "saved by the cache $0.00" in first.stdout
     pairs = read_pairs(str(tmp_path / "out" / "pairs.jsonl"))  # the replay channel's own reader
@@ -122,8 +124,11 @@ def test_dry_run_then_harvest_then_the_cache_and_no_key_anywhere(fakes, tmp_path
     again = _cli("harvest", str(config))
     assert again.returncode == 0 and sum(len(f.seen) for f in fakes) == sent
     assert "spent $0.00 of the $1.00 cap" in again.stdout and "pairs produced: 2" in again.stdout
+    monkeypatch.delenv("TEACHER_KEY")
     dry_again, _ = cli_in_fresh_process("harvest", str(config), "--dry-run")
     assert _plan(dry_again.stdout)["worst_usd"] == 0  # everything is cached
+    assert _plan(dry_again.stdout)["missing_keys"] == ["TEACHER_KEY"]
+    assert "export TEACHER_KEY=..." in dry_again.stderr  # a dry run says what a harvest would lack
 
     haystacks = {"dry run": dry.stdout + dry.stderr, "harvest": first.stdout + first.stderr}
     haystacks |= {"again": again.stdout + again.stderr, "dry again": dry_again.stdout + dry_again.stderr}
@@ -142,6 +147,7 @@ def test_dry_run_then_harvest_then_the_cache_and_no_key_anywhere(fakes, tmp_path
         ({"max_usd": "0"}, CANARY, "harvest.max_usd: Input should be greater than 0"),
         ({"live": "true"}, CANARY, "harvest.live"),
         ({"teachres": "[]"}, CANARY, "did you mean harvest.teachers?"),
+        ({}, CANARY[:12] + " " + CANARY[12:], "the key in TEACHER_KEY holds a character an HTTP header"),
     ],
 )
 def test_mistakes_exit_2_before_anything_is_sent(fakes, tmp_path, extra, key, message):
@@ -149,6 +155,9 @@ def test_mistakes_exit_2_before_anything_is_sent(fakes, tmp_path, extra, key, me
     result = _cli("harvest", str(config), key=key)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr
+    if "TEACHER_KEY" in message:
+        assert "fix: export TEACHER_KEY=..." in result.stderr
+    assert CANARY[:12] not in result.stdout + result.stderr
     assert not any(f.seen for f in fakes)
     assert not (tmp_path / "out").exists()
 

@@ -3,21 +3,28 @@ to the real ``openai`` client, so the other tests' fake behaves like a server th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
+from fractions import Fraction
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from composer_serverless.harvest.client import (
     MalformedAnswer,
+    TeacherClient,
     backoff_s,
     error_text,
     parse_completion,
     retry_after_s,
+    scrub,
     should_retry,
 )
+from composer_serverless.harvest.costs import Budget
+from tests.harvest.conftest import harvest_config
 from tests.harvest.fake_teacher import Behaviour, http_date
 
 NOW = 1_800_000_000.0
@@ -90,6 +97,14 @@ def test_error_text_is_the_openai_message_without_the_key():
     assert error_text(response, "sk-secret-123") == "HTTP 401: Incorrect API key provided: ***."
 
 
+def test_scrub_removes_the_key_escaped_too():
+    """httpx shows the header value it refused as bytes (b'Bearer sk-x\\r'), the key escaped in it."""
+    key = "sk-secret-123\r\n"
+    message = f"Illegal header value {f'Bearer {key}'.encode()!r}; as text {key!r}; as JSON {json.dumps(key)}"
+    assert "sk-secret-123" not in scrub(message, key)
+    assert scrub("HTTP 401: sk-secret-123 is wrong", "sk-secret-123") == "HTTP 401: *** is wrong"
+
+
 def test_the_fake_is_a_server_the_real_openai_client_accepts(teachers):
     """The official client parses the fake's completions into its own types, retries its 429 after the
     Retry-After it sends, and raises AuthenticationError for its 401."""
@@ -115,3 +130,29 @@ def test_the_fake_is_a_server_the_real_openai_client_accepts(teachers):
 
 def test_http_date_is_what_retry_after_reads_back():
     assert abs(retry_after_s(httpx.Headers({"retry-after": http_date(30)}), time.time()) - 30) <= 1
+
+
+def _ask_through(transport: httpx.AsyncBaseTransport, retries: int = 1):
+    """One prompt asked of a teacher whose requests go through ``transport``: the reply and the budget."""
+    teacher = SimpleNamespace(base_url="http://127.0.0.1:9/v1", usd_per_m_input=1.0, usd_per_m_output=1.0)
+    config = harvest_config([teacher], key_env=None, threshold=1, retries=retries)
+
+    async def ask():
+        budget = Budget(Fraction(1))
+        async with httpx.AsyncClient(transport=transport) as http:
+            client = TeacherClient(config.teachers[0], http, config, random.Random(0))
+            return await client.ask(b"{}", Fraction(1, 1000), budget), budget
+
+    return asyncio.run(ask())
+
+
+def test_a_request_httpx_refused_to_write_is_not_charged(quick_backoff):
+    """h11 refuses an illegal header before a byte is written (LocalProtocolError): the server cannot have
+    billed it, so it costs nothing, however often it is retried."""
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.LocalProtocolError("Illegal header value b'x\\r'")
+
+    reply, budget = _ask_through(httpx.MockTransport(refuse))
+    assert reply.outcome == "failed" and len(reply.attempts) == 2
+    assert budget.spent == 0 and budget.in_flight == 0

@@ -116,7 +116,11 @@ def test_a_launch_with_a_live_harvest_needs_the_keys_here(monkeypatch, tmp_path)
     prepared = prepare(validate_config(raw), "live.toml")
     assert any("the teachers' keys are not in the environment: EXAMPLE_KEY" in p for p in prepared.problems)
     assert prepared.plan.resources["withheld_env"] == ["EXAMPLE_KEY"]
-    monkeypatch.setenv("EXAMPLE_KEY", "x")
+    monkeypatch.setenv("EXAMPLE_KEY", "sk-secret\tpart")  # no header may carry a tab inside the key
+    problems = prepare(validate_config(raw), "live.toml").problems
+    assert any("the key in EXAMPLE_KEY holds a character an HTTP header cannot carry" in p for p in problems)
+    assert "sk-secret" not in "".join(problems)
+    monkeypatch.setenv("EXAMPLE_KEY", "x\r\n")
     assert prepare(validate_config(raw), "live.toml").problems == []
     with pytest.raises(ConfigError, match="executor.secrets names EXAMPLE_KEY"):
         validate_config({**raw, "executor": {"type": "modal", "secrets": ["EXAMPLE_KEY"]}})

@@ -128,3 +128,31 @@ def test_an_overrun_stops_everything():
 
     budget, allowed = _run(scenario())
     assert not allowed and budget.broken == "the bound was wrong" and budget.spent == 2
+
+
+def test_every_reservation_is_recorded_before_its_request_may_go():
+    """With ``record``, reserve returns only once a bound covering the new reservation is recorded: what the
+    budget charged since it was made plus everything in flight at its worst case. A reservation the bound
+    already covers writes nothing; a record that fails leaves nothing reserved."""
+    recorded = []
+
+    async def record(bound):
+        recorded.append(bound)
+
+    async def scenario():
+        budget = Budget(Fraction(10), spent=Fraction(4), record=record)  # 4 spent by earlier harvests
+        assert await budget.reserve(Fraction(2)) and recorded == [2]
+        assert await budget.reserve(Fraction(1)) and recorded == [2, 3]
+        await budget.settle(Fraction(2), Fraction(1))  # 1 charged, 1 in flight: the bound is 2
+        assert await budget.reserve(Fraction(1)) and recorded == [2, 3]  # 3 covers 1 + 1 + 1
+        assert await budget.reserve(Fraction(1)) and recorded == [2, 3, 4]
+
+        async def refused(bound):
+            raise OSError("the store is down")
+
+        failing = Budget(Fraction(10), record=refused)
+        with pytest.raises(OSError):
+            await failing.reserve(Fraction(1))
+        return failing.in_flight
+
+    assert _run(scenario()) == 0

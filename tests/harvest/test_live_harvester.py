@@ -79,7 +79,7 @@ def _beat(run):
 
 
 def _beating(run, state):
-    return _until(lambda: _beat(run)["state"].startswith(state) or None)
+    return _until(lambda: run.exists(layout.HARVESTER) and _beat(run)["state"].startswith(state) or None)
 
 
 def test_every_round_in_order_from_its_quorums_rollouts(teachers, tmp_path, quick):
@@ -143,15 +143,17 @@ def test_a_round_the_replicas_went_on_without_is_not_asked_and_a_harvest_under_w
     try:
         assert _until(lambda: sum(f.in_flight for f in fakes) == 6 or None)
         assert _beating(run, "harvesting round 1")
-        gave_up = Taken(2, 1, False, TIMED_OUT, "no report within harvest.live_wait_s = 0s", 0)
-        run.put(layout.harvest_taken(2), gave_up.to_json())
-        first = _report(run, 1)
-        gate.set()
         held = [
             worst_case(request_body(config.harvest, teacher, prompt), teacher)
             for prompt in ("add 2 3=", "add 4 4=")
             for teacher in config.harvest.teachers
         ]
+        # Each request was in the run's ledger before it went: a launcher killed now leaves them counted.
+        assert sum(live.counted_spend(run).values()) == sum(held)
+        gave_up = Taken(2, 1, False, TIMED_OUT, "no report within harvest.live_wait_s = 0s", 0)
+        run.put(layout.harvest_taken(2), gave_up.to_json())
+        first = _report(run, 1)
+        gate.set()
         assert (
             first["cancelled"]
             == "too late: the end of round 2 took nothing (no report within harvest.live_wait_s = 0s)"
@@ -171,5 +173,78 @@ def test_a_round_the_replicas_went_on_without_is_not_asked_and_a_harvest_under_w
     assert third["pairs"] == 2 and Fraction(third["spent_exact"]) > 0
     assert all(f.attempts["add 1 6="] == 0 for f in fakes)  # round 2's prompt: never asked
     # The cap stays hard: nothing billed was left uncounted.
-    reports = live.harvested_rounds(run)
-    assert sum(f.billed for f in fakes) <= sum(Fraction(r["spent_exact"]) for r in reports.values())
+    assert sum(f.billed for f in fakes) <= sum(live.counted_spend(run).values())
+
+
+def test_a_harvest_whose_report_was_lost_is_still_counted(teachers, tmp_path, quick):
+    """Round 1's report cannot be written the first time: the round is harvested again, from the cache for
+    $0, and the cap still counts what the first harvest spent (the ledger holds it, not the report)."""
+    fakes = teachers(3, key=CANARY, usd_per_m_input=2.0, usd_per_m_output=8.0)
+    _scripted(fakes)
+    config = live_run_config(fakes, tmp_path, "lost", rounds=3)  # live_lag 1: round 1 only
+    refused: list[str] = []
+
+    class FlakyStore(ObjectStore):
+        def put(self, key, data):
+            if self.url.endswith("/lost") and key == layout.harvest_report(1) and not refused:
+                refused.append(key)
+                raise OSError("the store refused the write")
+            return super().put(key, data)
+
+    run = FlakyStore(str(tmp_path / "lost"))
+    _round(run, 1, [0, 1], {0: {"add 2 3=": "6"}, 1: {"add 4 4=": "3"}})
+    harvester = live.LiveHarvester(run, config, Console(file=io.StringIO(), width=200))
+    harvester.start()
+    try:
+        report = _report(run, 1)
+    finally:
+        harvester.stop()
+    billed = sum(f.billed for f in fakes)
+    assert refused and billed > 0 and len(fakes[0].seen) == 2  # asked once: the second time, the cache
+    assert Fraction(report["spent_exact"]) == 0 and report["spent_before_usd"] == float(billed)
+    assert sum(live.counted_spend(run).values()) == billed
+
+
+def test_a_harvester_that_does_not_stop_in_time_is_left_behind_saying_so(
+    teachers, tmp_path, quick, monkeypatch, caplog
+):
+    """Its last heartbeat write hangs (a store that stopped answering) until stop has given up on it."""
+    fakes = teachers(3, key=CANARY)
+    config = live_run_config(fakes, tmp_path, "stuck", rounds=3)
+    released = threading.Event()
+
+    class HangingStore(ObjectStore):
+        def put(self, key, data):
+            if key == layout.HARVESTER and b'"stopped"' in data:
+                released.wait(WAIT_S)
+            return super().put(key, data)
+
+    run = HangingStore(str(tmp_path / "stuck"))
+    monkeypatch.setattr(live, "STOP_WAIT_S", 0.01)
+    out = io.StringIO()
+    harvester = live.LiveHarvester(run, config, Console(file=out, width=400))
+    harvester.start()
+    assert _beating(run, "waiting for the rollouts of round 1")
+    harvester.stop()
+    released.set()
+    assert "the harvester did not stop within 0.01s" in caplog.text
+    assert "is left behind" in out.getvalue()
+
+
+def test_with_no_lag_a_member_that_failed_before_recording_is_not_waited_for(teachers, tmp_path, quick):
+    """live_lag 0: every replica waits for round 1's harvest at round 1's end, so no later round brings
+    rollouts; replica 1 failed between the sync and recording its own. The harvest asks about replica 0's."""
+    fakes = teachers(3, key=CANARY, usd_per_m_input=2.0, usd_per_m_output=8.0)
+    _scripted(fakes)
+    config = live_run_config(fakes, tmp_path, "lagless", rounds=2, live_lag=0)
+    run = ObjectStore(str(tmp_path / "lagless"))
+    _round(run, 1, [0, 1], {0: {"add 2 3=": "6"}})
+    run.put(layout.heartbeat(0), json.dumps({"rank": 0, "state": "waiting", "round": 1}).encode())
+    run.put(layout.heartbeat(1), json.dumps({"rank": 1, "state": "failed", "error": "killed"}).encode())
+    harvester = live.LiveHarvester(run, config, Console(file=io.StringIO(), width=200))
+    harvester.start()
+    try:
+        report = _report(run, 1)
+    finally:
+        harvester.stop()
+    assert (report["ranks"], report["prompts"], report["pairs"]) == ([0], 1, 1)
