@@ -22,6 +22,7 @@ derived from the measured bytes per parameter, nothing else).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -73,6 +74,9 @@ def measure(model_dir: Path, mode: dict[str, Any], checkpointing: bool, store: s
     )
     run = ObjectStore(store).child("memory")
     run.put("run.json", config.resolved_json().encode())
+    # Garbage held in reference cycles (an earlier measurement's, or an earlier test's in a test process) is
+    # freed now, not in the window, where it would lower the peak below the baseline.
+    gc.collect()
     baseline = rss_bytes()
     loaded = load_model(config.model, model_dir)
     params = sum(p.numel() for p in loaded.model.parameters())

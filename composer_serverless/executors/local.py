@@ -245,10 +245,27 @@ class LocalProcessExecutor:
         """Whether all of them ended within ``timeout_s`` (our children are reaped by their Popen, so that
         their exit status stays ours to read; the others are watched through psutil)."""
         deadline = time.monotonic() + timeout_s
-        while any(self._alive(h) for h in live) and time.monotonic() < deadline:
+        while any(self._running(h) for h in live) and time.monotonic() < deadline:
             time.sleep(0.05)
         _, left = psutil.wait_procs(strays, timeout=max(0.0, deadline - time.monotonic()))
-        return not left and not any(self._alive(h) for h in live)
+        return not left and not any(self._running(h) for h in live)
+
+    def _running(self, handle: ReplicaHandle) -> bool:
+        """Whether a replica's process that was signalled has yet to exit. Not ``_alive``: a process that is
+        exiting has no command line left to verify (it reads empty) while it still holds its memory, so it
+        would pass for ended too soon. Its identity was checked before it was signalled; here its pid and
+        creation time suffice, until it is a zombie or gone."""
+        proc = self._procs.get(int(handle.backend_id))
+        if proc is not None and _same_process(handle):
+            return proc.poll() is None
+        try:
+            process = psutil.Process(int(handle.backend_id))
+            ended = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+            return (
+                process.create_time() == float(handle.meta["create_time"]) and process.status() not in ended
+            )
+        except (psutil.Error, KeyError, ValueError):
+            return False
 
     def _alive(self, handle: ReplicaHandle) -> bool:
         """Whether the replica's own process still runs; our children are also reaped here."""
