@@ -1,8 +1,8 @@
 """Following started runs to their end: the one path ``launch`` and ``sweep`` share.
 
-Progress comes from the heartbeats in the store (every ``HEARTBEAT_POLL_S``); each run's backend is asked for
-its replicas' states only every ``executor.status_poll_s``, since on a cloud backend each ask is a
-rate-limited call. A backend that fails to answer for a while (rate limits, outages) is said once and asked
+Progress comes from the heartbeats in the store (every ``HEARTBEAT_POLL_S``, or as often as a live run's
+backend is asked, if that is more often: local runs); each run's backend is asked for its replicas' states
+only every ``executor.status_poll_s``, since on a cloud backend each ask is a rate-limited call. A backend that fails to answer for a while (rate limits, outages) is said once and asked
 again at the next poll: the replicas do not need the launcher; one that refuses for good (a revoked token)
 ends the watch, leaving the replicas running, with how to reach them. Whatever ends the watch early, nothing is left billing: Ctrl-C asks whether to cancel the
 replicas or detach from them (a detached run keeps going; ``status``, ``logs`` and ``cancel`` reach it through
@@ -35,7 +35,9 @@ from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor, 
 HEARTBEAT_POLL_S = 1.0
 # Why a live harvest stopped, as its last heartbeat tells the replicas waiting for it.
 DETACHED = "the launcher detached from the run; `composer-serverless launch --resume RUN` harvests again"
-LOCAL_STATUS_POLL_S = 1.0
+# Asking local processes how they are is free (a poll of each): a run that ends is noticed within a quarter of a
+# second, and the watch looks that often while only local runs are live.
+LOCAL_STATUS_POLL_S = 0.25
 
 Choice = Literal["cancel", "detach"]
 
@@ -191,9 +193,10 @@ def _watch(runs: list[Followed], view: View, fail_fast: bool) -> None:
         for run in _live(runs):
             _poll(run, view.console, fail_fast)
             view.show(run, read_heartbeats(run.supervisor.run))
-        if not _live(runs):
+        live = _live(runs)
+        if not live:
             return
-        time.sleep(HEARTBEAT_POLL_S)
+        time.sleep(min([HEARTBEAT_POLL_S, *(status_poll_s(run.config) for run in live)]))
 
 
 def _poll(run: Followed, console: Console, fail_fast: bool) -> None:

@@ -75,7 +75,7 @@ class _CloudExecutorConfig(StrictModel):
         10.0,
         ge=0.1,
         description="seconds between status requests to the backend while watching (each is one API call); "
-        "progress from the store updates every second regardless",
+        "progress from the store updates every second, or this often if it is shorter",
     )
     secrets: tuple[str, ...] = Field(
         (),
