@@ -258,14 +258,7 @@ class LocalProcessExecutor:
         proc = self._procs.get(int(handle.backend_id))
         if proc is not None and _same_process(handle):
             return proc.poll() is None
-        try:
-            process = psutil.Process(int(handle.backend_id))
-            ended = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-            return (
-                process.create_time() == float(handle.meta["create_time"]) and process.status() not in ended
-            )
-        except (psutil.Error, KeyError, ValueError):
-            return False
+        return _started_process(handle) is not None
 
     def _alive(self, handle: ReplicaHandle) -> bool:
         """Whether the replica's own process still runs; our children are also reaped here."""
@@ -366,20 +359,28 @@ def _same_process(handle: ReplicaHandle) -> bool:
         return True
 
 
+def _started_process(handle: ReplicaHandle) -> psutil.Process | None:
+    """The process the handle's pid names if it is the one that was started (the creation time recorded) and
+    has not exited: a zombie or a dead process has, only its exit status is left for its parent."""
+    try:
+        process = psutil.Process(int(handle.backend_id))
+        if process.create_time() != float(handle.meta["create_time"]):
+            return None
+        return None if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else process
+    except (psutil.Error, KeyError, ValueError):
+        return None
+
+
 def _verified_alive(handle: ReplicaHandle, run: ObjectStore) -> bool:
     """The replica's process runs on this machine, is the one that was started (same creation time), and
     runs this run's worker: launch.json is data in the store, so a handle naming another process (or the
     group of one) is never taken for a replica."""
-    created = handle.meta.get("create_time")
-    if created is None or not _on_this_machine(handle):
+    process = _started_process(handle) if _on_this_machine(handle) else None
+    if process is None:
         return False
     try:
-        process = psutil.Process(int(handle.backend_id))
-        # A zombie has exited; only its exit status is left for its parent.
-        if process.create_time() != float(created) or process.status() == psutil.STATUS_ZOMBIE:
-            return False
         command = process.cmdline()
-    except (psutil.Error, ValueError):
+    except psutil.Error:
         return False
     located = _argument(command, "--run")
     return WORKER_MODULE in command and located is not None and run.is_at(located)

@@ -195,17 +195,12 @@ class _Journal:
         pass
 
 
-def _creating(fake_hf, monkeypatch):
-    """An HF executor (the real client, against the fake) and the plan of a 1-replica run whose job never
-    gets hardware; and the count of job creations the fake was asked for."""
-    from huggingface_hub import HfApi
-
-    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
-    fake_hf.hold = lambda spec: True
-    config = validate_config(
+def _one_replica_config(run_id: str, store: str, **executor: object):
+    """A 1-replica run of the tiny model on HF Jobs (``executor``: more executor keys)."""
+    return validate_config(
         {
-            "run_id": "hf-create",
-            "store": "s3://bucket/runs",
+            "run_id": run_id,
+            "store": store,
             "model": {"tiny": TINY.model_dump()},
             "diloco": {"replicas": 1, "sync_every": 3, "rounds": 2},
             "executor": {
@@ -213,9 +208,20 @@ def _creating(fake_hf, monkeypatch):
                 "image": "ghcr.io/example/composer-serverless:test",
                 "namespace": NAMESPACE,
                 "private_store_endpoint": True,
+                **executor,
             },
         }
     )
+
+
+def _creating(fake_hf, monkeypatch):
+    """An HF executor (the real client, against the fake) and the plan of a 1-replica run whose job never
+    gets hardware; and the count of job creations the fake was asked for."""
+    from huggingface_hub import HfApi
+
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    fake_hf.hold = lambda spec: True
+    config = _one_replica_config("hf-create", "s3://bucket/runs")
     executor = HFJobsExecutor(api=HfApi(endpoint=fake_hf.url, token=HF_TOKEN), retry_s=5)
     plan = executor.plan(config, "s3://bucket/runs/hf-create")
     return (
@@ -317,22 +323,8 @@ def _existing_run(store: str, fake_hf, past_deadline: bool = False) -> str:
     from composer_serverless.rendezvous.store import ObjectStore
 
     run_url = f"{store}/hf-existing"
-    config = validate_config(
-        {
-            "run_id": "hf-existing",
-            "store": store,
-            "model": {"tiny": TINY.model_dump()},
-            "diloco": {"replicas": 1, "sync_every": 3, "rounds": 2},
-            "executor": {
-                "type": "hf_jobs",
-                "image": "ghcr.io/example/composer-serverless:test",
-                "namespace": NAMESPACE,
-                "private_store_endpoint": True,
-                "api_retry_s": 3,
-                "scheduling_deadline_s": 1,
-                "status_poll_s": 0.5,
-            },
-        }
+    config = _one_replica_config(
+        "hf-existing", store, api_retry_s=3, scheduling_deadline_s=1, status_poll_s=0.5
     )
     plan = HFJobsExecutor().plan(config, run_url)
     fake_hf.hold = lambda spec: True

@@ -74,6 +74,16 @@ def _report(run, k):
     )
 
 
+def _harvest_round_1(run: ObjectStore, config) -> dict:
+    """Run a harvester until round 1's report is written; stop it; the report."""
+    harvester = live.LiveHarvester(run, config, Console(file=io.StringIO(), width=200))
+    harvester.start()
+    try:
+        return _report(run, 1)
+    finally:
+        harvester.stop()
+
+
 def _beat(run):
     return json.loads(run.get(layout.HARVESTER))
 
@@ -193,12 +203,7 @@ def test_a_harvest_whose_report_was_lost_is_still_counted(teachers, tmp_path, qu
 
     run = FlakyStore(str(tmp_path / "lost"))
     _round(run, 1, [0, 1], {0: {"add 2 3=": "6"}, 1: {"add 4 4=": "3"}})
-    harvester = live.LiveHarvester(run, config, Console(file=io.StringIO(), width=200))
-    harvester.start()
-    try:
-        report = _report(run, 1)
-    finally:
-        harvester.stop()
+    report = _harvest_round_1(run, config)
     billed = sum(f.billed for f in fakes)
     assert refused and billed > 0 and len(fakes[0].seen) == 2  # asked once: the second time, the cache
     assert Fraction(report["spent_exact"]) == 0 and report["spent_before_usd"] == float(billed)
@@ -241,10 +246,5 @@ def test_with_no_lag_a_member_that_failed_before_recording_is_not_waited_for(tea
     _round(run, 1, [0, 1], {0: {"add 2 3=": "6"}})
     run.put(layout.heartbeat(0), json.dumps({"rank": 0, "state": "waiting", "round": 1}).encode())
     run.put(layout.heartbeat(1), json.dumps({"rank": 1, "state": "failed", "error": "killed"}).encode())
-    harvester = live.LiveHarvester(run, config, Console(file=io.StringIO(), width=200))
-    harvester.start()
-    try:
-        report = _report(run, 1)
-    finally:
-        harvester.stop()
+    report = _harvest_round_1(run, config)
     assert (report["ranks"], report["prompts"], report["pairs"]) == ([0], 1, 1)
