@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from composer_serverless.accelerator import SIMULATED_ENV
 from composer_serverless.config import RunConfig
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
@@ -53,6 +54,7 @@ def run_worker(run_url: str, rank: int, open_store: Callable[[str], ObjectStore]
 
     ``open_store`` must be picklable (a class or a module-level function): each rank opens its own store.
     """
+    _simulate_if_asked()
     store = open_store(run_url)
     config = RunConfig.model_validate_json(store.get(layout.RUN_CONFIG))
     ranks = config.ranks_per_replica
@@ -106,16 +108,19 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
+    from composer_serverless.accelerator.device import replica_device
     from composer_serverless.replicas.node import Node
     from composer_serverless.replicas.trainer import run_replica
 
     _configure_logging()
+    _simulate_if_asked()
     _exit_with(parent)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(local_rank)
+    device = replica_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "nccl" if cuda else "gloo",
+        # NCCL where there is a real GPU; a simulated one keeps its tensors in host memory, which gloo moves
+        "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo",
         init_method=f"file://{rendezvous}",
         rank=local_rank,
         world_size=ranks,
@@ -137,6 +142,15 @@ def _exit_with(parent: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
+def _simulate_if_asked() -> None:
+    """Run this process on the simulated accelerator when its environment asks (the tests' GPU path)."""
+    if os.environ.get(SIMULATED_ENV):
+        from composer_serverless.accelerator import simulated
+
+        simulated.install()
+        logger.info("running on a simulated accelerator (%s is set)", SIMULATED_ENV)
 
 
 def _configure_logging() -> None:
