@@ -17,9 +17,12 @@ import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
+from composer_serverless.accelerator import SIMULATED_ENV
 from composer_serverless.config import TinyModelConfig
 
 # Small enough to build in a few seconds, large enough to be a real Llama with a real BPE vocabulary.
@@ -187,3 +190,22 @@ def arithmetic_chats(count: int, seed: int) -> list[dict]:
             }
         )
     return chats
+
+
+# What a replica on the simulated accelerator logs first: a test that means to run there checks its logs for it.
+SIMULATED_LOG_LINE = "running on a simulated accelerator"
+
+
+@contextmanager
+def replicas_on_the_simulated_accelerator() -> Iterator[None]:
+    """Replica processes started in this block take their CUDA path, on the simulated accelerator
+    (``accelerator/simulated.py``): CUDA's placement rules, on this CPU."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SIMULATED_ENV, "1")
+        yield
+
+
+def ran_on_the_simulated_accelerator(logs: Path) -> bool:
+    """Whether every replica log under ``logs`` says its process ran on the simulated accelerator."""
+    texts = [p.read_text() for p in sorted(logs.glob("*.log"))]
+    return bool(texts) and all(SIMULATED_LOG_LINE in t for t in texts)

@@ -6,10 +6,12 @@ differs. DiLoCo calls, per fragment sync: ``start_quorum()``, ``current_step()``
 a cap that holds the whole fragment), then, ``fragment_sync_delay`` inner steps later, ``work.wait()`` and
 ``should_commit()``.
 
-``allreduce`` starts the exchange (``allreduce.py``) on a background thread and returns at once, so with
-``fragment_sync_delay >= 1`` the store round trip runs behind inner steps (Streaming DiLoCo's overlap). The
-thread writes the average into the tensor and only then completes the Work's future, because torchft's
-bucketized path unpacks the buffer in a ``.then`` callback of that future.
+``allreduce`` copies the bucket to host memory (asynchronously from an accelerator), starts the exchange
+(``allreduce.py``) on a background thread and returns at once, so with ``fragment_sync_delay >= 1`` the store
+round trip runs behind inner steps (Streaming DiLoCo's overlap). The thread works on host memory only; the
+average lands in the bucket when DiLoCo waits for the Work, on DiLoCo's own thread and stream, and only then
+does the Work's future complete, because torchft's bucketized path unpacks the bucket in a ``.then`` callback
+of that future.
 
 Failures are reported, not raised, as with torchft's own Manager: ``should_commit()`` returns False and
 DiLoCo restores the last global parameters. ``current_step()`` counts the syncs whose result this replica
@@ -70,16 +72,24 @@ class _Sync:
     outcome: SyncOutcome
     exchanged: bool = False
     thread: threading.Thread | None = None
+    land: Callable[[], None] = lambda: None
 
 
 class _ExchangeWork(dist._Work):
-    """A Work whose exchange runs on a thread; ``wait`` joins it and books the time the caller was blocked."""
+    """A Work whose exchange runs on a thread. ``wait`` joins it, books the time the caller was blocked, and
+    lands the average: on the caller's thread (and stream), so the exchange thread never touches device
+    memory."""
 
     def __init__(
-        self, thread: threading.Thread, future: torch.futures.Future, manager: ObjectStoreManager
+        self,
+        thread: threading.Thread,
+        land: Callable[[], None],
+        future: torch.futures.Future,
+        manager: ObjectStoreManager,
     ) -> None:
         super().__init__()
         self._thread = thread
+        self._land = land
         self._future = future
         self._manager = manager
 
@@ -87,7 +97,10 @@ class _ExchangeWork(dist._Work):
         started = time.monotonic()
         self._thread.join(None if timeout is None else timeout.total_seconds())
         self._manager.blocked_s += time.monotonic() - started
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        self._land()
+        return True
 
     def get_future(self) -> torch.futures.Future:
         return self._future
@@ -136,6 +149,7 @@ class ObjectStoreManager:
         self._step = 0
         self._sync: _Sync | None = None
         self._state_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
+        self._staging: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.last_sync: SyncOutcome | None = None
         self.syncs_attempted = 0
         self.bytes_up = 0
@@ -167,19 +181,46 @@ class ObjectStoreManager:
             )
             return _DummyWork(tensor)
         sync.exchanged = True
-        # A CPU fp32 copy (the tensor itself when it is one), taken here on the caller's thread (and stream),
-        # so the exchange thread never touches accelerator memory that DiLoCo may still be writing on a side
-        # stream. The exchange writes the average into it.
-        values = tensor.detach().reshape(-1).to("cpu", torch.float32)
+        values, copied = self._to_host(tensor)
         future: torch.futures.Future = torch.futures.Future()
         sync.thread = threading.Thread(
             target=self._exchange,
-            args=(tensor, values, sync.outcome, future),
+            args=(values, copied, sync.outcome),
             name=f"exchange-{sync.outcome.round}-{sync.outcome.fragment}",
             daemon=True,
         )
         sync.thread.start()
-        return _ExchangeWork(sync.thread, future, self)
+
+        def land() -> None:
+            """Once: the average into ``tensor`` (when it is not ``values`` itself), then the future, whose
+            torchft callback unpacks the bucket. On failure it unpacks a tensor that may hold part of the
+            average, which DiLoCo discards because should_commit() is False."""
+            if future.done():
+                return
+            if values.data_ptr() != tensor.data_ptr():
+                tensor.copy_(values.view_as(tensor))
+            future.set_result(tensor)
+
+        sync.land = land
+        return _ExchangeWork(sync.thread, land, future, self)
+
+    def _to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The values to exchange, in host memory: ``tensor`` itself when it is a CPU fp32 tensor (the
+        average is written into it), else a copy. From an accelerator the copy goes into a pinned buffer kept
+        for the next sync, without blocking the caller (it runs on the caller's stream, behind the kernels
+        that computed ``tensor``); the event says when it has landed, and the exchange thread waits for it
+        before reading."""
+        flat = tensor.detach().reshape(-1)
+        if flat.device.type == "cpu":
+            return flat.to(torch.float32), None
+        key = (flat.numel(), flat.dtype)
+        staging = self._staging.get(key)
+        if staging is None:  # one per fragment shape: pinning memory is slow, so it is done once
+            staging = self._staging[key] = torch.empty(key[0], dtype=flat.dtype, pin_memory=True)
+        staging.copy_(flat, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return staging, copied
 
     def should_commit(self) -> bool:
         """True if this sync's average came from the store; advances ``current_step()`` only then."""
@@ -188,6 +229,7 @@ class ObjectStoreManager:
             raise RuntimeError("should_commit() without start_quorum()")
         if sync.thread is not None:
             sync.thread.join()
+            sync.land()
         outcome = sync.outcome
         mine = sync.exchanged and outcome.error is None
         outcome.committed = self._agree(mine)
@@ -249,10 +291,13 @@ class ObjectStoreManager:
 
     # --- the exchange thread ------------------------------------------------------------------------
 
-    def _exchange(
-        self, tensor: torch.Tensor, values: torch.Tensor, outcome: SyncOutcome, future: torch.futures.Future
-    ) -> None:
+    def _exchange(self, staged: torch.Tensor, copied: torch.cuda.Event | None, outcome: SyncOutcome) -> None:
+        """Average ``staged`` (host memory) across the quorum, in place, once its copy has landed. Never
+        raises: errors go to ``outcome``, for ``should_commit``."""
         try:
+            if copied is not None:
+                copied.synchronize()
+            values = staged.to(torch.float32)  # the staged values themselves when they are fp32
             grace_s = self._arrivals.grace_s()
             result: ExchangeResult = allreduce(
                 self._store,
@@ -273,8 +318,8 @@ class ObjectStoreManager:
                 out=values,  # the average replaces the pseudo-gradient, as an all-reduce does
                 workspace=self._workspace,
             )
-            if values.data_ptr() != tensor.data_ptr():  # else ``values`` is ``tensor`` (CPU fp32): done
-                tensor.copy_(values.view_as(tensor))
+            if values.data_ptr() != staged.data_ptr():
+                staged.copy_(values)
             outcome.participants = result.participants
             outcome.rejected = sorted(set(result.participants) - set(result.contributors))
             outcome.contributed = self._rank in result.participants
@@ -293,8 +338,3 @@ class ObjectStoreManager:
                     outcome.fragment,
                 )
             outcome.error = e
-        finally:
-            # Completing the future runs torchft's .then callback (which unpacks the bucket), so it comes
-            # after the average is in place; on failure it unpacks a tensor that may hold part of the
-            # average, which DiLoCo discards because should_commit() is False.
-            future.set_result(tensor)

@@ -133,7 +133,15 @@ def generate(
     prompt_ids = prompt_ids.repeat_interleave(repeats, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(repeats, dim=0)
     eos = eos_token_ids(model, tokenizer)
-    sampling: dict[str, Any] = {"do_sample": False, "repetition_penalty": 1.0}
+    # The reference engine on every device: a dynamic cache and no compilation, whatever the checkpoint's
+    # generation config asks (a static cache there would make transformers compile itself with CUDA graphs on
+    # a GPU only, a path no CPU run takes).
+    sampling: dict[str, Any] = {
+        "do_sample": False,
+        "repetition_penalty": 1.0,
+        "cache_implementation": "dynamic",
+        "disable_compile": True,
+    }
     if temperature is not None:
         sampling.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     was_training = model.training

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 
@@ -25,13 +25,21 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
 
 
-def shard_model(model: nn.Module, ranks: int, device: torch.device) -> None:
+def shard_model(
+    model: nn.Module, ranks: int, device: torch.device, compute_dtype: torch.dtype | None = None
+) -> None:
     """Shard ``model`` in place over the default process group's ``ranks`` ranks: per decoder layer, then the
-    rest (embeddings, final norm, head) at the root. Parameters become DTensors; build optimizers after."""
+    rest (embeddings, final norm, head) at the root. Parameters become DTensors; build optimizers after.
+
+    With ``compute_dtype`` (bf16 over float32 masters), FSDP2 gathers each layer's parameters in that dtype
+    and frees them after the layer, and reduces gradients in float32 into the float32 shards: autocast's
+    weight cache would instead keep a cast of every gathered weight alive until the forward ends, a whole
+    unsharded model in bf16 on every rank."""
     mesh = init_device_mesh(device.type, (ranks,))
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype and torch.float32)
     for layer in decoder_layers(model) or []:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def reshard(model: nn.Module) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from composer_serverless.accelerator.device import restore_rng_state, rng_state, synchronize
 from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.latest import latest_round
@@ -107,6 +108,9 @@ def apply_global(
 ) -> None:
     """Load a published global state into DiLoCo's fragments, their outer optimizers and the model, and move
     the manager's step."""
+    # DiLoCo fills its host copy of the global parameters asynchronously from the accelerator (when it is
+    # built, after every sync): overwriting that copy while a copy into it is in flight would lose the load.
+    synchronize(next(model.parameters()).device)
     user = state["user"]
     for i, mapping in enumerate(names):
         saved = set(user.get(f"StreamingDiLoCoFragment_{i}", {}).get("original_parameters", {}))
@@ -139,23 +143,26 @@ def own_state(
     schedule: torch.optim.lr_scheduler.LRScheduler,
     objective: Objective,
     global_params: dict[str, torch.Tensor],
+    device: torch.device,
 ) -> dict[str, Any]:
-    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
+    """What a replica saves of its own. ``global_params`` are DiLoCo's global copy, in host memory."""
+    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), **rng_state(device)}
+    # Between syncs a fragment's local parameters run ahead of its global ones (fragments other than the last
+    # synced, or alpha > 0); only those differ and need saving. Frozen weights have no global copy and never
+    # change. Compared on the host, where the global copy lives: each parameter is copied there once, which
+    # saving it needs anyway.
+    ahead = {}
+    for name, p in model.named_parameters():
+        if name in global_params:
+            host = local(p).detach().cpu()
+            if not torch.equal(host, global_params[name]):
+                ahead[name] = host
     return {
         "inner_optimizer": local_tree(inner.state_dict()),
         "schedule": schedule.state_dict(),
         "objective": objective.state_dict(),
         "rng": rng,
-        # Between syncs a fragment's local parameters run ahead of its global ones (fragments other than
-        # the last synced, or alpha > 0); only those differ and need saving. Frozen weights have no global
-        # copy and never change.
-        "local_parameters": {
-            name: local(p)
-            for name, p in model.named_parameters()
-            if name in global_params and not torch.equal(local(p).detach(), global_params[name])
-        },
+        "local_parameters": ahead,
     }
 
 
@@ -166,6 +173,7 @@ def restore_own(
     objective: Objective,
     model: nn.Module,
     schedule: torch.optim.lr_scheduler.LRScheduler | None,
+    device: torch.device,
 ) -> None:
     """Load a replica's own saved state: inner optimizer, data position and RNG; with ``schedule`` (the state
     is of the round being resumed, not an older one), also the schedule and the local parameters."""
@@ -174,8 +182,7 @@ def restore_own(
     objective.load_state_dict(state["objective"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    restore_rng_state(state["rng"], device)
     if schedule is None:
         return
     schedule.load_state_dict(state["schedule"])

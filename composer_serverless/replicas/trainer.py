@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from composer_serverless.accelerator.device import replica_device, synchronize
 from composer_serverless.config import RunConfig
 from composer_serverless.rendezvous import checkpoint, layout, runkey
 from composer_serverless.rendezvous.exchange import StaleRoundError
@@ -102,9 +103,7 @@ def run_replica(run: ObjectStore, rank: int, node: Node = SOLO) -> None:
 def _train(
     run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter, node: Node, key: RunKey | None
 ) -> None:
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", node.local_rank)
+    device = replica_device(node.local_rank)  # the GPU it was given, or a clear error: never a silent CPU
     # The download cache lives as long as training: weights may stay memory-mapped from its files.
     with tempfile.TemporaryDirectory(prefix="composer-serverless-") as cache:
         # One seed for loading, so weights a checkpoint lacks are initialised alike on every replica;
@@ -114,7 +113,7 @@ def _train(
         torch.manual_seed(config.seed + rank)
         model = loaded.model.to(device).train()
         if node.size > 1:
-            shard_model(model, node.size, device)
+            shard_model(model, node.size, device, precision.compute_dtype(config.model))
         Replica(
             run, config, rank, reporter, model, loaded.tokenizer, adapters=loaded.adapters, node=node, key=key
         ).run()
@@ -240,6 +239,9 @@ class Replica:
             if self.manager.syncs_attempted == seen:
                 continue
             # DiLoCo just finished a sync: nothing is in flight, so this is where the replica may change state.
+            # Its copy of the new global parameters into host memory is asynchronous: wait for it to land
+            # before anything below reads that copy (evaluation, digests, checkpoints).
+            synchronize(self.device)
             seen = self.manager.syncs_attempted
             outcome = self.manager.last_sync
             assert outcome is not None
@@ -256,7 +258,7 @@ class Replica:
                 self.meter.reset()
 
     def _compute(self) -> contextlib.AbstractContextManager[object]:
-        return precision.compute(self.config.model, self.device)
+        return precision.compute(self.config.model, self.device, sharded=self.node.size > 1)
 
     def _inner_step(self) -> torch.Tensor:
         with self._compute():
@@ -523,7 +525,9 @@ class Replica:
         return make_schedule(self.inner, self.config.train, self.total_steps, done)
 
     def _own_state(self, global_params: dict[str, torch.Tensor]) -> dict[str, Any]:
-        return state.own_state(self.model, self.inner, self.schedule, self.objective, global_params)
+        return state.own_state(
+            self.model, self.inner, self.schedule, self.objective, global_params, self.device
+        )
 
     def _restore(self) -> int:
         """Continue from the store's latest state and this replica's own; returns the round (0 if fresh)."""
@@ -551,6 +555,7 @@ class Replica:
             objective=self.objective,
             model=self.model,
             schedule=self.schedule if current else None,
+            device=self.device,
         )
         if not current:  # an older state of its own: its schedule is placed at the round resumed
             self.schedule = self._schedule_at(latest)

@@ -26,23 +26,28 @@ from harness import (
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.store import ObjectStore
+from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 
 
 @pytest.mark.slow
 def test_interrupted_and_resumed_run_is_bit_identical(
     tmp_path: Path, tiny_model_dir: Path, reference_run: ReferenceRun
 ) -> None:
+    """On the accelerator's path (the simulated one), against the reference run on the CPU: killed, resumed,
+    and bit-identical to it, so the device path computes exactly what the CPU path does."""
     interrupted = create(
         make_config(f"file://{tmp_path}/runs", "interrupted", tiny_model_dir, **REFERENCE_SETTINGS)
     )
     # Both replicas SIGKILL themselves when they start uploading in round 4, one inner step into it.
     kill = {r: json.dumps({"kill_on": "rounds/4/0/0/in/"}) for r in range(2)}
-    assert run_replicas(interrupted, tmp_path / "logs", 2, kill) == [-signal.SIGKILL] * 2
-    assert latest_round(interrupted) == 3
-
-    cli = resume_in_a_process(interrupted)
+    with replicas_on_the_simulated_accelerator():
+        assert run_replicas(interrupted, tmp_path / "logs", 2, kill) == [-signal.SIGKILL] * 2
+        assert latest_round(interrupted) == 3
+        cli = resume_in_a_process(interrupted)
     assert cli.returncode == 0, cli.stdout + cli.stderr + logs_of(tmp_path / "logs")
     assert "resuming run interrupted" in cli.stdout
+    assert ran_on_the_simulated_accelerator(tmp_path / "logs")
+    assert ran_on_the_simulated_accelerator(interrupted.local_dir("logs"))
 
     assert logs_of(interrupted.local_dir("logs")).count("resumed from round 3 (own state of round 3)") == 2
     assert latest_round(interrupted) == 5

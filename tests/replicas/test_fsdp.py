@@ -6,6 +6,7 @@ Run through the real launcher and worker: each replica is a process that starts 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from composer_serverless.launcher import launch
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 from composer_serverless.runs import export
+from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 
 
 def _config(store: Path, run_id: str, model_dir: Path, ranks: int, **model: Any) -> Any:
@@ -98,11 +100,78 @@ def test_two_ranks_per_replica_end_where_one_rank_does(
 
 @pytest.mark.slow
 def test_bf16_over_float32_masters_on_two_ranks(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """bf16 compute over float32 masters, sharded: replicas stay bit-identical and the held-out loss falls."""
-    summary = launch(
-        _config(tmp_path, "bf16", tiny_model_dir, 2, dtype="bfloat16"), "fsdp", Console(file=io.StringIO())
-    )
+    """bf16 compute over float32 masters, sharded, on the accelerator's path (each rank on a device, FSDP2
+    casting each gathered layer): replicas stay bit-identical and the held-out loss falls."""
+    with replicas_on_the_simulated_accelerator():
+        summary = launch(
+            _config(tmp_path, "bf16", tiny_model_dir, 2, dtype="bfloat16"),
+            "fsdp",
+            Console(file=io.StringIO()),
+        )
+    assert ran_on_the_simulated_accelerator(tmp_path / "bf16" / "logs")
     assert summary["rounds_committed"] == 3 and summary["replicas_bit_identical"], summary
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     final = load_file(tmp_path / "bf16" / "final" / "model.safetensors")
     assert {t.dtype for t in final.values()} == {torch.float32}  # the masters are what is exported
+
+
+def _bf16_weights_alive_after_forward(local_rank: int, rendezvous: str, with_policy: bool, out: str) -> None:
+    """One of 2 gloo ranks: shard a tiny Llama as the replica does (bf16 over float32 masters), run a
+    forward in the replica's compute context, and count the decoder layers' weights of which a whole
+    (unsharded) bf16 copy is still in memory when the forward ends, before the backward. Autocast, as the
+    replica computed before FSDP2's mixed-precision policy, when ``with_policy`` is false."""
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from composer_serverless.config import ModelConfig
+    from composer_serverless.replicas import precision
+    from composer_serverless.replicas.shards import decoder_layers, shard_model
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=local_rank, world_size=2)
+    torch.manual_seed(0)
+    # A vocabulary unlike any layer weight's shape: the root's embedding and head stay gathered after the
+    # forward by FSDP's design (the backward needs them first) and are not what is counted here.
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = LlamaForCausalLM(config).train()
+    shapes = {tuple(p.shape) for layer in decoder_layers(model) for p in layer.parameters() if p.dim() == 2}
+    weights = sum(p.dim() == 2 for layer in decoder_layers(model) for p in layer.parameters())
+    spec = ModelConfig(tiny={}, dtype="bfloat16")
+    shard_model(model, 2, torch.device("cpu"), precision.compute_dtype(spec) if with_policy else None)
+    saved: list[torch.UntypedStorage] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
+            saved.append(t.untyped_storage())
+        return t
+
+    ids = torch.randint(0, 96, (2, 8))
+    with precision.compute(spec, torch.device("cpu"), sharded=with_policy):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        # FSDP frees a gathered layer by emptying its storage; a cast autocast made keeps its own.
+        alive = len({s.data_ptr() for s in saved if s.nbytes() > 0})
+    loss.backward()
+    if local_rank == 0:
+        Path(out).write_text(json.dumps({"alive": alive, "weights": weights}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("with_policy", [False, True], ids=["autocast", "fsdp-policy"])
+def test_no_whole_bf16_weight_is_alive_after_a_sharded_forward(tmp_path: Path, with_policy: bool) -> None:
+    """With 2 FSDP ranks over gloo and bf16 over float32 masters: FSDP2's mixed-precision policy leaves no
+    whole bf16 copy of a layer's weight after the forward, where autocast's weight cache kept one of every
+    weight (the count below is of distinct storages, so the autocast case shows the check can fail)."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "count.json"
+    mp.start_processes(
+        _bf16_weights_alive_after_forward,
+        args=(str(tmp_path / "rendezvous"), with_policy, str(out)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    counted = json.loads(out.read_text())
+    assert counted["alive"] == (0 if with_policy else counted["weights"]), counted

@@ -12,10 +12,12 @@ from rich.console import Console
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import LoraConfig, ModelConfig, validate_config
 from composer_serverless.models import load_model
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.runs import export
+from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 
 
 def test_at_rank_8_a_100m_model_exchanges_at_least_50_times_fewer_values() -> None:
@@ -57,8 +59,11 @@ def lora_run(tmp_path_factory, tiny_model_dir):
     )
     from composer_serverless.launcher import launch
 
-    summary = launch(config, "lora", Console(file=io.StringIO()))
-    return ObjectStore(str(store)).child("lora"), config, summary
+    with replicas_on_the_simulated_accelerator():  # LoRA's CUDA path: adapters on the device, base frozen
+        summary = launch(config, "lora", Console(file=io.StringIO()))
+    run = ObjectStore(str(store)).child("lora")
+    assert ran_on_the_simulated_accelerator(run.local_dir("logs"))
+    return run, config, summary
 
 
 @pytest.mark.slow
@@ -90,7 +95,8 @@ def test_export_merges_the_adapters_into_a_plain_model_with_the_same_logits(
 
     run, config, _ = lora_run
     out = tmp_path / "merged"
-    export(run.url, out)
+    with simulated():  # on a machine with a GPU
+        export(run.url, out)
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in name for name, _ in merged.named_parameters())
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4

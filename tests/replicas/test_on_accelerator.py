@@ -1,0 +1,131 @@
+"""Runs on the accelerator's path: the same run launched on the CPU and on the simulated accelerator
+(``accelerator/simulated.py``) ends bit for bit alike.
+
+The simulation changes where tensors live, not what kernels compute, so any difference is a device bug: a
+mixed-device operand (round 1's crash on an H100), a host buffer read while a copy into it is in flight, an
+operation that moves data where the CPU path does not. LoRA, FSDP ranks, kill and resume, and export run on
+the simulated accelerator in their own test modules; the Modal and HF Jobs fakes run every GPU replica there.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+
+from composer_serverless.config import validate_config
+from composer_serverless.launcher import launch
+from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.telemetry import read_metrics
+from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
+
+TASKS = Path(__file__).resolve().parents[2] / "deploy" / "data" / "composer-tasks"
+
+pytestmark = pytest.mark.slow
+
+
+def _both(tmp_path: Path, raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Launch ``raw`` on the CPU and on the simulated accelerator: per place, its summary, final tensors and
+    per-round global digests."""
+    out = {}
+    for place in ("cpu", "accelerator"):
+        config = validate_config({**raw, "run_id": place, "store": str(tmp_path)})
+        if place == "cpu":
+            summary = launch(config, place, Console(file=io.StringIO()))
+        else:
+            with replicas_on_the_simulated_accelerator():
+                summary = launch(config, place, Console(file=io.StringIO()))
+        run = ObjectStore(str(tmp_path / place))
+        assert summary["rounds_committed"] == raw["diloco"]["rounds"] and summary["replicas_bit_identical"]
+        digests = {
+            row["round"]: row["global_sha256"]
+            for row in read_metrics(run)[0]
+            if "global_sha256" in row and "caught_up_from" not in row
+        }
+        out[place] = {
+            "summary": summary,
+            "final": load_file(tmp_path / place / "final" / "model.safetensors"),
+            "digests": digests,
+            "logs": tmp_path / place / "logs",
+        }
+    assert ran_on_the_simulated_accelerator(out["accelerator"]["logs"])
+    assert not ran_on_the_simulated_accelerator(out["cpu"]["logs"])
+    return out
+
+
+def _alike(runs: dict[str, dict[str, Any]]) -> None:
+    cpu, accelerator = runs["cpu"], runs["accelerator"]
+    assert cpu["digests"] and cpu["digests"] == accelerator["digests"]
+    assert cpu["final"].keys() == accelerator["final"].keys()
+    assert all(torch.equal(cpu["final"][k], accelerator["final"][k]) for k in cpu["final"])
+    assert cpu["summary"]["final_eval_loss"] == accelerator["summary"]["final_eval_loss"]
+
+
+def test_lm_with_fragments_overlap_and_checkpoints_ends_where_the_cpu_run_does(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    runs = _both(
+        tmp_path,
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"seq_len": 16, "batch_size": 2},
+            "train": {"lr": 1e-2, "warmup_steps": 2, "schedule": "cosine"},
+            "diloco": {
+                "replicas": 2,
+                "sync_every": 4,
+                "rounds": 3,
+                "fragments": 2,
+                "fragment_sync_delay": 1,
+                "fragment_update_alpha": 0.5,
+                "checkpoint_every": 1,
+            },
+            "eval": {"sequences": 4},
+            "executor": {"threads_per_replica": 1},
+        },
+    )
+    _alike(runs)
+
+
+def test_composer_in_bf16_over_float32_masters_ends_where_the_cpu_run_does(tmp_path: Path) -> None:
+    """All three channels (rollouts sampled on the device, rewards on the host, SDPO hints, DPO pairs), bf16
+    compute over float32 masters."""
+    runs = _both(
+        tmp_path,
+        {
+            "model": {
+                "dtype": "bfloat16",
+                "tiny": {
+                    "tokenizer": "chars",
+                    "alphabet": " -.0123456789:=ATabcdefghilmnoprstvwx",
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_layers": 2,
+                    "num_heads": 4,
+                },
+            },
+            "train": {"objective": "composer", "lr": 1e-3},
+            "diloco": {"replicas": 2, "sync_every": 2, "rounds": 2},
+            "eval": {"sequences": 7},
+            "composer": {
+                "alpha": 1.0,
+                "beta": 1.0,
+                "data": {
+                    "prompts": str(TASKS / "train.jsonl"),
+                    "heldout": str(TASKS / "heldout.jsonl"),
+                    "pairs": str(TASKS / "pairs.jsonl"),
+                },
+                "rewards": [{"fn": "exact_match"}, {"fn": "format", "pattern": ".*[0-9].*", "weight": 0.5}],
+                "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 4},
+                "replay": {"pairs_per_step": 2},
+            },
+            "executor": {"threads_per_replica": 1},
+        },
+    )
+    _alike(runs)
+    final = runs["accelerator"]["final"]
+    assert {t.dtype for t in final.values()} == {torch.float32}  # the masters are what is exported
