@@ -18,8 +18,9 @@ from composer_serverless.config.hardware import HF_FLAVOR_PRICES, MODAL_GPU_PRIC
 ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MODAL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,63}$")
 HF_NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-# A stock PyTorch CUDA runtime image: the replicas then pip-install the package (executor.package) at start.
-DEFAULT_HF_JOBS_IMAGE = "pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime"
+# A stock Python image: the replicas pip-install the tested torch build (``executors/runtime.py``, which brings
+# its own CUDA libraries; the host gives the driver) and the package (executor.package) at start.
+DEFAULT_HF_JOBS_IMAGE = "python:3.11-slim"
 
 
 class LocalExecutorConfig(StrictModel):
@@ -145,8 +146,9 @@ class HFJobsExecutorConfig(_CloudExecutorConfig):
     image: str = Field(
         DEFAULT_HF_JOBS_IMAGE,
         min_length=1,
-        description="public Docker image the replicas run in (a stock PyTorch image, or one built from "
-        "deploy/hf_jobs/Dockerfile that already contains composer-serverless)",
+        description="public Docker image the replicas run in: the stock Python image (the tested torch build "
+        "and executor.package are installed at start), or one built from deploy/hf_jobs/Dockerfile that "
+        "already contains both",
     )
     package: str | None = Field(
         None,

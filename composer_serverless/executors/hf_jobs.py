@@ -39,9 +39,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from composer_serverless.accelerator import ACCELERATOR_ENV
 from composer_serverless.config import DEFAULT_HF_JOBS_IMAGE, RunConfig
 from composer_serverless.config.hardware import HF_FLAVOR_PRICES
-from composer_serverless.executors import retrying
+from composer_serverless.executors import retrying, runtime
 from composer_serverless.executors.base import (
     BackendError,
     Journal,
@@ -62,6 +63,7 @@ from composer_serverless.executors.environment import (
 )
 from composer_serverless.executors.hf_errors import classify, is_gone, nothing_done
 from composer_serverless.executors.pricing import estimate_cost
+from composer_serverless.executors.runtime import torch_build
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -112,9 +114,13 @@ class HFJobsExecutor:
         replicas = config.diloco.replicas
         check_cloud_plan(config, "HF Jobs", at_once=f"{replicas} {ex.flavor} jobs")
         env = cloud_env()
+        if ex.gpus:  # a GPU flavor: its replicas must find the GPUs (a cpu-* flavor trains on the CPU)
+            env[ACCELERATOR_ENV] = "cuda"
         secrets = present_secrets(config, always=(HUB_TOKEN,))
+        stock = ex.image == DEFAULT_HF_JOBS_IMAGE
         specs = tuple(
-            ReplicaSpec(rank, _command(run_url, rank, ex.package), env, secrets) for rank in range(replicas)
+            ReplicaSpec(rank, _command(run_url, rank, ex.package, install_torch=stock), env, secrets)
+            for rank in range(replicas)
         )
         price = ex.price_per_hour or HF_FLAVOR_PRICES[ex.flavor]
         basis = "executor.price_per_hour" if ex.price_per_hour else f"HF Jobs list price of {ex.flavor}"
@@ -128,6 +134,9 @@ class HFJobsExecutor:
             ),
             resources={
                 "image": ex.image,
+                # The stock image gets the tested torch build installed at start; an image of your own
+                # runs the torch it holds.
+                "torch": torch_build() if stock else f"as installed in {ex.image}",
                 "package": ex.package,
                 "flavor": ex.flavor,
                 "timeout_s": ex.timeout_s,
@@ -357,12 +366,16 @@ class _MaybeCreated(Exception):
     """A job creation failed in a way that does not show whether the job was created (its message: why)."""
 
 
-def _command(run_url: str, rank: int, package: str | None) -> tuple[str, ...]:
+def _command(run_url: str, rank: int, package: str | None, *, install_torch: bool) -> tuple[str, ...]:
+    """The job's command: the worker, after installing the tested torch build (on the stock image) and the
+    package (when ``executor.package`` names one)."""
     worker = worker_argv(run_url, rank)
-    if package is None:
+    steps = [runtime.install_torch()] if install_torch else []
+    if package is not None:
+        steps.append(f"pip install --quiet --no-cache-dir {shlex.quote(package)}")
+    if not steps:
         return worker
-    install = f"pip install --quiet --no-cache-dir {shlex.quote(package)}"
-    return ("bash", "-c", f"{install} && exec {shlex.join(worker)}")
+    return ("bash", "-c", " && ".join([*steps, f"exec {shlex.join(worker)}"]))
 
 
 def _labels(handle: ReplicaHandle) -> dict[str, str]:

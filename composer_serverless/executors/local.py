@@ -30,6 +30,7 @@ from pathlib import Path
 
 import psutil
 
+from composer_serverless.accelerator import ACCELERATOR_ENV
 from composer_serverless.config import ConfigError, RunConfig
 from composer_serverless.executors.base import (
     WORKER_MODULE,
@@ -83,7 +84,10 @@ class LocalProcessExecutor:
             ReplicaSpec(
                 rank,
                 worker_argv(run_url, rank, sys.executable),
-                env if devices is None else {**env, "CUDA_VISIBLE_DEVICES": devices[rank]},
+                # Pinned to GPUs of its own, which it must then find (else it stops and says why)
+                env
+                if devices is None
+                else {**env, "CUDA_VISIBLE_DEVICES": devices[rank], ACCELERATOR_ENV: "cuda"},
             )
             for rank in range(replicas)
         )

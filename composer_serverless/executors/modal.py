@@ -35,6 +35,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+from composer_serverless.accelerator import ACCELERATOR_ENV
 from composer_serverless.config import RunConfig
 from composer_serverless.config.hardware import MODAL_GPU_PRICES
 from composer_serverless.executors import retrying
@@ -64,6 +65,7 @@ from composer_serverless.executors.modal_image import (
     RETRY_DELAY_S,
 )
 from composer_serverless.executors.pricing import estimate_cost
+from composer_serverless.executors.runtime import torch_build
 
 T = TypeVar("T")
 # Log entries asked for per line wanted, when only the end of a log is read (an entry is a chunk of output,
@@ -85,7 +87,7 @@ class ModalExecutor:
         ex = config.executor
         replicas = config.diloco.replicas
         check_cloud_plan(config, "Modal", at_once=f"{replicas * ex.gpu_count} {ex.gpu} GPUs")
-        env = cloud_env()
+        env = {**cloud_env(), ACCELERATOR_ENV: "cuda"}  # every Modal replica is given GPUs
         secrets = present_secrets(config)
         specs = tuple(ReplicaSpec(rank, worker_argv(run_url, rank), env, secrets) for rank in range(replicas))
         gpu_price = ex.price_per_gpu_hour or MODAL_GPU_PRICES[ex.gpu]
@@ -111,7 +113,11 @@ class ModalExecutor:
                 "retry_delay_s": RETRY_DELAY_S,
                 "max_containers": None,
                 "single_use_containers": True,
-                "image": {"python": PYTHON_VERSION, "requirements": list(IMAGE_REQUIREMENTS)},
+                "image": {
+                    "python": PYTHON_VERSION,
+                    **torch_build(),
+                    "requirements": list(IMAGE_REQUIREMENTS),
+                },
                 "modal_secrets": list(ex.modal_secrets),
                 "detached": True,
                 "app_per_replica": True,

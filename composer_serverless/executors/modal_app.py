@@ -18,9 +18,11 @@ from composer_serverless.executors.modal_image import (
     PYTHON_VERSION,
     RETRY_DELAY_S,
 )
+from composer_serverless.executors.runtime import TORCH_INDEX_URL, TORCH_REQUIREMENT
 
 image = (
     modal.Image.debian_slim(python_version=PYTHON_VERSION)
+    .pip_install(TORCH_REQUIREMENT, index_url=TORCH_INDEX_URL)  # the tested build, for the driver floor
     .pip_install(*IMAGE_REQUIREMENTS)
     .env({"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
 )

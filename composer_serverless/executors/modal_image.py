@@ -1,4 +1,4 @@
-"""What a Modal replica container is built from: the app's name, Python, the pip requirements, retries.
+"""What a Modal replica container is built from: the app's name, Python, torch, the pip requirements, retries.
 
 Shared by the executor (which puts them in the plan, without the modal SDK) and the Modal app (which builds
 the image from them in every container), so neither imports the other for them.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 APP_NAME = "composer-serverless"
 PYTHON_VERSION = "3.11"
-# The project's runtime dependencies plus its s3 and hf extras, torch pinned to the version it is tested on.
+# The project's runtime dependencies plus its s3 and hf extras. torch is installed before them, from PyTorch's
+# index, as the build ``runtime.py`` names; pip then keeps it.
 IMAGE_REQUIREMENTS = (
-    "torch==2.13.0",
     "transformers>=5.0,<6",
     "tokenizers>=0.21",
     "torchft==0.2.0",

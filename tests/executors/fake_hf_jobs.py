@@ -12,6 +12,7 @@ the most jobs of one (run, rank) that were ever live (SCHEDULING or RUNNING) at 
 
 A job runs in a minimal "image" environment plus the job's ``environment`` and ``secrets`` and nothing of the
 test process's environment, so a credential the executor forgot to pass is really missing in the replica.
+A job of a GPU flavor runs on the simulated accelerator (``accelerator/simulated.py``): its machine has GPUs.
 Every request is recorded, and so is every job spec, so tests can assert what the executor sent.
 """
 
@@ -30,6 +31,8 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
+
+from composer_serverless.accelerator import SIMULATED_ENV
 
 TERMINAL = ("COMPLETED", "CANCELED", "ERROR", "DELETED")
 
@@ -190,7 +193,10 @@ class FakeHFJobs:
         if job.cancelled:
             return
         env = {**self.image_env, **job.spec.get("environment", {}), **job.spec.get("secrets", {})}
-        env.update(JOB_ID=job.id, ACCELERATOR=job.spec.get("flavor", "none"))
+        flavor = job.spec.get("flavor", "none")
+        env.update(JOB_ID=job.id, ACCELERATOR=flavor)
+        if not flavor.startswith("cpu-"):  # a GPU flavor's machine has its GPUs: here, the simulated one
+            env[SIMULATED_ENV] = "1"
         job.events.append({"data": f"===== Job started at {_now_z()} =====", "timestamp": _now_z()})
         try:
             job.proc = subprocess.Popen(

@@ -25,7 +25,9 @@ Every stand-in binds its arguments to the installed SDK's signature before it ac
 here too; ``used`` names the entry points the executor reached.
 
 Each spawned replica runs as a local process with a minimal "image" environment plus the options' env and
-the secrets' values, and nothing else, so a secret the executor forgot to request is really missing.
+the secrets' values, and nothing else, so a secret the executor forgot to request is really missing. A
+container has the GPU it was given: the process runs on the simulated accelerator
+(``accelerator/simulated.py``), so replicas take their CUDA path.
 ``interrupt_at`` sends this process a real SIGINT at points of the spawn sequence; ``fail`` makes a named
 SDK call raise a Modal API error.
 """
@@ -50,6 +52,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from composer_serverless.accelerator import SIMULATED_ENV
 from composer_serverless.executors.base import worker_argv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -264,6 +267,8 @@ class FakeModal:
                     "HOME": str(fake.logs_dir),
                     "OMP_NUM_THREADS": "1",
                     "AWS_EC2_METADATA_DISABLED": "true",
+                    # A Modal container has the GPU it was given: here, the simulated one.
+                    SIMULATED_ENV: "1",
                     **self.options.get("env", {}),
                 }
                 for secret in self.options.get("secrets", []):

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from composer_serverless.accelerator import ACCELERATOR_ENV
+from composer_serverless.executors.runtime import TORCH_VERSION
 from tests.executors.conftest import REPO
 
 EXECUTORS = {
@@ -64,5 +66,9 @@ def test_dry_run_prints_plan_and_cost_without_network(executor, tmp_path):
     price = {"modal": 3.95, "hf_jobs": 2.50}[executor]
     assert plan["cost"]["max_usd"] == round(4 * 3 * 6 * price, 2)
     assert plan["cost"]["expected_usd"] == round(4 * (300 + 36 * 10 * 0.05) / 3600 * price, 2)
+    # The torch build the replicas will run, for which driver; and that they must find their GPUs.
+    build = plan["resources"]["image"] if executor == "modal" else plan["resources"]["torch"]
+    assert build["torch"] == f"{TORCH_VERSION}+cu128" and build["nvidia_driver"] == ">= 570.26"
+    assert all(r["env"][ACCELERATOR_ENV] == "cuda" for r in plan["replicas"])
     assert "launch would stop here until these are fixed" in result.stderr  # no credentials in this shell
     assert "AWS_SECRET_ACCESS_KEY is not set" in result.stderr
