@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-composer test lint install clean
+.PHONY: demo demo-composer test lint install clean gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(STAMP)
 
 demo-composer: $(STAMP)
 	$(VENV)/bin/composer-serverless launch deploy/configs/local-composer.toml
+
+# The GPU lines end to end (benchmarks/gpu_check.py): on a CUDA machine at the Qwen2.5 shapes; elsewhere at a
+# tiny shape on the simulated accelerator. Writes docs/results/gpu/<device>.json and .md.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 # Style, formatting and the import layering, each held by a tool (contracts: pyproject.toml).
 lint: $(STAMP)

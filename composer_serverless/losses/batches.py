@@ -19,28 +19,58 @@ def require(condition: bool | torch.Tensor, message: str) -> None:
         raise ValueError(message)
 
 
-def _check_ids(name: str, ids: torch.Tensor) -> None:
-    require(ids.dim() == 2, f"{name} must be 2-D (rows, tokens), got shape {tuple(ids.shape)}")
-    require(
+class Checks:
+    """Conditions a batch must meet, those on tensors verified together: each ``bool()`` of a device tensor
+    makes the host wait for the device, and a batch has about twenty of them. Conditions that are plain
+    bools (shapes, dtypes) are checked at once, so no tensor condition is computed on inputs of the wrong
+    shape."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.Tensor, str]] = []
+
+    def require(self, condition: bool | torch.Tensor, message: str) -> None:
+        if isinstance(condition, torch.Tensor):
+            self._pending.append((condition.reshape(()), message))
+        elif not condition:
+            raise ValueError(message)
+
+    def verify(self) -> None:
+        """Raise ``ValueError`` with the first unmet condition's message (one host synchronisation)."""
+        if not self._pending:
+            return
+        conditions, messages = zip(*self._pending, strict=True)
+        self._pending = []
+        for met, message in zip(torch.stack(conditions).tolist(), messages, strict=True):
+            if not met:
+                raise ValueError(message)
+
+
+def _check_ids(checks: Checks, name: str, ids: torch.Tensor) -> None:
+    checks.require(ids.dim() == 2, f"{name} must be 2-D (rows, tokens), got shape {tuple(ids.shape)}")
+    checks.require(
         not ids.dtype.is_floating_point and ids.dtype != torch.bool, f"{name} must hold integer token ids"
     )
 
 
-def _check_mask(name: str, mask: torch.Tensor, like: torch.Tensor) -> None:
-    require(mask.shape == like.shape, f"{name} shape {tuple(mask.shape)} != ids shape {tuple(like.shape)}")
-    require(((mask == 0) | (mask == 1)).all(), f"{name} must hold only 0 and 1")
+def _check_mask(checks: Checks, name: str, mask: torch.Tensor, like: torch.Tensor) -> None:
+    checks.require(
+        mask.shape == like.shape, f"{name} shape {tuple(mask.shape)} != ids shape {tuple(like.shape)}"
+    )
+    checks.require(((mask == 0) | (mask == 1)).all(), f"{name} must hold only 0 and 1")
 
 
-def _check_left_padded(name: str, mask: torch.Tensor) -> None:
-    require(not (mask[:, 1:] < mask[:, :-1]).any(), f"{name} must be left-padded (zeros, then ones)")
-    require(mask.size(1) > 0 and mask[:, -1].all(), f"{name}: every row needs at least one prompt token")
+def _check_left_padded(checks: Checks, name: str, mask: torch.Tensor) -> None:
+    checks.require(~(mask[:, 1:] < mask[:, :-1]).any(), f"{name} must be left-padded (zeros, then ones)")
+    checks.require(mask.size(1) > 0, f"{name}: every row needs at least one prompt token")
+    checks.require(mask[:, -1].bool().all(), f"{name}: every row needs at least one prompt token")
 
 
-def _check_right_padded(name: str, mask: torch.Tensor) -> None:
-    require(not (mask[:, 1:] > mask[:, :-1]).any(), f"{name} must be right-padded (ones, then zeros)")
+def _check_right_padded(checks: Checks, name: str, mask: torch.Tensor) -> None:
+    checks.require(~(mask[:, 1:] > mask[:, :-1]).any(), f"{name} must be right-padded (ones, then zeros)")
 
 
 def _check_prompt_completion(
+    checks: Checks,
     prefix: str,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -48,13 +78,13 @@ def _check_prompt_completion(
     mask: torch.Tensor,
     what: str,
 ) -> None:
-    _check_ids(f"{prefix}.prompt_ids", prompt_ids)
-    _check_mask(f"{prefix}.prompt_mask", prompt_mask, prompt_ids)
-    _check_left_padded(f"{prefix}.prompt_mask", prompt_mask)
-    _check_ids(f"{prefix}.{what}_ids", ids)
-    _check_mask(f"{prefix}.{what}_mask", mask, ids)
-    _check_right_padded(f"{prefix}.{what}_mask", mask)
-    require(
+    _check_ids(checks, f"{prefix}.prompt_ids", prompt_ids)
+    _check_mask(checks, f"{prefix}.prompt_mask", prompt_mask, prompt_ids)
+    _check_left_padded(checks, f"{prefix}.prompt_mask", prompt_mask)
+    _check_ids(checks, f"{prefix}.{what}_ids", ids)
+    _check_mask(checks, f"{prefix}.{what}_mask", mask, ids)
+    _check_right_padded(checks, f"{prefix}.{what}_mask", mask)
+    checks.require(
         ids.size(0) == prompt_ids.size(0),
         f"{prefix}: {ids.size(0)} {what} rows for {prompt_ids.size(0)} prompts",
     )
@@ -92,7 +122,9 @@ class RLBatch:
     num_items: int | torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        checks = Checks()
         _check_prompt_completion(
+            checks,
             "RLBatch",
             self.prompt_ids,
             self.prompt_mask,
@@ -101,22 +133,23 @@ class RLBatch:
             "completion",
         )
         rows, width = self.completion_ids.shape
-        require(
+        checks.require(
             self.advantages.shape in ((rows,), (rows, width)) and self.advantages.dtype.is_floating_point,
             f"RLBatch.advantages must be float (B,) or (B, C), got {tuple(self.advantages.shape)}",
         )
         if self.loss_mask is not None:
-            _check_mask("RLBatch.loss_mask", self.loss_mask, self.completion_ids)
-            require(
-                not (self.loss_mask.bool() & ~self.completion_mask.bool()).any(),
+            _check_mask(checks, "RLBatch.loss_mask", self.loss_mask, self.completion_ids)
+            checks.require(
+                ~(self.loss_mask.bool() & ~self.completion_mask.bool()).any(),
                 "RLBatch.loss_mask must be a subset of completion_mask",
             )
         for name in ("old_logps", "ref_logps"):
             value = getattr(self, name)
-            require(
+            checks.require(
                 value is None or (value.shape == (rows, width) and value.dtype.is_floating_point),
                 f"RLBatch.{name} must be float (B, C) = {(rows, width)}",
             )
+        checks.verify()
 
     def scored_mask(self) -> torch.Tensor:
         """(B, C) bool, the tokens of the GRPO loss."""
@@ -150,14 +183,16 @@ class HintBatch:
     num_items: int | torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        _check_ids("HintBatch.teacher_ids", self.teacher_ids)
-        _check_mask("HintBatch.teacher_mask", self.teacher_mask, self.teacher_ids)
-        _check_ids("HintBatch.teacher_positions", self.teacher_positions)
-        _check_mask("HintBatch.distill_mask", self.distill_mask, self.teacher_positions)
-        require(
+        checks = Checks()
+        _check_ids(checks, "HintBatch.teacher_ids", self.teacher_ids)
+        _check_mask(checks, "HintBatch.teacher_mask", self.teacher_mask, self.teacher_ids)
+        _check_ids(checks, "HintBatch.teacher_positions", self.teacher_positions)
+        _check_mask(checks, "HintBatch.distill_mask", self.distill_mask, self.teacher_positions)
+        checks.require(
             self.teacher_positions.size(0) == self.teacher_ids.size(0),
             f"HintBatch: {self.teacher_positions.size(0)} position rows for {self.teacher_ids.size(0)} sequences",
         )
+        checks.verify()
 
     @classmethod
     def from_hinted_prompts(
@@ -177,9 +212,11 @@ class HintBatch:
             distill_mask: (B, C) 0/1 or None for `rl.completion_mask` (distil every completion token).
             num_items: see the class attributes.
         """
-        _check_ids("hinted_prompt_ids", hinted_prompt_ids)
-        _check_mask("hinted_prompt_mask", hinted_prompt_mask, hinted_prompt_ids)
-        _check_left_padded("hinted_prompt_mask", hinted_prompt_mask)
+        checks = Checks()
+        _check_ids(checks, "hinted_prompt_ids", hinted_prompt_ids)
+        _check_mask(checks, "hinted_prompt_mask", hinted_prompt_mask, hinted_prompt_ids)
+        _check_left_padded(checks, "hinted_prompt_mask", hinted_prompt_mask)
+        checks.verify()
         rows, width = rl.completion_ids.shape
         offset = hinted_prompt_ids.size(1)
         positions = torch.arange(offset, offset + width, device=rl.completion_ids.device).expand(rows, width)
@@ -221,10 +258,18 @@ class ReplayBatch:
     ref_rejected_logps: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        checks = Checks()
         _check_prompt_completion(
-            "ReplayBatch", self.prompt_ids, self.prompt_mask, self.chosen_ids, self.chosen_mask, "chosen"
+            checks,
+            "ReplayBatch",
+            self.prompt_ids,
+            self.prompt_mask,
+            self.chosen_ids,
+            self.chosen_mask,
+            "chosen",
         )
         _check_prompt_completion(
+            checks,
             "ReplayBatch",
             self.prompt_ids,
             self.prompt_mask,
@@ -233,13 +278,14 @@ class ReplayBatch:
             "rejected",
         )
         pairs = self.prompt_ids.size(0)
-        require(
+        checks.require(
             (self.ref_chosen_logps is None) == (self.ref_rejected_logps is None),
             "ReplayBatch: give both reference tensors or neither",
         )
         for name in ("ref_chosen_logps", "ref_rejected_logps"):
             value = getattr(self, name)
-            require(value is None or value.shape == (pairs,), f"ReplayBatch.{name} must be ({pairs},)")
+            checks.require(value is None or value.shape == (pairs,), f"ReplayBatch.{name} must be ({pairs},)")
+        checks.verify()
 
 
 @dataclass(frozen=True)

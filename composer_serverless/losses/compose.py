@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer_serverless.losses.batches import HintBatch, LossBatch, ReplayBatch, RLBatch, require
+from composer_serverless.losses.batches import Checks, HintBatch, LossBatch, ReplayBatch, RLBatch, require
 from composer_serverless.losses.grpo import GRPOSettings, grpo_loss
 from composer_serverless.losses.logprobs import (
     LMHead,
@@ -87,27 +87,33 @@ def _require_no_dropout(model: nn.Module) -> None:
 
 
 def _check_alignment(rl: RLBatch, hint: HintBatch) -> None:
-    require(
+    """Every distilled completion token is where ``teacher_positions`` says in the teacher's sequence. Read
+    at every position, clamped into range, so no check indexes out of bounds before the range is verified
+    (together with the others, in one wait for the device)."""
+    checks = Checks()
+    checks.require(
         hint.teacher_positions.shape == rl.completion_ids.shape,
         f"HintBatch.teacher_positions {tuple(hint.teacher_positions.shape)} != completion_ids "
         f"{tuple(rl.completion_ids.shape)}",
     )
     distill = hint.distill_mask.bool()
-    require(
-        not (distill & ~rl.completion_mask.bool()).any(),
+    checks.require(
+        ~(distill & ~rl.completion_mask.bool()).any(),
         "HintBatch.distill_mask must be within completion_mask",
     )
-    rows, cols = distill.nonzero(as_tuple=True)
-    positions = hint.teacher_positions[rows, cols]
-    require(
-        ((positions >= 1) & (positions < hint.teacher_ids.size(1))).all(),
+    width = hint.teacher_ids.size(1)
+    positions = hint.teacher_positions
+    checks.require(
+        (~distill | ((positions >= 1) & (positions < width))).all(),
         "HintBatch.teacher_positions must lie in [1, T) where distill_mask is 1",
     )
-    require(
-        (hint.teacher_ids[rows, positions] == rl.completion_ids[rows, cols]).all()
-        and hint.teacher_mask[rows, positions].bool().all(),
+    at = positions.clamp(0, max(width - 1, 0))
+    checks.require(
+        (~distill | (hint.teacher_ids.gather(1, at) == rl.completion_ids)).all()
+        & (~distill | hint.teacher_mask.gather(1, at).bool()).all(),
         "HintBatch.teacher_positions do not point at the completion tokens in teacher_ids",
     )
+    checks.verify()
 
 
 def _teacher_hidden(model: nn.Module, hint: HintBatch) -> torch.Tensor:

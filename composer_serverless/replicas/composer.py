@@ -257,7 +257,7 @@ class ComposerObjective:
             )
         return dataclasses.replace(rl, ref_logps=ref)
 
-    def loss(self, model: nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         rolled = rollout(model, self._tokenizer, self._draw, self._rewards, self._hints, self._rollout)
         if self._record:
             for record, text, reward in zip(
@@ -272,7 +272,7 @@ class ComposerObjective:
         replay = None if self._pairs is None else self._pairs.next(next(model.parameters()).device)
         batch = LossBatch(rl=self._with_reference(rolled.rl), hint=rolled.hint, replay=replay)
         loss, metrics = three_channel_loss(model, batch, self._settings)
-        return loss, {**{k: float(v) for k, v in metrics.items()}, **rolled.metrics}
+        return loss, {**metrics, **rolled.metrics}
 
     def evaluate_part(self, model: nn.Module, part: int, parts: int) -> EvalPart:
         """Reward of greedy completions of a share of the held-out prompts, overall (`eval/reward`) and per

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer_serverless.accelerator.clock import PhaseClock
 from composer_serverless.losses.batches import HintBatch, RLBatch
 from composer_serverless.losses.grpo import ScaleRewards, dynamic_sampling_keep, group_advantages
 from composer_serverless.replicas.hints import HintBuilder
@@ -161,8 +162,13 @@ def generate(
     completion_ids = out[:, prompt_ids.size(1) :]
     mask = completion_mask(completion_ids, eos)
     is_eos = torch.isin(completion_ids, torch.tensor(eos, device=device)) & mask.bool()
+    # The tokens to decode, read to the host in one transfer (a row at a time would wait once per row).
+    ids, keep = torch.stack([completion_ids, (mask.bool() & ~is_eos).to(completion_ids.dtype)]).tolist()
     texts = tokenizer.batch_decode(
-        [row[keep].tolist() for row, keep in zip(completion_ids, mask.bool() & ~is_eos, strict=True)],
+        [
+            [t for t, kept in zip(row, flags, strict=True) if kept]
+            for row, flags in zip(ids, keep, strict=True)
+        ],
         skip_special_tokens=True,
     )
     return Samples(prompt_ids, prompt_mask, completion_ids, mask, texts, ~is_eos.any(dim=1))
@@ -212,7 +218,7 @@ class Rollout:
         scored: their rewards and feedback.
         rl: the GRPO batch.
         hint: the SDPO teacher batch, None when no row has a hint or hints are off.
-        metrics: floats under `rollout/`.
+        metrics: scalars under `rollout/` (floats, or 0-dim tensors where they are on the device).
     """
 
     records: list[PromptRecord]
@@ -220,7 +226,7 @@ class Rollout:
     scored: Scored
     rl: RLBatch
     hint: HintBatch | None
-    metrics: dict[str, float]
+    metrics: dict[str, float | torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,8 @@ class _Drawn:
     records: list[PromptRecord]
     samples: Samples
     scored: Scored
+    # Seconds the device spent generating them (0 for rows selected or stacked from draws).
+    generate_s: float = 0.0
 
     def select(self, rows: Sequence[int]) -> _Drawn:
         return _Drawn([self.records[i] for i in rows], self.samples.select(rows), _select(self.scored, rows))
@@ -267,6 +275,8 @@ def _draw(
     settings: RolloutSettings,
 ) -> _Drawn:
     records = draw(settings.prompts_per_step)
+    clock = PhaseClock(next(model.parameters()).device)
+    clock.start()
     samples = generate(
         model,
         tokenizer,
@@ -275,6 +285,7 @@ def _draw(
         temperature=settings.temperature,
         repeats=settings.group_size,
     )
+    clock.lap("generate")  # generate read its tokens back, so the device is done with them
     rows = [r for r in records for _ in range(settings.group_size)]
     scored = rewards.score(samples.texts, rows)
     if settings.overlong_buffer:
@@ -289,7 +300,7 @@ def _draw(
             {**scored.by_reward, "overlong": punishment},
             scored.feedback,
         )
-    return _Drawn(rows, samples, scored)
+    return _Drawn(rows, samples, scored, clock.read()["generate"])
 
 
 def _dynamic_sample(
@@ -340,13 +351,14 @@ def rollout(
             first, lambda: _draw(model, tokenizer, draw, rewards, settings), settings, tokenizer.pad_token_id
         )
     samples = batch.samples
-    totals = torch.tensor(batch.scored.totals, dtype=torch.float32, device=samples.prompt_ids.device)
+    # Rewards are host values: their advantages are computed (and checked) on the host, then moved.
+    totals = torch.tensor(batch.scored.totals, dtype=torch.float32)
     rl = RLBatch(
         prompt_ids=samples.prompt_ids,
         prompt_mask=samples.prompt_mask,
         completion_ids=samples.completion_ids,
         completion_mask=samples.completion_mask,
-        advantages=group_advantages(totals, g, settings.scale_rewards),
+        advantages=group_advantages(totals, g, settings.scale_rewards).to(samples.prompt_ids.device),
     )
     hint = None
     if hints is not None:
@@ -355,6 +367,9 @@ def rollout(
         )
         hint = _hint_batch(tokenizer, [settings.render(r.prompt) for r in batch.records], teacher, rl)
     metrics = _metrics(_concat_scored([d.scored for d in draws]), samples, hint, g)
+    # Throughput of everything generated this step: the tokens up to each EOS, and the device's time.
+    metrics["rollout/tokens"] = sum(d.samples.completion_mask.sum() for d in draws).float()
+    metrics["rollout/generate_s"] = sum(d.generate_s for d in draws)
     if settings.dynamic_sampling:
         metrics["rollout/draws"] = float(len(draws))
         metrics["rollout/groups"] = float(len(batch.records) // g)
@@ -366,9 +381,10 @@ def _hint_batch(
 ) -> HintBatch | None:
     """The teacher's sequences `[hinted prompt, completion]`; rows without a hint keep the student's prompt
     and are not distilled."""
-    hinted = torch.tensor([p is not None for p in teacher], device=rl.completion_ids.device)
-    if not hinted.any():
+    flags = [p is not None for p in teacher]
+    if not any(flags):
         return None
+    hinted = torch.tensor(flags, device=rl.completion_ids.device)
     prompts = [t if t is not None else s for t, s in zip(teacher, student, strict=True)]
     ids, mask = encode_prompts(tokenizer, prompts, rl.completion_ids.device)
     return HintBatch.from_hinted_prompts(
@@ -376,16 +392,18 @@ def _hint_batch(
     )
 
 
-def _metrics(sampled: Scored, batch: Samples, hint: HintBatch | None, g: int) -> dict[str, float]:
+def _metrics(
+    sampled: Scored, batch: Samples, hint: HintBatch | None, g: int
+) -> dict[str, float | torch.Tensor]:
     """Rewards over everything sampled this step (the policy's performance); lengths and hints of the
-    batch."""
+    batch, as 0-dim tensors where they are on the device (the trainer reads a step's metrics in one go)."""
     totals = torch.tensor(sampled.totals, dtype=torch.float32)
-    metrics = {
+    metrics: dict[str, float | torch.Tensor] = {
         "rollout/reward_mean": float(totals.mean()),
         "rollout/frac_zero_std": float((~dynamic_sampling_keep(totals, g)).float().mean()),
-        "rollout/completion_len": float(batch.completion_mask.sum(dim=1).float().mean()),
-        "rollout/truncated": float(batch.truncated.float().mean()),
-        "rollout/hinted": 0.0 if hint is None else float(hint.distill_mask.any(dim=1).float().mean()),
+        "rollout/completion_len": batch.completion_mask.sum(dim=1).float().mean(),
+        "rollout/truncated": batch.truncated.float().mean(),
+        "rollout/hinted": 0.0 if hint is None else hint.distill_mask.any(dim=1).float().mean(),
     }
     metrics.update({f"rollout/reward/{name}": sum(v) / len(v) for name, v in sampled.by_reward.items()})
     return metrics

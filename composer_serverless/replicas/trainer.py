@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from composer_serverless.accelerator.clock import PhaseClock
 from composer_serverless.accelerator.device import replica_device, synchronize
 from composer_serverless.config import RunConfig
 from composer_serverless.rendezvous import checkpoint, layout, runkey
@@ -119,11 +120,25 @@ def _train(
         ).run()
 
 
-class _RoundMeter:
-    """Train loss and metrics, time, blocking and traffic accumulated since the last round ended."""
+def _read_step(loss: torch.Tensor, metrics: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """The step's loss and metrics as floats, those on the device read in one transfer: each ``float()`` of
+    a device tensor would make the host wait for the device once more."""
+    on_device = {
+        name: v for name, v in metrics.items() if isinstance(v, torch.Tensor) and v.device == loss.device
+    }
+    values = torch.stack([loss.detach().float(), *(v.detach().float() for v in on_device.values())]).tolist()
+    read = dict(zip(on_device, values[1:], strict=True))
+    return values[0], {name: read[name] if name in read else float(v) for name, v in metrics.items()}
 
-    def __init__(self, manager: ObjectStoreManager) -> None:
+
+class _RoundMeter:
+    """Train loss and metrics, time (per phase, on the device's clock), blocking, traffic and the device's
+    peak memory accumulated since the last round ended."""
+
+    def __init__(self, manager: ObjectStoreManager, device: torch.device) -> None:
         self._manager = manager
+        self._device = device
+        self.clock = PhaseClock(device)
         self.reset()
 
     def reset(self) -> None:
@@ -134,8 +149,12 @@ class _RoundMeter:
         self._blocked = self._manager.blocked_s
         self._up = self._manager.bytes_up
         self._down = self._manager.bytes_down
+        self.clock.read()  # laps of the discarded steps
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
 
     def row(self, lr: float) -> dict[str, Any]:
+        blocked = self._manager.blocked_s - self._blocked
         return {
             "train_loss": float(torch.stack(self.losses).float().mean()) if self.losses else None,
             "train": mean_metrics(self.metrics),
@@ -144,8 +163,24 @@ class _RoundMeter:
             "bytes_up": self._manager.bytes_up - self._up,
             "bytes_down": self._manager.bytes_down - self._down,
             "round_s": time.monotonic() - self._started,
-            "blocked_s": self._manager.blocked_s - self._blocked,
+            "blocked_s": blocked,
+            "time_s": self._phases(blocked),
+            "device_peak_bytes": (
+                torch.cuda.max_memory_allocated(self._device) if self._device.type == "cuda" else None
+            ),
             "time": time.time(),
+        }
+
+    def _phases(self, sync_s: float) -> dict[str, float]:
+        """The round's step time split: generation (composer), forward and backward, the optimizer, and the
+        syncs DiLoCo ran inside the optimizer's step (the time the training thread was held by them)."""
+        laps = self.clock.read()
+        generate = sum(m.get("rollout/generate_s", 0.0) for m in self.metrics)
+        return {
+            "generate": generate,
+            "forward_backward": max(0.0, laps.get("forward", 0.0) + laps.get("backward", 0.0) - generate),
+            "optimizer": max(0.0, laps.get("optimizer", 0.0) - sync_s),
+            "sync": sync_s,
         }
 
 
@@ -202,7 +237,7 @@ class Replica:
             grace=grace_settings(dl),
             agree=node.all_true,
         )
-        self.meter = _RoundMeter(self.manager)
+        self.meter = _RoundMeter(self.manager, self.device)
 
     @property
     def completed_rounds(self) -> int:
@@ -261,17 +296,22 @@ class Replica:
         return precision.compute(self.config.model, self.device, sharded=self.node.size > 1)
 
     def _inner_step(self) -> torch.Tensor:
+        clock = self.meter.clock
+        clock.start()
         with self._compute():
             loss, metrics = self.objective.loss(self.model)
-        self.meter.metrics.append({name: float(value) for name, value in metrics.items()})
+        clock.lap("forward")
         loss.backward()
+        clock.lap("backward")
         if self.config.train.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
         self.inner.step()  # DiLoCo's hooks run the fragment syncs inside this call; ours frees the gradients
         self.schedule.step()
+        clock.lap("optimizer")
         self.meter.steps += 1
         dl = self.config.diloco
-        value = loss.item()
+        value, row = _read_step(loss, metrics)
+        self.meter.metrics.append(row)
         if not math.isfinite(value):
             raise DivergedError(
                 f"replica {self.rank}: the training loss is {value} in round {self.completed_rounds + 1}, "

@@ -73,7 +73,7 @@ def test_executors_say_when_they_gave_a_replica_gpus(tmp_path: Path, monkeypatch
         ("1", "cuda"),
     ]
     for flavor, given in (("cpu-upgrade", False), ("l4x1", True)):
-        config = _config(tmp_path, "s3://b/r", type="hf_jobs", flavor=flavor)
+        config = _config(tmp_path, "s3://b/r", type="hf_jobs", flavor=flavor, private_store_endpoint=True)
         plan = HFJobsExecutor().plan(config, "s3://b/r/gpu")
         assert all((ACCELERATOR_ENV in r.env) is given for r in plan.replicas), flavor
 

@@ -64,6 +64,7 @@ def _hf_plan(**executor: Any) -> Any:
             "executor": {
                 "type": "hf_jobs",
                 "package": "composer-serverless @ https://x/y.tar.gz",
+                "private_store_endpoint": True,  # whatever endpoint this shell points S3 at
                 **executor,
             },
         }

@@ -47,6 +47,12 @@ def _both(tmp_path: Path, raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
             for row in read_metrics(run)[0]
             if "global_sha256" in row and "caught_up_from" not in row
         }
+        rows = [r for r in read_metrics(run)[0] if r["round"] > 0 and "train" in r]
+        assert rows and all(
+            r["time_s"].keys() == {"generate", "forward_backward", "optimizer", "sync"} for r in rows
+        )
+        # The device's peak memory per round: counted on the (simulated) accelerator, none on the CPU.
+        assert all((r["device_peak_bytes"] or 0) > 0 for r in rows) == (place == "accelerator"), rows
         out[place] = {
             "summary": summary,
             "final": load_file(tmp_path / place / "final" / "model.safetensors"),

@@ -1,0 +1,65 @@
+"""``make gpu-check`` on a machine without CUDA: lines it cannot run here are skipped with the reason, and the
+JSON and the table are written. (Its launches are the suite's end-to-end runs; the whole check is run by hand.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.benchmarks.bench_scripts import BENCHMARKS, load_script
+
+
+def test_lines_it_cannot_run_are_skipped_with_the_reason(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "gpu_check.py"),
+            "--out",
+            str(tmp_path),
+            "--only",
+            "export",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    (written,) = tmp_path.glob("*.json")
+    result = json.loads(written.read_text())
+    assert result["cuda"] is False and "simulated accelerator" in result["device"]
+    (row,) = result["lines"]
+    assert (
+        row["line"] == "export" and row["skipped"] == "the lm-chat line did not leave a final model to export"
+    )
+    assert "| export |" in written.with_suffix(".md").read_text()
+
+
+def test_the_exchange_line_needs_sixteen_cores(tmp_path: Path, monkeypatch) -> None:
+    gpu_check = load_script("gpu_check")
+    monkeypatch.setattr(gpu_check.os, "cpu_count", lambda: 2)
+    row = gpu_check.Check(tmp_path, {}, cuda=False).allreduce_link()
+    assert row == {"skipped": "needs 16 cores for proxy, moto and 8 replicas; this machine has 2"}
+
+
+def test_an_unknown_line_is_refused_with_the_known_ones(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "gpu_check.py"),
+            "--out",
+            str(tmp_path),
+            "--only",
+            "demo,warp-drive",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        done.returncode == 2
+        and "unknown lines ['warp-drive']" in done.stderr
+        and "kill-resume" in done.stderr
+    )
+    assert not list(tmp_path.iterdir())
