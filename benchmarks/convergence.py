@@ -50,13 +50,14 @@ import torch
 from rich.console import Console
 
 from composer_serverless.config import ConfigError, RunConfig, load_config, validate_config
+from composer_serverless.data.corpus import stdlib_corpus, training_text
 from composer_serverless.launcher import launch
 from composer_serverless.models import build_tiny, load_pretrained
+from composer_serverless.objectives.lm import LMObjective
+from composer_serverless.objectives.objective import evaluate
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
-from composer_serverless.replicas.corpus import stdlib_corpus, training_text
 from composer_serverless.replicas.diloco import make_inner_optimizer, make_schedule
-from composer_serverless.replicas.objective import LMObjective, evaluate
 
 FEDAVG = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
 BASE = "diloco-h10"

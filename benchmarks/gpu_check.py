@@ -271,8 +271,8 @@ class Check:
         from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
         from composer_serverless.config import TinyModelConfig
+        from composer_serverless.data.corpus import stdlib_corpus, training_text
         from composer_serverless.models import build_tiny
-        from composer_serverless.replicas.corpus import stdlib_corpus, training_text
 
         tokenizer_dir = self.work / "tokenizer"
         if not tokenizer_dir.exists():

@@ -45,8 +45,8 @@ GPU_BYTES = 80e9
 
 def build_model(out: Path, layers: int) -> Path:
     from composer_serverless.config import TinyModelConfig
+    from composer_serverless.data.corpus import stdlib_corpus, training_text
     from composer_serverless.models import build_tiny
-    from composer_serverless.replicas.corpus import stdlib_corpus, training_text
 
     shape = TinyModelConfig(hidden_size=768, intermediate_size=3072, num_layers=layers, num_heads=12)
     return build_tiny(shape, training_text(stdlib_corpus(5.0), 4_000_000, seed=0), out, seed=0)

@@ -42,11 +42,11 @@ from composer_serverless.executors.base import (
     model_plan,
 )
 from composer_serverless.harvest import plan as harvest_plan
+from composer_serverless.objectives import inputs
 from composer_serverless.rendezvous import layout, runkey
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
-from composer_serverless.replicas import inputs
 from composer_serverless.run_keys import new_run_key, saved_run_key
 from composer_serverless.runs import STORE_HINT, absolute_store, open_created, open_store
 from composer_serverless.supervisor import Supervisor
@@ -93,8 +93,8 @@ def create_run(config: RunConfig, source: str, console: Console) -> tuple[Object
 
 
 def _build_tiny_into(run: ObjectStore, config: RunConfig) -> None:
+    from composer_serverless.data.corpus import stdlib_corpus, training_text
     from composer_serverless.models import build_tiny
-    from composer_serverless.replicas.corpus import stdlib_corpus, training_text
 
     tiny = config.model.tiny
     assert tiny is not None
@@ -183,7 +183,7 @@ def _hand_over_key(executor: ServerlessExecutor, run: ObjectStore, config: RunCo
 
 
 def check_model(config: RunConfig) -> None:
-    """Run the model check (``replicas/model_check.py``) in a child process, so this one never imports torch.
+    """Run the model check (``model_check.py``) in a child process, so this one never imports torch.
 
     Raises:
         ConfigError: every problem found, each with its fix; or the check could not run at all.
@@ -207,7 +207,7 @@ def _model_problems(checked: str) -> tuple[str, ...]:
     config = validate_config({**raw, "executor": {"type": "local"}}, source="the model check")
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "composer_serverless.replicas.model_check"],
+            [sys.executable, "-m", "composer_serverless.model_check"],
             input=config.resolved_json(),
             capture_output=True,
             text=True,

@@ -42,7 +42,7 @@ S3_ENV = {
 
 @pytest.fixture(scope="session")
 def corpus():
-    from composer_serverless.replicas.corpus import stdlib_corpus
+    from composer_serverless.data.corpus import stdlib_corpus
 
     return stdlib_corpus(5.0)
 
@@ -50,8 +50,8 @@ def corpus():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, corpus):
     """A tiny Llama and its tokenizer, built once per session and saved with save_pretrained."""
+    from composer_serverless.data.corpus import training_text
     from composer_serverless.models import build_tiny
-    from composer_serverless.replicas.corpus import training_text
 
     out = tmp_path_factory.mktemp("tiny-model")
     return build_tiny(TINY, training_text(corpus, int(TINY.tokenizer_corpus_mb * 1e6), seed=0), out, seed=0)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from composer_serverless.data.corpus import shuffled, stdlib_corpus
+from composer_serverless.data.packing import Batches, TokenStream
 from composer_serverless.models import load_pretrained
-from composer_serverless.replicas.corpus import shuffled, stdlib_corpus
-from composer_serverless.replicas.data import Batches, TokenStream
 
 
 def test_split_is_deterministic_and_disjoint(corpus):
@@ -118,7 +118,8 @@ def test_too_few_files_for_a_batch(corpus, tiny_model_dir):
 
 def test_eval_set_does_not_depend_on_the_batch_size(tiny_model_dir):
     from composer_serverless.config import validate_config
-    from composer_serverless.replicas.objective import LMObjective, evaluate
+    from composer_serverless.objectives.lm import LMObjective
+    from composer_serverless.objectives.objective import evaluate
 
     model, tokenizer = load_pretrained(tiny_model_dir)
     losses = []
@@ -138,7 +139,7 @@ def test_eval_set_does_not_depend_on_the_batch_size(tiny_model_dir):
 
 def test_a_global_batch_the_corpus_cannot_feed_is_refused_before_launch(corpus):
     from composer_serverless.config import ConfigError, validate_config
-    from composer_serverless.replicas.inputs import check_text
+    from composer_serverless.objectives.inputs import check_text
 
     def config(replicas: int, batch_size: int, streams_per_row: int = 1):
         return validate_config(

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from composer_serverless.cli import app
 from composer_serverless.config import ModelConfig
 from composer_serverless.models import load_model
-from composer_serverless.replicas.composer import same_function_twice
+from composer_serverless.objectives.composer import same_function_twice
 from tests.archs import build
 
 TASKS = Path(__file__).resolve().parents[1] / "deploy" / "data" / "composer-tasks"

@@ -36,8 +36,8 @@ def test_load_pretrained_bfloat16(tiny_model_dir):
 
 
 def test_same_seed_same_weights(tmp_path, corpus):
+    from composer_serverless.data.corpus import training_text
     from composer_serverless.models import build_tiny
-    from composer_serverless.replicas.corpus import training_text
 
     dirs = [
         build_tiny(TINY, training_text(corpus, 200_000, seed=0), tmp_path / str(i), seed=7) for i in range(2)

@@ -6,7 +6,7 @@ them (the local executor withholds them from their environment; the cloud execut
 run whose launcher detached, or died, stops harvesting; ``launch --resume`` starts it again, and rounds
 already harvested are not asked twice (each harvest leaves a report in the run).
 
-The schedule is fixed (``replicas/harvest_schedule.py``): the pairs of round k are taken by every replica at
+The schedule is fixed (``objectives/harvest_schedule.py``): the pairs of round k are taken by every replica at
 the end of round k + ``live_lag``, and the harvester harvests every round from 1 to ``rounds - live_lag - 1``
 in order, skipping none, and writes a report for each: its pairs, or why it made none (the cap was spent, it
 failed, it was too late). Round k is harvested once the rollouts of every replica of the sync that ended it
@@ -44,16 +44,16 @@ from rich.console import Console
 from rich.markup import escape
 
 from composer_serverless.config import HarvestConfig, RunConfig
+from composer_serverless.data.records import RecordError
 from composer_serverless.harvest.cache import AnswerCache
 from composer_serverless.harvest.costs import Budget
 from composer_serverless.harvest.harvester import harvest, pairs_jsonl
 from composer_serverless.harvest.states import latest_rollout_round, read_rollouts, rollout_ranks
 from composer_serverless.harvest.stats import HarvestResult, usd
+from composer_serverless.objectives.harvest_schedule import SILENT_S, Taken, last_harvested, read_taken
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import fixed_participants
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.harvest_schedule import SILENT_S, Taken, last_harvested, read_taken
-from composer_serverless.replicas.records import RecordError
 
 logger = logging.getLogger(__name__)
 

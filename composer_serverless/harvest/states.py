@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from composer_serverless.data.records import RecordError, json_lines, read_rows
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.records import RecordError, json_lines, read_rows
 
 STATE_KEYS = ("id", "prompt", "student", "reward", "task", "teachers", "meta")
 

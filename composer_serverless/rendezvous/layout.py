@@ -62,7 +62,7 @@ HARVEST_CACHE = f"{HARVEST}/cache"
 """The run's answer cache: a teacher's answer under the hash of its endpoint, model and request body."""
 HARVEST_PAIRS = f"{HARVEST}/pairs"
 """Pairs harvested live, one file per round of rollouts; the replicas take each at the round boundary the
-schedule gives it (``replicas/harvest_schedule.py``)."""
+schedule gives it (``objectives/harvest_schedule.py``)."""
 HARVEST_REPORTS = f"{HARVEST}/reports"
 HARVEST_SPEND = f"{HARVEST}/spend"
 """The live harvest's spend ledger, one entry per harvest: what it may have spent, recorded before each of its

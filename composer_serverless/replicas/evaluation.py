@@ -2,8 +2,7 @@
 
 An evaluation on one replica would make that replica late for the next sync by the whole evaluation's
 time, every round, and everyone else would wait for it. Shared out, every participant spends 1/P of it.
-A share reports sums and counts rather than means, so shares of different sizes (and a task missing from
-a share) combine into exactly the means over the whole set.
+What a share holds and how shares combine: ``objectives/shares.py``.
 """
 
 from __future__ import annotations
@@ -13,34 +12,15 @@ import logging
 import time
 from collections.abc import Callable
 
+from composer_serverless.objectives.shares import EvalPart, combine
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.polling import poll_until
 from composer_serverless.rendezvous.store import ObjectStore
 
-# metric -> (sum of the values in the share, how many values)
-EvalPart = dict[str, tuple[float, int]]
 # The shortest wait for the other participants' shares, beyond twice this replica's own share's time.
 WAIT_MIN_S = 1.0
 # Longest pause between polls of the store for the shares.
 WAIT_POLL_CAP_S = 0.25
-
-
-def share(items: list, part: int, parts: int) -> list:
-    """The items of share ``part`` of ``parts``: every ``parts``-th one, so each share samples the whole set."""
-    if not 0 <= part < parts:
-        raise ValueError(f"part {part} is outside [0, {parts})")
-    return items[part::parts]
-
-
-def combine(parts: list[EvalPart]) -> dict[str, float]:
-    """The mean of each metric over every share that has values for it."""
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for part in parts:
-        for name, (total, count) in part.items():
-            sums[name] = sums.get(name, 0.0) + total
-            counts[name] = counts.get(name, 0) + count
-    return {name: sums[name] / counts[name] for name in sorted(sums) if counts[name] > 0}
 
 
 def dumps(part: EvalPart) -> bytes:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from composer_serverless.accelerator.device import restore_rng_state, rng_state, synchronize
+from composer_serverless.objectives.objective import Objective
 from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.latest import latest_round
@@ -27,7 +28,6 @@ from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.diloco import global_parameters
 from composer_serverless.replicas.node import SOLO, Node
-from composer_serverless.replicas.objective import Objective
 from composer_serverless.replicas.shards import local, local_tree, reshard_optimizer_state
 
 logger = logging.getLogger(__name__)

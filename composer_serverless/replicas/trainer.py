@@ -35,6 +35,7 @@ from torch import nn
 from composer_serverless.accelerator.clock import PhaseClock
 from composer_serverless.accelerator.device import replica_device, synchronize
 from composer_serverless.config import RunConfig
+from composer_serverless.objectives.objective import Objective, make_objective
 from composer_serverless.rendezvous import checkpoint, layout, runkey
 from composer_serverless.rendezvous.exchange import StaleRoundError
 from composer_serverless.rendezvous.latest import latest_round
@@ -58,7 +59,6 @@ from composer_serverless.replicas.diloco import (
     transfer_settings,
 )
 from composer_serverless.replicas.node import SOLO, Node
-from composer_serverless.replicas.objective import Objective, make_objective
 from composer_serverless.replicas.shards import full_state_dict, reshard, shard_model
 from composer_serverless.replicas.weights import check_initial_weights, digest, load_run_model, swapped_in
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_serverless.replicas.records import read_pairs
+from composer_serverless.data.records import read_pairs
 from tests.conftest import cli_in_fresh_process
 from tests.harvest.conftest import CANARY
 from tests.harvest.fake_teacher import answers

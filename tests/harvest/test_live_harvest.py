@@ -20,10 +20,10 @@ from rich.console import Console
 
 from composer_serverless.harvest import live
 from composer_serverless.launcher import launch
+from composer_serverless.objectives.harvest_schedule import NO_PAIRS, PAIRS
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
-from composer_serverless.replicas.harvest_schedule import NO_PAIRS, PAIRS
 from tests.harvest.conftest import CANARY, live_run_config, right_answers
 from tests.harvest.fake_teacher import Behaviour
 

@@ -17,10 +17,10 @@ from rich.console import Console
 from composer_serverless.harvest import live
 from composer_serverless.harvest.costs import worst_case
 from composer_serverless.harvest.harvester import request_body
+from composer_serverless.objectives.harvest_schedule import TIMED_OUT, Taken
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.polling import poll_until
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.harvest_schedule import TIMED_OUT, Taken
 from tests.harvest.conftest import CANARY, live_run_config
 from tests.harvest.fake_teacher import Behaviour
 

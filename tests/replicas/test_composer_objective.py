@@ -8,11 +8,11 @@ import torch
 
 from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import ConfigError, validate_config
-from composer_serverless.replicas.composer import stratified
-from composer_serverless.replicas.evaluation import combine
-from composer_serverless.replicas.inputs import check_composer
-from composer_serverless.replicas.objective import evaluate, make_objective
-from composer_serverless.replicas.records import PromptRecord
+from composer_serverless.data.records import PromptRecord
+from composer_serverless.objectives.composer import stratified
+from composer_serverless.objectives.inputs import check_composer
+from composer_serverless.objectives.objective import evaluate, make_objective
+from composer_serverless.objectives.shares import combine
 from composer_serverless.replicas.trainer import _read_step
 from tests.replicas.conftest import tiny_model
 
@@ -140,7 +140,7 @@ def test_shares_of_the_evaluation_add_up_to_the_whole(raw, model, tokenizer):
 
 
 def test_prompts_are_rendered_with_the_chat_template_when_asked(raw, model, tokenizer, monkeypatch):
-    from composer_serverless.replicas import rollout
+    from composer_serverless.objectives import rollout
 
     tokenizer.chat_template = (
         "{% for m in messages %}T:{{ m['content'] }}.{% endfor %}{% if add_generation_prompt %}A:{% endif %}"

@@ -11,9 +11,9 @@ from rich.console import Console
 
 from composer_serverless.config import validate_config
 from composer_serverless.launcher import create_run
+from composer_serverless.objectives import lm as objective
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
-from composer_serverless.replicas import objective
 from composer_serverless.replicas.trainer import DivergedError, run_replica
 
 

@@ -6,9 +6,11 @@ import pytest
 
 from composer_serverless.config import validate_config
 from composer_serverless.models import load_pretrained
+from composer_serverless.objectives.lm import LMObjective
+from composer_serverless.objectives.objective import evaluate
+from composer_serverless.objectives.shares import combine, share
 from composer_serverless.rendezvous import layout
-from composer_serverless.replicas.evaluation import combine, dumps, loads, share
-from composer_serverless.replicas.objective import LMObjective, evaluate
+from composer_serverless.replicas.evaluation import dumps, loads
 
 
 def test_shares_take_every_nth_item_and_cover_the_set_once():

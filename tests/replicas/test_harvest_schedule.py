@@ -8,10 +8,8 @@ import threading
 
 import pytest
 
-from composer_serverless.rendezvous import layout
-from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas import harvest_schedule as schedule
-from composer_serverless.replicas.harvest_schedule import (
+from composer_serverless.objectives import harvest_schedule as schedule
+from composer_serverless.objectives.harvest_schedule import (
     NO_PAIRS,
     PAIRS,
     SILENT,
@@ -22,6 +20,8 @@ from composer_serverless.replicas.harvest_schedule import (
     from_report,
     harvest_taken_at,
 )
+from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.store import ObjectStore
 
 LONG_S = 60.0  # a wait no test reaches: reaching it fails the test (its outcome would be "timed out")
 

@@ -3,8 +3,8 @@
 import pytest
 
 from composer_serverless.config import HintConfig
-from composer_serverless.replicas.hints import HintBuilder
-from composer_serverless.replicas.records import PromptRecord
+from composer_serverless.data.records import PromptRecord
+from composer_serverless.objectives.hints import HintBuilder
 
 RECORD = PromptRecord(prompt="add 2 3=", answer="5")
 

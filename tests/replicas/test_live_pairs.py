@@ -15,9 +15,9 @@ import torch
 
 from composer_serverless.config import validate_config
 from composer_serverless.losses.logprobs import completion_logprobs
+from composer_serverless.objectives.objective import make_objective
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.objective import make_objective
 
 TRAIN = [{"prompt": f"add {a} {b}=", "answer": str(a + b), "task": "add"} for a in range(3) for b in range(3)]
 TEACHER = {

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from composer_serverless.data.records import PreferencePair
 from composer_serverless.losses.logprobs import completion_logprobs
-from composer_serverless.replicas.pairs import ReplayPairs
-from composer_serverless.replicas.records import PreferencePair
+from composer_serverless.objectives.pairs import ReplayPairs
 
 PAIRS = [
     PreferencePair("add 2 3=", "5", "6"),

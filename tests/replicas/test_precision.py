@@ -10,9 +10,9 @@ import torch
 
 from composer_serverless.config import validate_config
 from composer_serverless.models import load_model
+from composer_serverless.objectives.lm import LMObjective
 from composer_serverless.replicas import precision
 from composer_serverless.replicas.diloco import make_inner_optimizer
-from composer_serverless.replicas.objective import LMObjective
 
 
 def changed_after_three_steps(model_dir: Path, **model: str) -> float:

@@ -3,7 +3,7 @@
 import fsspec
 import pytest
 
-from composer_serverless.replicas.records import (
+from composer_serverless.data.records import (
     Cycle,
     PreferencePair,
     PromptRecord,

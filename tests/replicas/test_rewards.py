@@ -5,8 +5,14 @@ import sys
 import pytest
 
 from composer_serverless.config import RewardConfig
-from composer_serverless.replicas.records import PromptRecord
-from composer_serverless.replicas.rewards import RewardError, RewardSet, Score, exact_match, load_user_reward
+from composer_serverless.data.records import PromptRecord
+from composer_serverless.objectives.rewards import (
+    RewardError,
+    RewardSet,
+    Score,
+    exact_match,
+    load_user_reward,
+)
 
 RECORD = PromptRecord(prompt="add 2 3=", answer="5", source="train.jsonl:7")
 
@@ -15,7 +21,7 @@ RECORD = PromptRecord(prompt="add 2 3=", answer="5", source="train.jsonl:7")
 def user_module(tmp_path, monkeypatch):
     """A module `user_rewards` on sys.path with a good reward, a broken one and a non-callable."""
     (tmp_path / "user_rewards.py").write_text(
-        "from composer_serverless.replicas.rewards import Score\n"
+        "from composer_serverless.objectives.rewards import Score\n"
         "THRESHOLD = 3\n"
         "def short(completion, record):\n"
         "    return 1.0 if len(completion) <= THRESHOLD else 0.0\n"

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from composer_serverless.config import HintConfig, RewardConfig
+from composer_serverless.data.records import PromptRecord
 from composer_serverless.losses.batches import LossBatch
 from composer_serverless.losses.compose import LossSettings, three_channel_loss
-from composer_serverless.replicas.hints import HintBuilder
-from composer_serverless.replicas.records import PromptRecord
-from composer_serverless.replicas.rewards import RewardSet
-from composer_serverless.replicas.rollout import (
+from composer_serverless.objectives.hints import HintBuilder
+from composer_serverless.objectives.rewards import RewardSet
+from composer_serverless.objectives.rollout import (
     RolloutSettings,
     completion_mask,
     encode_prompts,

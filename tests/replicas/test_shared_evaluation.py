@@ -9,11 +9,11 @@ import pytest
 
 from composer_serverless.config import validate_config
 from composer_serverless.models import load_pretrained
+from composer_serverless.objectives.objective import evaluate
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.replicas import evaluation
-from composer_serverless.replicas.objective import evaluate
 from composer_serverless.replicas.trainer import Replica
 
 

@@ -13,12 +13,12 @@ import pytest
 from rich.console import Console
 
 from composer_serverless.config import ConfigError, validate_config
+from composer_serverless.data.chat import render_chat
+from composer_serverless.data.corpus import documents
+from composer_serverless.data.packing import IGNORE
 from composer_serverless.models import load_pretrained
-from composer_serverless.replicas.chat import render_chat
-from composer_serverless.replicas.corpus import documents
-from composer_serverless.replicas.data import IGNORE
-from composer_serverless.replicas.inputs import check_text
-from composer_serverless.replicas.objective import LMObjective
+from composer_serverless.objectives.inputs import check_text
+from composer_serverless.objectives.lm import LMObjective
 from tests.conftest import CHATML_MARKED, arithmetic_chats
 
 CONVERSATION = [

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from composer_serverless.config import DataConfig
-from composer_serverless.replicas.chat import render_chat
-from composer_serverless.replicas.records import RecordError, read_rows
+from composer_serverless.data.chat import render_chat
+from composer_serverless.data.records import RecordError, read_rows
 
 # A document's token ids, and per token whether it is trained on (the loss mask).
 Tokens = tuple[list[int], list[bool]]

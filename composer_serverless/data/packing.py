@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from composer_serverless.replicas.corpus import Documents
+from composer_serverless.data.corpus import Documents
 
 # The label of a token the loss skips (Hugging Face's ignore index).
 IGNORE = -100

@@ -1,60 +1,31 @@
-"""What an inner step optimises. The trainer knows only this protocol; each objective owns its data.
-
-An objective draws its own next batch because objectives differ in what a batch is: the causal-LM objective
-packs text, the composer objective samples completions from the current model and scores them. The trainer
-only backpropagates what ``loss`` returns and checkpoints what ``state_dict`` returns.
-"""
+"""The causal-LM objective: cross-entropy on this replica's rows of the global batch (the trained tokens only:
+a chat record's assistant turns), evaluated the same way on the held-out documents."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 
 from composer_serverless.config import RunConfig
-from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas.composer import ComposerObjective
-from composer_serverless.replicas.corpus import documents, shuffled
-from composer_serverless.replicas.data import IGNORE, Batches
-from composer_serverless.replicas.evaluation import EvalPart, combine, share
-from composer_serverless.replicas.node import SOLO, Node
+from composer_serverless.data.corpus import documents, shuffled
+from composer_serverless.data.packing import IGNORE, Batches
+from composer_serverless.objectives.shares import EvalPart, share
 
 # Held-out sequences are drawn from this many interleaved file streams, independent of the training batch size.
 EVAL_STREAMS = 8
 
 
-@runtime_checkable
-class Objective(Protocol):
-    def loss(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
-        """Draw the next batch and return the scalar loss to backpropagate plus namespaced scalar metrics
-        (floats or 0-dim tensors); the trainer records their mean over each round."""
-        ...
+class Ranks(Protocol):
+    """The ranks of one replica as an objective sees them (the replica loop's ``Node``): which slice of a
+    batch is this rank's, and sums over the ranks (a collective: every rank calls it)."""
 
-    def evaluate_part(self, model: torch.nn.Module, part: int, parts: int) -> EvalPart:
-        """Score ``model`` on share ``part`` of ``parts`` of the held-out data (``evaluation.share``): per
-        metric, namespaced (``eval/loss``), the sum and the count that ``evaluation.combine`` averages."""
-        ...
+    local_rank: int
+    size: int
 
-    def state_dict(self) -> dict[str, Any]:
-        """The data position, JSON-serialisable, so a restarted replica continues where it stopped."""
-        ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-    def round_ended(
-        self,
-        round_index: int,
-        global_model: Callable[[], contextlib.AbstractContextManager[torch.nn.Module]],
-        waiting: Callable[[str], None],
-    ) -> dict[str, Any]:
-        """Called once per committed round, before its metrics row is written: whatever the objective does
-        between rounds (the composer objective records its rollouts and takes harvested pairs, waiting for
-        them if they are late). Entering ``global_model()`` swaps the round's global parameters into the
-        model; ``waiting(what)`` puts what the replica waits for in its heartbeat. Returns fields for the
-        row."""
-        ...
+    def sum(self, values: list[float]) -> list[float]: ...
 
 
 class LMObjective:
@@ -66,7 +37,7 @@ class LMObjective:
     the step is that of the mean over every trained token of the replica's batch, as with one rank, whatever
     share of the trained tokens each slice holds."""
 
-    def __init__(self, config: RunConfig, tokenizer: Any, rank: int, node: Node = SOLO) -> None:
+    def __init__(self, config: RunConfig, tokenizer: Any, rank: int, node: Ranks | None = None) -> None:
         corpus = documents(config.data)
         seq_len, batch_size = config.data.seq_len, config.data.batch_size
         self._train = Batches(
@@ -92,17 +63,16 @@ class LMObjective:
     def loss(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
         device = _device_of(model)
         node = self._node
-        rows = self._batch_size // node.size
-        ids, labels = (
-            t[node.local_rank * rows : (node.local_rank + 1) * rows].to(device) for t in self._train.next()
-        )
-        if node.size == 1:
+        local_rank, size = (0, 1) if node is None else (node.local_rank, node.size)
+        rows = self._batch_size // size
+        ids, labels = (t[local_rank * rows : (local_rank + 1) * rows].to(device) for t in self._train.next())
+        if node is None or size == 1:
             out = model(input_ids=ids, labels=labels, use_cache=False)
             trained = _targets(labels)
         else:
             trained = int(node.sum([_targets(labels)])[0])
             out = model(
-                input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=max(1, trained) / node.size
+                input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=max(1, trained) / size
             )
         if not trained:  # every token of the batch is masked: nothing to learn, and no NaN either
             return out.logits.sum() * 0.0, {}
@@ -150,32 +120,6 @@ class LMObjective:
 def _targets(labels: torch.Tensor) -> int:
     """How many tokens of a batch are predicted and trained on (a row's first token is never predicted)."""
     return int((labels[:, 1:] != IGNORE).sum())
-
-
-def evaluate(objective: Objective, model: torch.nn.Module) -> dict[str, float]:
-    """Score ``model`` on the whole held-out set, on this process alone."""
-    return combine([objective.evaluate_part(model, 0, 1)])
-
-
-def make_objective(
-    config: RunConfig,
-    tokenizer: Any,
-    rank: int,
-    *,
-    model: torch.nn.Module,
-    adapters: Any = None,
-    node: Node = SOLO,
-    run: ObjectStore | None = None,
-) -> Objective:
-    """The objective ``config.train.objective`` names.
-
-    ``model`` must still hold the run's initial weights: objectives with a frozen reference (DPO, a KL term)
-    take it from the model they are built with (with LoRA, the base model with ``adapters`` off). ``run`` is
-    the run's store, for what an objective keeps there between rounds (recorded rollouts, harvested pairs).
-    """
-    if config.train.objective == "composer":  # one rank per replica (RunConfig refuses more)
-        return ComposerObjective(config, model, tokenizer, rank, adapters, run)
-    return LMObjective(config, tokenizer, rank, node)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from composer_serverless.config import HintConfig
-from composer_serverless.replicas.records import PromptRecord
+from composer_serverless.data.records import PromptRecord
 
 
 class HintBuilder:

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from composer_serverless.data.records import Cycle, PreferencePair
 from composer_serverless.losses.batches import ReplayBatch
 from composer_serverless.losses.logprobs import completion_logprobs
-from composer_serverless.replicas.records import Cycle, PreferencePair
 
 logger = logging.getLogger(__name__)
 

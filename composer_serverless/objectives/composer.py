@@ -36,27 +36,8 @@ import torch
 from torch import nn
 
 from composer_serverless.config import ComposerConfig, RunConfig
-from composer_serverless.losses.batches import LossBatch, RLBatch
-from composer_serverless.losses.compose import LossSettings, three_channel_loss
-from composer_serverless.losses.grpo import GRPOSettings
-from composer_serverless.losses.logprobs import completion_logprobs
-from composer_serverless.losses.replay import ReplaySettings
-from composer_serverless.losses.sdpo import SDPOSettings
-from composer_serverless.rendezvous import layout
-from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.replicas import inputs
-from composer_serverless.replicas.chat import chat_prompt
-from composer_serverless.replicas.evaluation import EvalPart, share
-from composer_serverless.replicas.harvest_schedule import (
-    HarvesterWatch,
-    Taken,
-    decide,
-    harvest_taken_at,
-    read_taken,
-)
-from composer_serverless.replicas.hints import HintBuilder
-from composer_serverless.replicas.pairs import ReplayPairs
-from composer_serverless.replicas.records import (
+from composer_serverless.data.chat import chat_prompt
+from composer_serverless.data.records import (
     Cycle,
     PreferencePair,
     PromptRecord,
@@ -64,8 +45,27 @@ from composer_serverless.replicas.records import (
     read_pairs,
     shard_records,
 )
-from composer_serverless.replicas.rewards import RewardSet
-from composer_serverless.replicas.rollout import RolloutSettings, as_is, generate, rollout
+from composer_serverless.losses.batches import LossBatch, RLBatch
+from composer_serverless.losses.compose import LossSettings, three_channel_loss
+from composer_serverless.losses.grpo import GRPOSettings
+from composer_serverless.losses.logprobs import completion_logprobs
+from composer_serverless.losses.replay import ReplaySettings
+from composer_serverless.losses.sdpo import SDPOSettings
+from composer_serverless.objectives import inputs
+from composer_serverless.objectives.harvest_schedule import (
+    HarvesterWatch,
+    Taken,
+    decide,
+    harvest_taken_at,
+    read_taken,
+)
+from composer_serverless.objectives.hints import HintBuilder
+from composer_serverless.objectives.pairs import ReplayPairs
+from composer_serverless.objectives.rewards import RewardSet
+from composer_serverless.objectives.rollout import RolloutSettings, as_is, generate, rollout
+from composer_serverless.objectives.shares import EvalPart, share
+from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
 

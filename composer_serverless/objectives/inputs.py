@@ -10,9 +10,9 @@ library, so the launcher's checks cost no torch import.
 from __future__ import annotations
 
 from composer_serverless.config import ComposerConfig, ConfigError, RunConfig
-from composer_serverless.replicas.corpus import documents
-from composer_serverless.replicas.records import PromptRecord, read_pairs, read_prompts, shard_records
-from composer_serverless.replicas.rewards import RewardSet
+from composer_serverless.data.corpus import documents
+from composer_serverless.data.records import PromptRecord, read_pairs, read_prompts, shard_records
+from composer_serverless.objectives.rewards import RewardSet
 
 
 def check(config: RunConfig) -> None:

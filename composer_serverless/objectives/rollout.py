@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer_serverless.accelerator.clock import PhaseClock
+from composer_serverless.data.records import PromptRecord
 from composer_serverless.losses.batches import HintBatch, RLBatch
 from composer_serverless.losses.grpo import ScaleRewards, dynamic_sampling_keep, group_advantages
-from composer_serverless.replicas.hints import HintBuilder
-from composer_serverless.replicas.records import PromptRecord
-from composer_serverless.replicas.rewards import RewardSet, Scored
+from composer_serverless.objectives.hints import HintBuilder
+from composer_serverless.objectives.rewards import RewardSet, Scored
 
 
 def encode_prompts(

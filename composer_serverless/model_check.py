@@ -1,5 +1,5 @@
 """The model check the launcher runs before any replica is paid for: ``python -m
-composer_serverless.replicas.model_check`` with the resolved run config (JSON) on stdin, one JSON list of
+composer_serverless.model_check`` with the resolved run config (JSON) on stdin, one JSON list of
 problems on stdout.
 
 Everything that would otherwise fail only once every replica has started (and restarted, ``max_restarts``
@@ -109,8 +109,8 @@ def _objective(config: Any, model: Any, hf: Any) -> list[str]:
 
 
 def _chat(config: Any, tokenizer: Any) -> list[str]:
-    from composer_serverless.replicas.chat import render_chat
-    from composer_serverless.replicas.records import read_rows
+    from composer_serverless.data.chat import render_chat
+    from composer_serverless.data.records import read_rows
 
     chat_data = not config.data.is_stdlib and config.data.format == "chat" and config.train.objective == "lm"
     chat_prompts = config.composer is not None and config.composer.chat_template

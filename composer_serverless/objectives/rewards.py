@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from composer_serverless.config import RewardConfig
-from composer_serverless.replicas.records import PromptRecord
-from composer_serverless.replicas.sandbox import run_tests
+from composer_serverless.data.records import PromptRecord
+from composer_serverless.objectives.sandbox import run_tests
 
 # Sandboxed test runs wait on child processes, not on the GIL, so a few run side by side.
 SANDBOX_WORKERS = 4
