@@ -14,7 +14,8 @@ Under this simulation the replica takes its CUDA path (``torch.cuda.is_available
   blocking copy to the host). Reading a host buffer the device is still writing, or writing one it is still
   reading, raises: on a GPU that is a race.
 * **host synchronisations**: every operation that makes the host wait for the device (``.item()``,
-  ``.tolist()``, ``bool()``, a blocking copy to the host, ``nonzero``, ``equal``, ...) is counted, by operation.
+  ``.tolist()``, ``bool()``, a blocking copy to the host, ``nonzero``, ``equal``, ...) is counted, by operation;
+  kernels on device memory are counted by thread (a thread meant to touch host memory only can be held to it).
 * **device memory**: live bytes of device storages and their peak (``torch.cuda.max_memory_allocated``).
 * the ``torch.cuda`` and ``torch.accelerator`` calls a replica makes (availability, device index, RNG state,
   memory statistics, streams and events), and ``autocast("cuda")``, which runs as CPU autocast.
@@ -96,6 +97,7 @@ class Simulator:
 
     Attributes:
         host_syncs: host synchronisations by operation, since the simulation started.
+        device_kernels: kernels that touched device memory, by the name of the thread that ran them.
         peak_bytes: the most device bytes live at once since the last ``reset_peak``.
     """
 
@@ -103,6 +105,7 @@ class Simulator:
         self.devices = devices
         self.index = 0
         self.host_syncs: Counter[str] = Counter()
+        self.device_kernels: Counter[str] = Counter()
         self.live_bytes = 0
         self.peak_bytes = 0
         self._in_flight: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
@@ -362,6 +365,8 @@ class _KernelMode(TorchDispatchMode):
             if any(placed) and packet in _SYNCING:
                 sim.synchronize(str(packet))
         out = func(*args, **kwargs)
+        if to_device or any(placed):
+            sim.device_kernels[threading.current_thread().name] += 1
         if to_device:
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):

@@ -15,6 +15,7 @@ from analytic_replica import CASES, SYNC_EVERY, case_key
 from faults import InjectedFault
 from harness import HERE, subprocess_env, wait_all
 
+from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.allreduce import ExchangeSettings, StaleRoundError
 from composer_serverless.rendezvous.deadline import GraceSettings
@@ -160,3 +161,28 @@ def test_a_second_allreduce_in_one_sync_fails_the_sync(tmp_path: Path) -> None:
     manager.allreduce(torch.ones(3)).wait()
     assert not manager.should_commit()
     assert "bucket" in str(manager.last_sync.error)
+
+
+def test_on_an_accelerator_the_exchange_thread_touches_host_memory_only(tmp_path: Path) -> None:
+    """The bucket is copied to pinned host memory without blocking the caller; the exchange thread waits for
+    that copy and works on host memory; the average lands in the bucket, and torchft's callback runs, on the
+    caller's thread when it waits for the Work (counted by the simulated accelerator, which raises on a host
+    read of a copy still in flight)."""
+    gate = threading.Event()
+    with simulated() as sim:
+        manager = manager_for(GatedStore(f"file://{tmp_path}/run", gate), codec="bf16")
+        manager.start_quorum()
+        tensor = torch.full((5,), 1 / 3, device="cuda")
+        work = manager.allreduce(tensor)
+        seen: list[tuple[str, torch.Tensor]] = []
+        chained = work.get_future().then(
+            lambda _: seen.append((threading.current_thread().name, tensor.cpu()))
+        )
+        gate.set()
+        assert work.wait()
+        chained.wait()
+        assert manager.should_commit(), manager.last_sync.error
+    assert seen[0][0] == "MainThread"
+    assert torch.equal(seen[0][1], torch.full((5,), 1 / 3).to(torch.bfloat16).float())
+    assert [name for name in sim.device_kernels if name.startswith("exchange-")] == []
+    assert sim.device_kernels["MainThread"] > 0

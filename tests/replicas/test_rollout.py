@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import HintConfig, RewardConfig
 from composer_serverless.data.records import PromptRecord
 from composer_serverless.losses.batches import LossBatch
@@ -181,3 +182,21 @@ def test_the_overlong_punishment_is_added_to_the_reward_of_long_completions(mode
     assert rolled.scored.by_reward["overlong"] == expected
     assert rolled.scored.totals == [1.0 + p for p in expected]
     assert any(p < 0 for p in expected)
+
+
+def test_a_checkpoint_asking_for_a_static_cache_samples_on_the_device_as_on_the_cpu(model, tokenizer):
+    """A generation config with ``cache_implementation = "static"`` made transformers compile ``generate``
+    with CUDA graphs on a GPU only; the reference engine runs a dynamic cache, uncompiled, on every device."""
+    model.generation_config.cache_implementation = "static"
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("generate compiled the model")
+
+    model.get_compiled_call = compiled  # what transformers calls when it decides to compile generate
+    torch.manual_seed(0)
+    on_cpu = generate(model, tokenizer, PROMPTS, max_new_tokens=4, temperature=None)
+    with simulated():
+        model.to("cuda")
+        on_device = generate(model, tokenizer, PROMPTS, max_new_tokens=4, temperature=None)
+        assert on_device.completion_ids.device.type == "cuda"
+    assert on_device.texts == on_cpu.texts
