@@ -42,7 +42,7 @@ from composer_serverless.executors.base import (
     model_plan,
 )
 from composer_serverless.harvest import plan as harvest_plan
-from composer_serverless.objectives import inputs
+from composer_serverless.objectives import inputs, reward_check
 from composer_serverless.rendezvous import layout, runkey
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.store import ObjectStore
@@ -129,11 +129,26 @@ def prepare(config: RunConfig, source: str) -> Prepared:
     # Validated again (model_copy would not): the plan is built from exactly what run.json will hold.
     raw = {**config.model_dump(), "run_id": run_id, "store": store}
     resolved = validate_config(raw, source="the resolved config")
-    inputs.check(resolved)  # reads every data file and resolves every reward: bad records fail here
+    train = inputs.check(resolved)  # reads every data file: bad records fail here
+    resolved = _with_rewards_checked(resolved, train)
     run = open_store(store, fix=STORE_HINT).child(run_id)
     executor = make_executor(resolved, run)
     plan = _plan(executor, resolved, run)
     return Prepared(resolved, source, run, executor, plan, _preflight(executor, plan, resolved))
+
+
+def _with_rewards_checked(config: RunConfig, train: list[Any]) -> RunConfig:
+    """The composer objective's rewards imported and called in a child process (``reward_check``), and SDPO's
+    weight decided when it is 'auto': run.json holds the number."""
+    composer = config.composer
+    if composer is None:
+        return config
+    feedback = reward_check.run_check(config)
+    if composer.alpha != "auto":
+        return config
+    raw = config.model_dump()
+    raw["composer"]["alpha"] = inputs.sdpo_weight(composer, train, feedback)
+    return validate_config(raw, source="the resolved config")
 
 
 def _preflight(executor: ServerlessExecutor, plan: LaunchPlan, config: RunConfig) -> list[str]:

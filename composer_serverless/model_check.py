@@ -91,7 +91,7 @@ def _objective(config: Any, model: Any, hf: Any) -> list[str]:
         )
     if config.model.router_aux_loss is not None:
         found.append("model.router_aux_loss applies to the lm objective only\n  fix: unset it")
-    if config.composer.alpha > 0:
+    if config.composer.sdpo_on:
         dropping = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
         dropping += [
             n for n, v in vars(hf.get_text_config()).items() if "drop" in n and isinstance(v, float) and v > 0

@@ -142,19 +142,22 @@ def pair(record: dict[str, Any]) -> dict[str, str] | None:
     return {"prompt": record["prompt"], "chosen": chosen, "rejected": record["student"]}
 
 
-def prefix_credit(completion: str, record: Any) -> float:
-    """Partial credit for the demo's rewards: the length of the common prefix of the completion and the
+def prefix_credit(completions: list[str], answer: list[str], **columns: Any) -> list[float]:
+    """Partial credit for the demo's rewards: the length of the common prefix of each completion and its
     answer, over the longer of the two. 1 only for the exact answer; a fresh model earns some for a right
     first character, which exact match alone (right character and EOS, about 1 / V^2) almost never pays.
 
-    A user reward (``composer_serverless.task_suite:prefix_credit``), called as ``fn(completion, record)``.
+    A user reward (``composer_serverless.task_suite:prefix_credit``) in TRL's form.
     """
-    answer = record.answer.strip()
-    text = completion.strip()
-    common = next(
-        (i for i, (a, b) in enumerate(zip(text, answer, strict=False)) if a != b), min(len(text), len(answer))
-    )
-    return common / max(len(text), len(answer), 1)
+    credits = []
+    for completion, expected in zip(completions, answer, strict=True):
+        wanted, text = expected.strip(), completion.strip()
+        common = next(
+            (i for i, (a, b) in enumerate(zip(text, wanted, strict=False)) if a != b),
+            min(len(text), len(wanted)),
+        )
+        credits.append(common / max(len(text), len(wanted), 1))
+    return credits
 
 
 def generate() -> dict[str, list[dict[str, Any]]]:

@@ -55,7 +55,7 @@ def test_the_shipped_composer_config_validates_and_round_trips_through_run_json(
         ("composer.rewards.0.timout_s", 3, "unknown key; did you mean composer.rewards.0.timeout_s?"),
         ("composer.hints.template", "{hint}", "must contain {prompt}"),
         ("composer.hints.feedback", "{feedback} {oops}", "may use only {feedback}"),
-        ("composer.rollout.overlong_buffer", 16, "overlong_buffer (16) must be below max_new_tokens (16)"),
+        ("composer.rollout.overlong_buffer", 256, "overlong_buffer (256) must be below max_new_tokens (256)"),
         ("composer.sdpo.beta", 1.5, "composer.sdpo.beta: Input should be less than or equal to 1"),
         (
             "model.tiny.vocab_size",

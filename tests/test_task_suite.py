@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from composer_serverless import task_suite
-from composer_serverless.data.records import PromptRecord, read_pairs, read_prompts
+from composer_serverless.data.records import read_pairs, read_prompts
 
 COMMITTED = Path(__file__).resolve().parents[1] / "deploy" / "data" / "composer-tasks"
 
@@ -61,6 +61,6 @@ def test_majority(answers, majority):
     [("259", 1.0), (" 259\n", 1.0), ("2", 1 / 3), ("25999", 0.6), ("x", 0.0), ("", 0.0)],
 )
 def test_prefix_credit(completion, credit):
-    assert task_suite.prefix_credit(
-        completion, PromptRecord(prompt="sort 592=", answer="259")
-    ) == pytest.approx(credit)
+    assert task_suite.prefix_credit([completion], answer=["259"], prompts=["sort 592="]) == [
+        pytest.approx(credit)
+    ]

@@ -11,16 +11,27 @@ from pydantic import Field, field_validator, model_validator
 from composer_serverless.config.base import StrictModel
 
 BUILTIN_REWARDS = ("exact_match", "format", "unit_tests")
+# The column each built-in reads: a dataset none of whose rows has it cannot use that reward.
+BUILTIN_COLUMNS = {"exact_match": "answer", "unit_tests": "tests"}
 IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+# A reward file relative to the config: no absolute path, no way out of the config's directory.
+FILE_PATH = re.compile(r"^(?!/)(?!.*(^|/)\.\.(/|$))[\w./-]+\.py:[A-Za-z_]\w*$")
+# The columns the built-ins and SDPO read, and the prompt: what a column map may rename.
+MAPPED_COLUMNS = ("prompt", "answer", "tests", "hint", "task")
 
 
 class RewardConfig(StrictModel):
     """One verifiable reward; a rollout's reward is the weighted sum of the configured rewards."""
 
     fn: str = Field(
-        description="reward function: 'exact_match' (the record's answer), 'format' (a regex the whole "
-        "completion must match), 'unit_tests' (the record's tests, run in a sandboxed subprocess) or "
-        "'package.module:function'"
+        description="reward function: 'exact_match' (the answer column), 'format' (a regex the whole "
+        "completion must match), 'unit_tests' (the tests column, run in a sandboxed subprocess), a file "
+        "relative to the config 'my_task.py:function' (shipped to every replica), or an import path "
+        "'package.module:function'; user functions have TRL's signature, fn(prompts, completions, "
+        "completion_ids, **columns) -> list[float | None]"
+    )
+    name: str | None = Field(
+        None, description="the reward's name in metrics; default: the function's name (or the built-in's)"
     )
     weight: float = Field(1.0, description="weight of this reward in the sum; negative for a penalty")
     pattern: str | None = Field(
@@ -33,9 +44,10 @@ class RewardConfig(StrictModel):
     @field_validator("fn")
     @classmethod
     def _known_or_import_path(cls, fn: str) -> str:
-        if fn not in BUILTIN_REWARDS and not IMPORT_PATH.match(fn):
+        if fn not in BUILTIN_REWARDS and not IMPORT_PATH.match(fn) and not FILE_PATH.match(fn):
             raise ValueError(
-                f"{fn!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor an import path "
+                f"{fn!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}), a file relative to the "
+                "config 'my_task.py:function' (inside the config's directory), nor an import path "
                 "'package.module:function'"
             )
         return fn
@@ -59,7 +71,9 @@ class RolloutConfig(StrictModel):
 
     group_size: int = Field(8, ge=2, description="G, completions sampled per prompt (the GRPO group)")
     prompts_per_step: int = Field(8, ge=1, description="prompts per inner step on each replica")
-    max_new_tokens: int = Field(16, ge=1, description="generation limit per completion, EOS included")
+    max_new_tokens: int = Field(
+        256, ge=1, description="generation limit per completion, EOS included (TRL's max_completion_length)"
+    )
     temperature: float = Field(
         1.0, gt=0, description="sampling temperature; also the temperature of the GRPO and SDPO log-probs"
     )
@@ -168,27 +182,60 @@ class HintConfig(StrictModel):
 
 
 class ComposerDataConfig(StrictModel):
-    """JSONL files read through fsspec (local paths, s3://, hf://, globs), sharded by rank."""
+    """Datasets as TRL takes them: JSONL or Parquet files through fsspec (local paths, s3://, hf://, globs),
+    or a Hugging Face dataset (hf://datasets/OWNER/NAME, or a directory holding one), sharded by rank."""
 
     prompts: str = Field(
-        description="RL prompts for training: {prompt, answer?, tests?, hint?, task?, meta?} per line"
+        description="RL prompts for training: a 'prompt' column (a string, or a list of {role, content} "
+        "messages) and any others, every one passed to the rewards by name (answer, tests, hint and task "
+        "are read by the built-ins, SDPO and evaluation)"
     )
     heldout: str = Field(description="RL prompts the global model is evaluated on (greedy decoding)")
+    columns: dict[str, str] = Field(
+        {},
+        description="renames applied to every row first: our name = the dataset's column, e.g. "
+        'prompt = "question" (names: prompt, answer, tests, hint, task)',
+    )
+    train_split: str = Field("train", description="the split of a Hugging Face dataset trained on")
+    heldout_split: str = Field("test", description="the split of a Hugging Face dataset evaluated on")
+    subset: str | None = Field(None, description="the configuration of a Hugging Face dataset (e.g. 'main')")
     pairs: str | None = Field(
         None,
         description="preference pairs: {prompt, chosen, rejected, chosen_ref_logp?, rejected_ref_logp?, "
         "provenance?}; with a live harvest, optional (the harvested pairs join them)",
     )
 
+    @field_validator("columns")
+    @classmethod
+    def _known_targets(cls, columns: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(columns) - set(MAPPED_COLUMNS))
+        if unknown:
+            raise ValueError(
+                f"columns may rename to {', '.join(MAPPED_COLUMNS)}; {unknown} are none of them (write our "
+                "name = the dataset's column; other columns reach the rewards under their own names)"
+            )
+        return columns
+
 
 class ComposerConfig(StrictModel):
-    """The objective `L_grpo + alpha * L_sdpo + beta * L_replay`, each inner step on fresh rollouts."""
+    """The objective `L_grpo + alpha * L_sdpo + beta * L_replay`, each inner step on fresh rollouts.
 
-    alpha: float = Field(
-        1.0, ge=0, description="SDPO weight; 0 switches the channel and its teacher pass off"
+    Defaults a TRL user expects (GRPOConfig): 256 new tokens per completion, learning rate 1e-6
+    (``train.lr``, set by the objective when unset), temperature 1, 8 completions per prompt, no KL term;
+    SDPO only when the task gives feedback to hint with, replay only when there are pairs.
+    """
+
+    alpha: float | Literal["auto"] = Field(
+        "auto",
+        description="SDPO weight; 0 switches the channel and its teacher pass off. 'auto': 1 when the task "
+        "gives feedback for hints (a reward returns feedback, as the built-ins do, or the prompts have a "
+        "hint column), else 0; the launcher decides and run.json holds the number",
     )
-    beta: float = Field(
-        0.0, ge=0, description="replay weight; 0 switches the channel off (> 0 needs data.pairs)"
+    beta: float | None = Field(
+        None,
+        ge=0,
+        description="replay weight; 0 switches the channel off (> 0 needs data.pairs or a live harvest); "
+        "unset: 1 when there are pairs, else 0",
     )
     data: ComposerDataConfig
     rewards: list[RewardConfig] = Field(
@@ -212,3 +259,19 @@ class ComposerConfig(StrictModel):
         description="write each round's rollouts (prompt, sampled completion, reward) to the store, where "
         "`composer-serverless harvest` reads them (harvest.run); always on with a live harvest",
     )
+
+    @field_validator("alpha")
+    @classmethod
+    def _alpha_non_negative(cls, alpha: float | str) -> float | str:
+        if alpha != "auto" and alpha < 0:
+            raise ValueError(f"alpha must be >= 0 or 'auto', got {alpha}")
+        return alpha
+
+    @property
+    def sdpo_on(self) -> bool:
+        """Whether the SDPO channel runs: alpha > 0 (the launcher has resolved 'auto' before any replica)."""
+        return self.alpha != "auto" and self.alpha > 0
+
+    @property
+    def replay_on(self) -> bool:
+        return self.beta is not None and self.beta > 0

@@ -45,6 +45,9 @@ def load_config(
         select_executor(raw, executor_type)
     for override in overrides:
         apply_override(raw, override)
+    code = raw.get("code")
+    if isinstance(code, dict) or code is None:  # files named in it are relative to the config's directory
+        raw["code"] = {"root": str(path.resolve().parent), **(code or {})}
     return validate_config(raw, source=str(path))
 
 

@@ -5,12 +5,13 @@ that holds them with the composer objective's table and the executor's.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 import fsspec
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from composer_serverless.config.base import StrictModel
+from composer_serverless.config.code import CodeConfig
 from composer_serverless.config.composer import ComposerConfig
 from composer_serverless.config.data import DataConfig
 from composer_serverless.config.executors import ExecutorConfig, HFJobsExecutorConfig, LocalExecutorConfig
@@ -26,6 +27,15 @@ MAX_OUTER_LR = 10.0
 MAX_ROUNDS = 1_000_000
 MAX_SYNC_EVERY = 1_000_000
 MAX_WAIT_S = 24 * 3600.0
+# The composer objective's inner learning rate when unset: TRL's GRPOConfig default.
+COMPOSER_LR = 1e-6
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    """A table as a plain mapping, whether it came as TOML (a dict), a model, or not at all."""
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    return dict(value) if isinstance(value, dict) else {}
 
 
 class TrainConfig(StrictModel):
@@ -207,6 +217,9 @@ class RunConfig(StrictModel):
         "with harvest.live",
     )
     executor: ExecutorConfig = LocalExecutorConfig()
+    code: CodeConfig = Field(
+        CodeConfig(), description="the user's code and packages shipped to every replica"
+    )
 
     @field_validator("store")
     @classmethod
@@ -242,6 +255,25 @@ class RunConfig(StrictModel):
             )
         return run_id
 
+    @model_validator(mode="before")
+    @classmethod
+    def _objective_defaults(cls, raw: Any) -> Any:
+        """Defaults that depend on the objective: the composer objective's inner learning rate when unset
+        (TRL's GRPOConfig, 1e-6: the lm default suits the tiny demo trained from scratch) and its replay
+        weight (1 with pairs or a live harvest, else 0)."""
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        train = _as_dict(raw.get("train"))
+        if train.get("objective") == "composer" and "lr" not in train:
+            raw["train"] = {**train, "lr": COMPOSER_LR}
+        composer = _as_dict(raw.get("composer"))
+        if composer and composer.get("beta") is None:
+            live = bool(_as_dict(raw.get("harvest")).get("live"))
+            pairs = _as_dict(composer.get("data")).get("pairs") is not None
+            raw["composer"] = {**composer, "beta": 1.0 if pairs or live else 0.0}
+        return raw
+
     @model_validator(mode="after")
     def _composer_table_iff_composer_objective(self) -> RunConfig:
         if self.train.objective == "composer" and self.composer is None:
@@ -265,7 +297,7 @@ class RunConfig(StrictModel):
         composer = self.composer
         if (
             composer is not None
-            and composer.beta > 0
+            and composer.replay_on
             and composer.data.pairs is None
             and not self.live_harvest
         ):
@@ -273,7 +305,7 @@ class RunConfig(StrictModel):
                 "composer.beta > 0 needs preference pairs: set composer.data.pairs, or harvest them live "
                 "([harvest] with live = true)"
             )
-        if self.live_harvest and (composer is None or composer.beta == 0):
+        if self.live_harvest and (composer is None or not composer.replay_on):
             raise ValueError(
                 "harvest.live feeds the replay channel: it needs train.objective = 'composer' with "
                 "composer.beta > 0"

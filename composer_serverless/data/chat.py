@@ -12,6 +12,7 @@ masked this way and is refused with the fix, rather than trained on wrongly.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 Messages = Sequence[dict[str, Any]]
@@ -56,14 +57,32 @@ def render_chat(tokenizer: Any, messages: Messages) -> tuple[list[int], list[boo
     return ids, mask
 
 
-def chat_prompt(tokenizer: Any, text: str) -> str:
-    """``text`` as the user's turn of a conversation, rendered up to where the assistant's answer begins."""
+@dataclass(frozen=True)
+class Rendered:
+    """A prompt as the model reads it. ``templated``: a chat template wrote it, its special tokens (a BOS)
+    included, so it is encoded without adding them again, as TRL encodes rendered prompts."""
+
+    text: str
+    templated: bool
+
+
+def render_prompt(tokenizer: Any, prompt: str | Messages, as_chat: bool) -> Rendered:
+    """A prompt rendered up to where the assistant's answer begins: a conversation (system turns kept) with
+    the tokenizer's chat template; a string as the user's turn of one when ``as_chat``, else as it is."""
+    if isinstance(prompt, str) and not as_chat:
+        return Rendered(prompt, templated=False)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
-            f"{type(tokenizer).__name__} has no chat template; set composer.chat_template = false"
+            f"{type(tokenizer).__name__} has no chat template, so "
+            + (
+                "conversational prompts cannot be rendered; use a chat model's tokenizer"
+                if not isinstance(prompt, str)
+                else "set composer.chat_template = false"
+            )
         )
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return Rendered(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), templated=True
     )
 
 

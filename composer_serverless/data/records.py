@@ -1,9 +1,17 @@
-"""The JSONL records of the composer objective (RL prompts, preference pairs), and an endless seeded order
-over them.
+"""The records of the composer objective (RL prompts, preference pairs), read as TRL reads a dataset, and an
+endless seeded order over them.
 
-The readers go through fsspec, so a local path, ``s3://``, ``hf://`` or a glob all work, and a record that
-cannot be used is reported with its file and line number before anything trains on it (the launcher reads
-every file before any replica starts; nothing here needs a tensor library).
+A prompt record is a dataset row: its ``prompt`` (a string, or a conversation: a list of ``{"role",
+"content"}`` messages, system turns included, that the chat template renders) and every other column, by
+name. A column map renames columns first (``composer.data.columns``: ``prompt = "question"``). Rewards get
+every column (``rewards.py``); the built-in rewards read ``answer`` and ``tests``, SDPO reads ``hint``, and
+evaluation reports per ``task``: ordinary columns, none of them required.
+
+The readers go through fsspec, so a local path, ``s3://``, ``hf://`` or a glob all work, for JSON lines and
+Parquet; a Hugging Face dataset (``hf://datasets/OWNER/NAME``, or a directory of one on this machine) is read
+through ``datasets``, a split of it. A record that cannot be used is reported with its file and line (or
+split and row) before anything trains on it (the launcher reads every file before any replica starts;
+nothing here needs a tensor library).
 """
 
 from __future__ import annotations
@@ -15,40 +23,77 @@ import io
 import json
 import math
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-PROMPT_KEYS = ("prompt", "answer", "tests", "hint", "task", "meta")
 # ``provenance``: where a harvested pair came from (its teachers, their answers, agreement, cost); not read.
 PAIR_KEYS = ("prompt", "chosen", "rejected", "chosen_ref_logp", "rejected_ref_logp", "provenance")
+# What a reward function is called with besides the columns (TRL's names): no column may take them.
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
+ROLES = ("system", "user", "assistant", "tool")
+# The extras that bring the optional readers, for the install line of a missing one.
+PARQUET_EXTRA = "pip install 'composer-serverless[parquet]'  (pyarrow)"
+DATASETS_EXTRA = "pip install 'composer-serverless[hf]'  (datasets, huggingface_hub)"
 
 
 class RecordError(ValueError):
     """A JSONL record that cannot be used; the message starts with ``file:line``."""
 
 
+Prompt = str | tuple[dict[str, str], ...]
+
+
 @dataclass(frozen=True)
 class PromptRecord:
-    """One RL prompt and what its rewards need.
+    """One RL prompt: a dataset row.
 
     Attributes:
-        prompt: the text the model continues (no chat template is applied; render one into the file).
-        answer: the expected completion, for ``exact_match``.
-        tests: Python test snippets (asserts) run after the completion's code, for ``unit_tests``.
-        hint: a fixed hint for the SDPO teacher, shown whatever the rollout's outcome.
-        task: a label; evaluation reports the reward per task.
-        meta: any JSON value, passed untouched to user reward functions.
-        source: ``file:line`` of the record, for error messages.
+        prompt: the text the model continues, or a conversation (messages, system turns kept) the tokenizer's
+            chat template renders up to the assistant's turn.
+        columns: every other column of the row by name (after the column map), as reward functions get them.
+        source: where the row is (``file:line``, or ``dataset[split]:row``), for error messages.
     """
 
-    prompt: str
-    answer: str | None = None
-    tests: tuple[str, ...] = ()
-    hint: str | None = None
-    task: str = "default"
-    meta: Any = None
+    prompt: Prompt
+    columns: Mapping[str, Any] = field(default_factory=dict)
     source: str = ""
+
+    @property
+    def conversational(self) -> bool:
+        return not isinstance(self.prompt, str)
+
+    @property
+    def key(self) -> str:
+        """The prompt as one string: text as it is, a conversation as JSON (a key for records and dedup)."""
+        return self.prompt if isinstance(self.prompt, str) else json.dumps(list(self.prompt), sort_keys=True)
+
+    @property
+    def answer(self) -> str | None:
+        """The ``answer`` column (``exact_match`` compares completions with it)."""
+        value = self.columns.get("answer")
+        return None if value is None else str(value)
+
+    @property
+    def tests(self) -> tuple[str, ...]:
+        """The ``tests`` column: Python snippets (asserts) ``unit_tests`` runs against the completion's code."""
+        value = self.columns.get("tests")
+        if value is None:
+            return ()
+        return (value,) if isinstance(value, str) else tuple(value)
+
+    @property
+    def hint(self) -> str | None:
+        """The ``hint`` column: shown to the SDPO teacher whatever the rollout's outcome."""
+        value = self.columns.get("hint")
+        return value or None
+
+    @property
+    def task(self) -> str:
+        """The ``task`` column (evaluation reports the reward per task), "default" without one."""
+        value = self.columns.get("task")
+        return "default" if value is None else str(value)
 
 
 @dataclass(frozen=True)
@@ -69,15 +114,22 @@ class PreferencePair:
     source: str = ""
 
 
-def read_prompts(url: str) -> list[PromptRecord]:
-    """Every prompt record of the file(s) at ``url`` (JSONL or Parquet; a path, an fsspec URL or a glob), in
-    file order.
+def read_prompts(
+    url: str, columns: Mapping[str, str] | None = None, split: str | None = None, subset: str | None = None
+) -> list[PromptRecord]:
+    """Every prompt record of the file(s) or dataset at ``url``, in order.
+
+    Args:
+        columns: renames (our name -> the dataset's column), applied to every row first.
+        split, subset: of a Hugging Face dataset (``read_rows``).
 
     Raises:
-        RecordError: a line is not a JSON object, a key is unknown or a value has the wrong type.
+        RecordError: a mapped column is missing, the prompt is missing or malformed, or a column the built-ins
+            read has the wrong type.
         FileNotFoundError: nothing matches ``url``.
     """
-    return [_prompt_record(obj, where) for obj, where in read_rows(url)]
+    renames = dict(columns or {})
+    return [_prompt_record(obj, where, renames) for obj, where in read_rows(url, split=split, subset=subset)]
 
 
 def read_pairs(url: str) -> list[PreferencePair]:
@@ -97,32 +149,83 @@ def shard_records(records: list[Any], rank: int, replicas: int) -> list[Any]:
     return records[rank::replicas]
 
 
-def read_rows(url: str) -> Iterator[tuple[dict[str, Any], str]]:
+def read_rows(
+    url: str, *, split: str | None = None, subset: str | None = None
+) -> Iterator[tuple[dict[str, Any], str]]:
     """Every row of the file(s) at ``url`` (a path, an fsspec URL or a glob) as (row, ``file:line``), in file
     order: JSON lines (gzipped ones too: the compression is inferred from the name) or Parquet (``file:row``,
-    1-based, as a line number would be).
+    1-based, as a line number would be). A Hugging Face dataset (``hf://datasets/OWNER/NAME``, or a local
+    directory holding one) is read through ``datasets``: rows of ``split`` (default "train") of its
+    configuration ``subset``, as (row, ``name[split]:row``).
 
     Raises:
         FileNotFoundError: nothing matches ``url``.
-        RecordError: a line is not a JSON object, or the files hold no rows.
+        RecordError: a line is not a JSON object, the files hold no rows, or a reader is not installed (its
+            install line in the message).
     """
+    if is_dataset(url):
+        yield from _dataset_rows(url, split or "train", subset)
+        return
+    if split is not None or subset is not None:
+        raise RecordError(f"{url}: a split or subset applies to a Hugging Face dataset, not to files")
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
 
     # A filesystem of its own, as the store's: a cached one may hold an endpoint or credentials of the past.
-    files = fsspec.open_files(url, mode="rb", skip_instance_cache=True)
+    try:
+        files = fsspec.open_files(url, mode="rb", skip_instance_cache=True)
+    except ImportError as e:  # hf:// without huggingface_hub, s3:// without s3fs
+        raise RecordError(
+            f"{url}: reading it needs a package that is not installed ({e})\n  fix: {DATASETS_EXTRA if url.startswith('hf://') else e}"
+        ) from None
     if not files:
         raise FileNotFoundError(f"no file matches {url}")
     count = 0
     for file in files:
         # Local files by their path, remote ones by their URL (s3://bucket/key), as the user wrote them.
         name = file.path if isinstance(file.fs, LocalFileSystem) else file.fs.unstrip_protocol(file.path)
-        rows = _parquet_rows(file) if name.endswith(".parquet") else json_lines(file, name)
+        rows = _parquet_rows(file, name) if name.endswith(".parquet") else json_lines(file, name)
         for number, obj in rows:
             count += 1
             yield obj, f"{name}:{number}"
     if not count:
         raise RecordError(f"{url}: no records")
+
+
+def is_dataset(url: str) -> bool:
+    """Whether ``url`` names a Hugging Face dataset (a repository on the Hub, or a directory on this machine)
+    rather than data files."""
+    if url.startswith("hf://datasets/"):
+        return len(url.removeprefix("hf://datasets/").strip("/").split("/")) == 2 and "*" not in url
+    return "://" not in url and Path(url).expanduser().is_dir()
+
+
+def _dataset_rows(url: str, split: str, subset: str | None) -> Iterator[tuple[dict[str, Any], str]]:
+    try:
+        import datasets
+    except ImportError:
+        raise RecordError(
+            f"{url}: a Hugging Face dataset is read with the datasets package, which is not installed\n  fix: {DATASETS_EXTRA}"
+        ) from None
+    name = url.removeprefix("hf://datasets/").strip("/")
+    local = Path(url).expanduser()
+    try:
+        if not url.startswith("hf://") and (local / "dataset_dict.json").exists():
+            loaded = datasets.load_from_disk(str(local))[split]
+        elif not url.startswith("hf://") and (local / "dataset_info.json").exists():
+            loaded = datasets.load_from_disk(str(local))
+        else:
+            loaded = datasets.load_dataset(
+                str(local) if not url.startswith("hf://") else name, subset, split=split
+            )
+    except (KeyError, ValueError) as e:  # an unknown split or configuration
+        raise RecordError(
+            f"{url}: cannot read split {split!r}{'' if subset is None else f' of {subset!r}'}: {e}"
+        ) from None
+    if len(loaded) == 0:
+        raise RecordError(f"{url}[{split}]: no records")
+    for index, row in enumerate(loaded):
+        yield dict(row), f"{name}[{split}]:{index}"
 
 
 def json_lines(file: Any, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -141,8 +244,13 @@ def json_lines(file: Any, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
             yield number, obj
 
 
-def _parquet_rows(file: Any) -> Iterator[tuple[int, dict[str, Any]]]:
-    import pyarrow.parquet as pq
+def _parquet_rows(file: Any, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise RecordError(
+            f"{name}: Parquet is read with pyarrow, which is not installed\n  fix: {PARQUET_EXTRA}"
+        ) from None
 
     with file as f:
         table = pq.read_table(f)
@@ -167,22 +275,71 @@ def _text(obj: dict[str, Any], key: str, where: str, *, required: bool) -> str |
     return value
 
 
-def _prompt_record(obj: dict[str, Any], where: str) -> PromptRecord:
-    _check_keys(obj, PROMPT_KEYS, where)
-    tests = obj.get("tests", ())
-    if isinstance(tests, str):
-        tests = (tests,)
-    if not isinstance(tests, (list, tuple)) or not all(isinstance(t, str) and t.strip() for t in tests):
+def _prompt_record(obj: dict[str, Any], where: str, renames: dict[str, str]) -> PromptRecord:
+    row = dict(obj)
+    for ours, theirs in renames.items():
+        if theirs not in row:
+            close = difflib.get_close_matches(theirs, list(row), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise RecordError(
+                f"{where}: column {theirs!r} (mapped to {ours!r} by composer.data.columns) is not in this row; "
+                f"{hint}its columns: {', '.join(row)}"
+            )
+        row[ours] = row.pop(theirs)
+    if "prompt" not in row:
+        raise RecordError(
+            f"{where}: no 'prompt' column (its columns: {', '.join(row)})\n"
+            '  fix: map the column that holds the prompt, e.g. [composer.data.columns] prompt = "question"'
+        )
+    prompt = _prompt(row.pop("prompt"), where)
+    reserved = [c for c in row if c in RESERVED_COLUMNS]
+    if reserved:
+        raise RecordError(
+            f"{where}: column {reserved[0]!r} would clash with what rewards are called with; rename it"
+        )
+    tests = row.get("tests")
+    if tests is not None and not (
+        (isinstance(tests, str) and tests.strip())
+        or (isinstance(tests, (list, tuple)) and all(isinstance(t, str) and t.strip() for t in tests))
+    ):
         raise RecordError(f"{where}: 'tests' must be a string or a list of non-empty strings of Python code")
-    return PromptRecord(
-        prompt=_text(obj, "prompt", where, required=True),
-        answer=_text(obj, "answer", where, required=False),
-        tests=tuple(tests),
-        hint=_text(obj, "hint", where, required=False),
-        task=_text(obj, "task", where, required=False) or "default",
-        meta=obj.get("meta"),
-        source=where,
-    )
+    for text in ("answer", "hint", "task"):
+        value = row.get(text)
+        if value is None or (isinstance(value, (str, int, float)) and not isinstance(value, bool)):
+            continue
+        raise RecordError(f"{where}: {text!r} must be a string, got {json.dumps(value)}")
+    return PromptRecord(prompt=prompt, columns=row, source=where)
+
+
+def _prompt(value: Any, where: str) -> Prompt:
+    """A prompt string, or a conversation: messages with a known role and string content, the last not the
+    assistant's (the model writes that turn)."""
+    if isinstance(value, str):
+        if not value:
+            raise RecordError(f"{where}: 'prompt' is empty")
+        return value
+    if not isinstance(value, list) or not value:
+        raise RecordError(
+            f'{where}: \'prompt\' must be a string or a list of messages ({{"role": ..., "content": ...}}), '
+            f"got {json.dumps(value)[:80]}"
+        )
+    messages = []
+    for i, message in enumerate(value):
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in ROLES
+            or not isinstance(message.get("content"), str)
+        ):
+            raise RecordError(
+                f'{where}: message {i} of \'prompt\' must be {{"role": one of {", ".join(ROLES)}, "content": '
+                f"a string}}, got {json.dumps(message)[:80]}"
+            )
+        messages.append({"role": message["role"], "content": message["content"]})
+    if messages[-1]["role"] == "assistant":
+        raise RecordError(
+            f"{where}: the prompt's last message is the assistant's; the model writes that turn"
+        )
+    return tuple(messages)
 
 
 def _ref_logp(obj: dict[str, Any], key: str, where: str) -> float | None:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from composer_serverless.config import ComposerConfig, RunConfig
-from composer_serverless.data.chat import chat_prompt
+from composer_serverless.data.chat import render_prompt
 from composer_serverless.data.records import (
     Cycle,
     PreferencePair,
@@ -61,8 +61,8 @@ from composer_serverless.objectives.harvest_schedule import (
 )
 from composer_serverless.objectives.hints import HintBuilder
 from composer_serverless.objectives.pairs import ReplayPairs
-from composer_serverless.objectives.rewards import RewardSet
-from composer_serverless.objectives.rollout import RolloutSettings, as_is, generate, rollout
+from composer_serverless.objectives.rewards import RewardSet, code_root, mean
+from composer_serverless.objectives.rollout import RolloutSettings, generate, rollout
 from composer_serverless.objectives.shares import EvalPart, share
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
@@ -73,12 +73,13 @@ logger = logging.getLogger(__name__)
 EVAL_BATCH = 256
 
 
-def loss_settings(config: ComposerConfig) -> LossSettings:
-    """The loss settings a composer config describes; GRPO and SDPO use the sampling temperature."""
+def loss_settings(config: ComposerConfig, alpha: float) -> LossSettings:
+    """The loss settings a composer config describes, with SDPO's weight ``alpha`` resolved
+    (``inputs.sdpo_weight``); GRPO and SDPO use the sampling temperature."""
     temperature = config.rollout.temperature
     return LossSettings(
-        alpha=config.alpha,
-        beta=config.beta,
+        alpha=alpha,
+        beta=config.beta or 0.0,
         grpo=GRPOSettings(
             loss_type=config.grpo.loss_type,
             eps_low=config.grpo.eps_low,
@@ -126,6 +127,13 @@ def same_function_twice(model: nn.Module, tokenizer: Any) -> None:
             f"by up to {gap:.3g} on one input: dropout or LayerDrop), so SDPO's teacher and student would be "
             "different networks; set model.dropout = 'off'"
         )
+
+
+def _state_prompt(record: PromptRecord) -> str:
+    """A recorded rollout's prompt, as teachers are asked it: the text, or a conversation's last user turn."""
+    if isinstance(record.prompt, str):
+        return record.prompt
+    return next((m["content"] for m in reversed(record.prompt) if m["role"] == "user"), record.key)
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -188,9 +196,11 @@ class ComposerObjective:
         self._pair_files: list[str] = []
         self._harvested: list[dict[str, Any]] = []
         self._tokenizer = tokenizer
-        self._settings = loss_settings(composer)
-        self._rewards = RewardSet(composer.rewards)
-        train, heldout = inputs.checked_prompts(composer, self._rewards)
+        self._rewards = RewardSet(composer.rewards, code_root(config))
+        train, heldout = inputs.read_prompt_sets(composer)
+        inputs.check_columns(composer, train, heldout)
+        alpha = inputs.sdpo_weight(composer, train, feedback=False)  # the launcher resolved 'auto' already
+        self._settings = loss_settings(composer, alpha)
         self._prompts = shard_records(train, rank, replicas)
         self._cycle = Cycle(len(self._prompts), seed=config.seed * 7919 + rank)
         self._heldout = stratified(heldout, config.eval.sequences)
@@ -204,11 +214,12 @@ class ComposerObjective:
             max_draws=composer.rollout.max_draws,
             overlong_buffer=composer.rollout.overlong_buffer,
             overlong_penalty=composer.rollout.overlong_penalty,
-            render=functools.partial(chat_prompt, tokenizer) if composer.chat_template else as_is,
+            render=functools.partial(render_prompt, tokenizer, as_chat=composer.chat_template),
         )
-        self._rollout.render("")  # a tokenizer without a chat template fails here, not at the first step
-        self._hints = HintBuilder(composer.hints, self._rollout.render) if composer.alpha > 0 else None
-        if composer.alpha > 0:
+        for record in [train[0], *[r for r in train if r.conversational][:1]]:
+            self._rollout.render(record.prompt)  # a tokenizer without a chat template fails here, not later
+        self._hints = HintBuilder(composer.hints, self._rollout.render) if alpha > 0 else None
+        if alpha > 0:
             same_function_twice(model, tokenizer)
         self._reference: nn.Module | None = None
         self._reference_mode: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
@@ -218,7 +229,7 @@ class ComposerObjective:
             self._reference = copy.deepcopy(model).eval().requires_grad_(False)
         self._pairs = None
         self._dpo = composer.replay.kind == "dpo"
-        if composer.beta > 0:
+        if composer.replay_on:
             static: list[PreferencePair] = []
             if composer.data.pairs is not None:  # else a live harvest brings them (the config checks)
                 static = shard_records(read_pairs(composer.data.pairs), rank, replicas)
@@ -266,8 +277,13 @@ class ComposerObjective:
                 # An empty completion is no action to prefer another over (a pair's sides are non-empty).
                 if text.strip():
                     self._recorded.setdefault(
-                        (record.prompt, text),
-                        {"prompt": record.prompt, "student": text, "reward": reward, "task": record.task},
+                        (record.key, text),
+                        {
+                            "prompt": _state_prompt(record),
+                            "student": text,
+                            "reward": reward,
+                            "task": record.task,
+                        },
                     )
         replay = None if self._pairs is None else self._pairs.next(next(model.parameters()).device)
         batch = LossBatch(rl=self._with_reference(rolled.rl), hint=rolled.hint, replay=replay)
@@ -282,23 +298,26 @@ class ComposerObjective:
         if not records:
             return {}
         texts: list[str] = []
+        token_ids: list[list[int]] = []
         for start in range(0, len(records), EVAL_BATCH):
             chunk = records[start : start + EVAL_BATCH]
-            texts += generate(
+            samples = generate(
                 model,
                 self._tokenizer,
                 [self._rollout.render(r.prompt) for r in chunk],
                 max_new_tokens=self._rollout.max_new_tokens,
                 temperature=None,
-            ).texts
-        scored = self._rewards.score(texts, records)
+            )
+            texts += samples.texts
+            token_ids += samples.token_ids
+        scored = self._rewards.score(texts, records, token_ids)
         out: EvalPart = {}
         for name, values in (("reward", scored.totals), *scored.by_reward.items()):
-            out[f"eval/{name}"] = (sum(values), len(values))
-            by_task: dict[str, list[float]] = {}
+            out[f"eval/{name}"] = mean(values)  # over the rows a reward applies to
+            by_task: dict[str, list[float | None]] = {}
             for record, value in zip(records, values, strict=True):
                 by_task.setdefault(record.task, []).append(value)
-            out.update({f"eval/task/{task}/{name}": (sum(v), len(v)) for task, v in sorted(by_task.items())})
+            out.update({f"eval/task/{task}/{name}": mean(v) for task, v in sorted(by_task.items())})
         return out
 
     def round_ended(

@@ -10,7 +10,8 @@ rollout's hint is built from, in order:
   solution present the feedback is left out, as SDPO's `environment_feedback_only_without_solution` does.
 
 A row with none of these gets no hint, and SDPO does not train on it. The teacher's prompt is `template` with
-the hint and the original prompt filled in; the teacher then scores the student's own completion.
+the hint and the original prompt filled in (for a conversation, the last user turn's content); the teacher
+then scores the student's own completion.
 """
 
 from __future__ import annotations
@@ -18,15 +19,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from composer_serverless.config import HintConfig
-from composer_serverless.data.records import PromptRecord
+from composer_serverless.data.chat import Rendered
+from composer_serverless.data.records import Prompt, PromptRecord
 
 
 class HintBuilder:
     """Turns records, completions and reward feedback into teacher prompts (None where there is no hint)."""
 
-    def __init__(self, config: HintConfig, render: Callable[[str], str] = lambda text: text) -> None:
+    def __init__(
+        self,
+        config: HintConfig,
+        render: Callable[[Prompt], Rendered] = lambda prompt: Rendered(str(prompt), templated=False),
+    ) -> None:
         self._config = config
-        self._render = render  # the teacher's prompt as the model reads it (a chat template's user turn)
+        self._render = render  # the teacher's prompt as the model reads it (rendered as the student's is)
 
     def hint(self, record: PromptRecord, feedback: str | None, solution: str | None) -> str | None:
         """The hint text for one rollout, or None."""
@@ -37,8 +43,17 @@ class HintBuilder:
             parts.append(self._config.feedback.format(feedback=feedback))
         return "\n".join(parts) if parts else None
 
-    def teacher_prompt(self, record: PromptRecord, hint: str) -> str:
-        return self._render(self._config.template.format(hint=hint, prompt=record.prompt))
+    def teacher_prompt(self, record: PromptRecord, hint: str) -> Rendered:
+        if isinstance(record.prompt, str):
+            return self._render(self._config.template.format(hint=hint, prompt=record.prompt))
+        messages = [dict(m) for m in record.prompt]
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if users:
+            last = messages[users[-1]]
+            last["content"] = self._config.template.format(hint=hint, prompt=last["content"])
+        else:
+            messages.append({"role": "user", "content": self._config.template.format(hint=hint, prompt="")})
+        return self._render(tuple(messages))
 
     def group_hints(
         self,
@@ -47,7 +62,7 @@ class HintBuilder:
         rewards: Sequence[float],
         feedback: Sequence[str | None],
         group_size: int,
-    ) -> list[str | None]:
+    ) -> list[Rendered | None]:
         """Teacher prompts for rows laid out as groups of ``group_size`` consecutive completions of a record.
 
         Args:
@@ -63,7 +78,7 @@ class HintBuilder:
         rows = len(records)
         if not (len(completions) == len(rewards) == len(feedback) == rows) or rows % group_size:
             raise ValueError(f"{rows} rows do not form groups of {group_size} with one value each")
-        prompts: list[str | None] = []
+        prompts: list[Rendered | None] = []
         for start in range(0, rows, group_size):
             group = range(start, start + group_size)
             successes = [i for i in group if rewards[i] >= self._config.success_threshold]

@@ -1,28 +1,31 @@
 """A run's training inputs, read and checked: by the launcher before any replica is paid for, and by each
 replica's objective when it starts.
 
-Everything a replica would otherwise find wrong only once it runs is found here: a data file that is missing
-or has a malformed record (named by file and line), a reward that does not import or needs a field a record
-lacks, fewer records than replicas, a global batch the text corpus cannot feed. Nothing here needs a tensor
-library, so the launcher's checks cost no torch import.
+Everything a replica would otherwise find wrong only once it runs is found here: a data file or dataset that
+is missing or has a malformed record (named by file and line), a mapped column a row lacks, a column a
+built-in reward reads that no record has, fewer records than replicas, a global batch the text corpus cannot
+feed. User reward functions are imported and called by ``reward_check.py``, in a child process of the
+launcher: nothing here imports the user's code or a tensor library, so the launcher's checks cost no torch
+import.
 """
 
 from __future__ import annotations
 
 from composer_serverless.config import ComposerConfig, ConfigError, RunConfig
+from composer_serverless.config.composer import BUILTIN_COLUMNS, BUILTIN_REWARDS
 from composer_serverless.data.corpus import documents
-from composer_serverless.data.records import PromptRecord, read_pairs, read_prompts, shard_records
-from composer_serverless.objectives.rewards import RewardSet
+from composer_serverless.data.records import PromptRecord, is_dataset, read_pairs, read_prompts, shard_records
 
 
-def check(config: RunConfig) -> None:
-    """Check the inputs of ``config``'s objective.
+def check(config: RunConfig) -> list[PromptRecord]:
+    """Check the inputs of ``config``'s objective; the composer objective's training prompts (none for lm).
 
     Raises:
         ConfigError: naming what is wrong and where.
     """
+    train: list[PromptRecord] = []
     if config.train.objective == "composer":
-        check_composer(config)
+        train = check_composer(config)
     else:
         check_text(config)
     chat = (config.data.format == "chat" and not config.data.is_stdlib) or (
@@ -33,23 +36,27 @@ def check(config: RunConfig) -> None:
             "the tiny model's tokenizer has no chat template, so chat records or chat prompts cannot be "
             "rendered\n  fix: model.path = a chat model, or data.format = 'text' / composer.chat_template = false"
         )
+    return train
 
 
-def check_composer(config: RunConfig) -> None:
-    """Read every data file and resolve every reward of the composer objective.
+def check_composer(config: RunConfig) -> list[PromptRecord]:
+    """Read every data file of the composer objective and check it carries what the rewards read; the
+    training prompts.
 
     Raises:
-        ConfigError: a file is missing or has a malformed record (named by file and line), a reward does not
-            import or needs a field a record lacks, or there are fewer records than replicas.
+        ConfigError: a file is missing or has a malformed record (named by file and line), a built-in reward
+            reads a column no record has, or there are fewer records than replicas.
     """
     composer = composer_table(config)
     try:
-        train, _ = checked_prompts(composer, RewardSet(composer.rewards))
+        train, heldout = read_prompt_sets(composer)
+        check_columns(composer, train, heldout)
         shard_records(train, 0, config.diloco.replicas)
-        if composer.data.pairs is not None and composer.beta > 0:
+        if composer.data.pairs is not None and composer.replay_on:
             shard_records(read_pairs(composer.data.pairs), 0, config.diloco.replicas)
-    except (OSError, ValueError) as e:  # RecordError and RewardError are ValueErrors
+    except (OSError, ValueError) as e:  # RecordError is a ValueError
         raise ConfigError(f"[composer] inputs: {e}") from e
+    return train
 
 
 def check_text(config: RunConfig) -> None:
@@ -86,11 +93,43 @@ def composer_table(config: RunConfig) -> ComposerConfig:
     return config.composer
 
 
-def checked_prompts(
-    composer: ComposerConfig, rewards: RewardSet
-) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """The training and held-out prompts, checked to carry what the rewards need."""
-    train, heldout = read_prompts(composer.data.prompts), read_prompts(composer.data.heldout)
-    rewards.check(train)
-    rewards.check(heldout)
-    return train, heldout
+def read_prompt_sets(composer: ComposerConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """The training and held-out prompts, their columns renamed by the column map (a Hugging Face dataset's
+    configured splits)."""
+    data = composer.data
+
+    def read(url: str, split: str) -> list[PromptRecord]:
+        if is_dataset(url):
+            return read_prompts(url, data.columns, split=split, subset=data.subset)
+        return read_prompts(url, data.columns)
+
+    return read(data.prompts, data.train_split), read(data.heldout, data.heldout_split)
+
+
+def check_columns(composer: ComposerConfig, train: list[PromptRecord], heldout: list[PromptRecord]) -> None:
+    """Refuse a built-in reward whose column no record of a set has (each row without it then scores None,
+    as a TRL reward does for a row it does not apply to).
+
+    Raises:
+        ValueError: naming the reward, the column and the file, with the column map as the fix.
+    """
+    for reward in composer.rewards:
+        column = BUILTIN_COLUMNS.get(reward.fn)
+        if column is None:
+            continue
+        for records, url in ((train, composer.data.prompts), (heldout, composer.data.heldout)):
+            if not any(r.columns.get(column) for r in records):
+                raise ValueError(
+                    f"reward {reward.fn!r} reads the {column!r} column, which no record of {url} has\n"
+                    f'  fix: map the column that holds it: [composer.data.columns] {column} = "<its name>"'
+                )
+
+
+def sdpo_weight(composer: ComposerConfig, train: list[PromptRecord], feedback: bool) -> float:
+    """``composer.alpha``, 'auto' resolved: 1 when the task gives feedback for SDPO's hints (``feedback``: a
+    reward returned some; the built-ins do), or its prompts carry a ``hint`` column; else 0."""
+    if composer.alpha != "auto":
+        return composer.alpha
+    builtin = any(r.fn in BUILTIN_REWARDS for r in composer.rewards)
+    hinted = any(r.hint for r in train)
+    return 1.0 if feedback or builtin or hinted else 0.0

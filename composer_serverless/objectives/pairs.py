@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from composer_serverless.data.chat import Rendered
 from composer_serverless.data.records import Cycle, PreferencePair
 from composer_serverless.losses.batches import ReplayBatch
 from composer_serverless.losses.logprobs import completion_logprobs
@@ -57,7 +58,7 @@ class ReplayPairs:
         seed: order of the passes over the pairs.
         reference: the initial model, to compute missing reference log-probs; None for SimPO (none needed).
         chunk_tokens: LM-head chunk size for that computation.
-        render: how a pair's prompt text becomes the model's input (a chat template's user turn, or as is).
+        render: how a pair's prompt text becomes the model's input (a chat template's user turn, or as it is).
     """
 
     def __init__(
@@ -69,7 +70,7 @@ class ReplayPairs:
         seed: int,
         reference: nn.Module | None,
         chunk_tokens: int,
-        render: Callable[[str], str] = lambda text: text,
+        render: Callable[[str], Rendered] = lambda text: Rendered(text, templated=False),
     ) -> None:
         self._tokenizer = tokenizer
         self._render = render
@@ -103,7 +104,8 @@ class ReplayPairs:
         if not pairs:
             return [] if self._needs_reference else None
         eos = self._tokenizer.eos_token_id
-        prompts = [self._tokenizer(self._render(p.prompt))["input_ids"] for p in pairs]
+        rendered = [self._render(p.prompt) for p in pairs]
+        prompts = [self._tokenizer(r.text, add_special_tokens=not r.templated)["input_ids"] for r in rendered]
         empty = next((p for p, ids in zip(pairs, prompts, strict=True) if not ids), None)
         if empty is not None:
             raise ValueError(f"{empty.source}: the prompt encodes to no tokens")

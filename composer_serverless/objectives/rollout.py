@@ -22,19 +22,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer_serverless.accelerator.clock import PhaseClock
-from composer_serverless.data.records import PromptRecord
+from composer_serverless.data.chat import Rendered
+from composer_serverless.data.records import Prompt, PromptRecord
 from composer_serverless.losses.batches import HintBatch, RLBatch
 from composer_serverless.losses.grpo import ScaleRewards, dynamic_sampling_keep, group_advantages
 from composer_serverless.objectives.hints import HintBuilder
-from composer_serverless.objectives.rewards import RewardSet, Scored
+from composer_serverless.objectives.rewards import RewardSet, Scored, mean
 
 
 def encode_prompts(
-    tokenizer: Any, texts: Sequence[str], device: torch.device
+    tokenizer: Any, prompts: Sequence[str | Rendered], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, P) left-padded token ids and mask; the tokenizer adds its special tokens (a BOS, say) as usual."""
-    encoded = tokenizer(list(texts))["input_ids"]
-    empty = [t for t, ids in zip(texts, encoded, strict=True) if not ids]
+    """(B, P) left-padded token ids and mask. A plain string gets the tokenizer's special tokens (a BOS, say)
+    as usual; a prompt a chat template rendered already holds them and gets none added (no second BOS)."""
+    rendered = [p if isinstance(p, Rendered) else Rendered(p, templated=False) for p in prompts]
+    encoded = [tokenizer(r.text, add_special_tokens=not r.templated)["input_ids"] for r in rendered]
+    empty = [r.text for r, ids in zip(rendered, encoded, strict=True) if not ids]
     if empty:
         raise ValueError(f"prompt {empty[0]!r} encodes to no tokens")
     width = max(len(ids) for ids in encoded)
@@ -73,6 +76,8 @@ class Samples:
         completion_ids, completion_mask: (B, C) right-padded completions; the mask includes the EOS.
         texts: each completion decoded without its EOS and special tokens, what rewards score.
         truncated: (B,) bool, True where the completion hit the length limit without an EOS.
+        token_ids: each completion's token ids up to and including its EOS (what rewards get as
+            ``completion_ids``).
     """
 
     prompt_ids: torch.Tensor
@@ -81,6 +86,7 @@ class Samples:
     completion_mask: torch.Tensor
     texts: list[str]
     truncated: torch.Tensor
+    token_ids: list[list[int]]
 
     def select(self, rows: Sequence[int]) -> Samples:
         index = torch.tensor(list(rows), dtype=torch.long, device=self.prompt_ids.device)
@@ -91,6 +97,7 @@ class Samples:
             self.completion_mask[index],
             [self.texts[i] for i in rows],
             self.truncated[index],
+            [self.token_ids[i] for i in rows],
         )
 
     @staticmethod
@@ -112,13 +119,14 @@ class Samples:
             torch.cat([right(p.completion_mask, 0) for p in parts]),
             [t for p in parts for t in p.texts],
             torch.cat([p.truncated for p in parts]),
+            [t for p in parts for t in p.token_ids],
         )
 
 
 def generate(
     model: nn.Module,
     tokenizer: Any,
-    prompts: Sequence[str],
+    prompts: Sequence[str | Rendered],
     *,
     max_new_tokens: int,
     temperature: float | None,
@@ -162,20 +170,16 @@ def generate(
     completion_ids = out[:, prompt_ids.size(1) :]
     mask = completion_mask(completion_ids, eos)
     is_eos = torch.isin(completion_ids, torch.tensor(eos, device=device)) & mask.bool()
-    # The tokens to decode, read to the host in one transfer (a row at a time would wait once per row).
-    ids, keep = torch.stack([completion_ids, (mask.bool() & ~is_eos).to(completion_ids.dtype)]).tolist()
+    # The tokens, read to the host in one transfer (a row at a time would wait once per row): 1 where a
+    # token is the completion's, 2 where it is also text (not the EOS).
+    kind = mask + (mask.bool() & ~is_eos).to(mask.dtype)
+    ids, kinds = torch.stack([completion_ids, kind.to(completion_ids.dtype)]).tolist()
     texts = tokenizer.batch_decode(
-        [
-            [t for t, kept in zip(row, flags, strict=True) if kept]
-            for row, flags in zip(ids, keep, strict=True)
-        ],
+        [[t for t, k in zip(row, ks, strict=True) if k == 2] for row, ks in zip(ids, kinds, strict=True)],
         skip_special_tokens=True,
     )
-    return Samples(prompt_ids, prompt_mask, completion_ids, mask, texts, ~is_eos.any(dim=1))
-
-
-def as_is(text: str) -> str:
-    return text
+    token_ids = [[t for t, k in zip(row, ks, strict=True) if k] for row, ks in zip(ids, kinds, strict=True)]
+    return Samples(prompt_ids, prompt_mask, completion_ids, mask, texts, ~is_eos.any(dim=1), token_ids)
 
 
 @dataclass(frozen=True)
@@ -191,8 +195,8 @@ class RolloutSettings:
     max_draws: int = 1
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
-    # How a record's prompt text becomes the model's input (a chat template's user turn, or as it is).
-    render: Callable[[str], str] = as_is
+    # How a record's prompt becomes the model's input (rendered with the chat template, or as it is).
+    render: Callable[[Prompt], Rendered] = lambda prompt: Rendered(str(prompt), templated=False)
 
 
 def overlong_punishment(
@@ -287,7 +291,7 @@ def _draw(
     )
     clock.lap("generate")  # generate read its tokens back, so the device is done with them
     rows = [r for r in records for _ in range(settings.group_size)]
-    scored = rewards.score(samples.texts, rows)
+    scored = rewards.score(samples.texts, rows, samples.token_ids)
     if settings.overlong_buffer:
         punishment = overlong_punishment(
             samples.completion_mask.sum(dim=1),
@@ -377,7 +381,7 @@ def rollout(
 
 
 def _hint_batch(
-    tokenizer: Any, student: Sequence[str], teacher: Sequence[str | None], rl: RLBatch
+    tokenizer: Any, student: Sequence[Rendered], teacher: Sequence[Rendered | None], rl: RLBatch
 ) -> HintBatch | None:
     """The teacher's sequences `[hinted prompt, completion]`; rows without a hint keep the student's prompt
     and are not distilled."""
@@ -405,5 +409,8 @@ def _metrics(
         "rollout/truncated": batch.truncated.float().mean(),
         "rollout/hinted": 0.0 if hint is None else hint.distill_mask.any(dim=1).float().mean(),
     }
-    metrics.update({f"rollout/reward/{name}": sum(v) / len(v) for name, v in sampled.by_reward.items()})
+    for name, values in sampled.by_reward.items():  # over the rows the reward applies to
+        total, count = mean(values)
+        if count:
+            metrics[f"rollout/reward/{name}"] = total / count
     return metrics

@@ -12,6 +12,7 @@ from composer_serverless.data.records import PromptRecord
 from composer_serverless.objectives.composer import stratified
 from composer_serverless.objectives.inputs import check_composer
 from composer_serverless.objectives.objective import evaluate, make_objective
+from composer_serverless.objectives.reward_check import run_check
 from composer_serverless.objectives.shares import combine
 from composer_serverless.replicas.trainer import _read_step
 from tests.replicas.conftest import tiny_model
@@ -96,14 +97,14 @@ def test_simpo_and_a_kl_term_need_other_references(raw, model, tokenizer):
 
 
 def test_held_out_prompts_are_taken_across_tasks_in_turn():
-    records = [PromptRecord(prompt=str(i), task=t) for i, t in enumerate("aaabbc")]
+    records = [PromptRecord(prompt=str(i), columns={"task": t}) for i, t in enumerate("aaabbc")]
     assert [r.prompt for r in stratified(records, 4)] == ["0", "3", "5", "1"]
     assert len(stratified(records, 100)) == 6
 
 
 def test_the_launchers_check_names_the_malformed_record(raw, jsonl):
     config = validate_config(raw())
-    bad = jsonl("bad.jsonl", [TRAIN[0], '{"prompt": "x", "answer": 5}'])
+    bad = jsonl("bad.jsonl", [TRAIN[0], '{"prompt": "x", "answer": [5]}'])
     broken = config.model_copy(
         update={
             "composer": config.composer.model_copy(
@@ -111,14 +112,29 @@ def test_the_launchers_check_names_the_malformed_record(raw, jsonl):
             )
         }
     )
-    with pytest.raises(ConfigError, match=rf"{bad}:2: 'answer' must be a non-empty string \(got 5\)"):
+    with pytest.raises(ConfigError, match=rf"{bad}:2: 'answer' must be a string, got \[5\]"):
         check_composer(broken)
 
 
 def test_the_launchers_check_names_a_reward_that_does_not_import(raw):
+    """In a child process, as the launcher runs it: the user's code never enters the launcher."""
     config = validate_config(raw(rewards=[{"fn": "no_such_module:score"}]))
-    with pytest.raises(ConfigError, match="reward 'no_such_module:score': cannot import 'no_such_module'"):
-        check_composer(config)
+    with pytest.raises(ConfigError, match="reward 'no_such_module:score': importing 'no_such_module' failed"):
+        run_check(config)
+
+
+def test_a_built_in_reward_whose_column_no_record_has_is_refused_with_the_column_map(raw, jsonl):
+    config = validate_config(raw())
+    plain = jsonl("plain.jsonl", [{"prompt": "add 1 1=", "solution": "2"}] * 4)
+    broken = config.model_copy(
+        update={
+            "composer": config.composer.model_copy(
+                update={"data": config.composer.data.model_copy(update={"prompts": plain})}
+            )
+        }
+    )
+    with pytest.raises(ConfigError, match=r"reads the 'answer' column, which no record of .*plain.jsonl has"):
+        check_composer(broken)
 
 
 def test_the_launchers_check_refuses_fewer_records_than_replicas(raw):
@@ -150,7 +166,7 @@ def test_prompts_are_rendered_with_the_chat_template_when_asked(raw, model, toke
     monkeypatch.setattr(
         rollout,
         "encode_prompts",
-        lambda tok, prompts, device: seen.extend(prompts) or encode(tok, prompts, device),
+        lambda tok, prompts, device: seen.extend(p.text for p in prompts) or encode(tok, prompts, device),
     )
     objective = make_objective(validate_config(raw(chat_template=True)), tokenizer, 0, model=model)
     objective.loss(model)

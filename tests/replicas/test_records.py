@@ -14,7 +14,7 @@ from composer_serverless.data.records import (
 )
 
 
-def test_prompt_records_with_optional_fields_and_blank_lines(jsonl):
+def test_prompt_records_are_rows_with_any_columns_and_blank_lines_are_skipped(jsonl):
     path = jsonl(
         "train.jsonl",
         [
@@ -25,20 +25,35 @@ def test_prompt_records_with_optional_fields_and_blank_lines(jsonl):
                 "tests": ["assert f() == 1", "assert f() != 2"],
                 "hint": "return 1",
                 "meta": {"id": 3},
+                "difficulty": 2,
             },
             {"prompt": "p", "tests": "assert True"},
         ],
     )
     records = read_prompts(path)
-    assert records[0] == PromptRecord("add 2 3=", answer="5", task="add", source=f"{path}:1")
+    assert records[0] == PromptRecord("add 2 3=", {"answer": "5", "task": "add"}, source=f"{path}:1")
+    assert (records[0].answer, records[0].task) == ("5", "add")
     assert records[1].tests == ("assert f() == 1", "assert f() != 2")
-    assert (records[1].hint, records[1].meta, records[1].task, records[1].source) == (
-        "return 1",
-        {"id": 3},
-        "default",
-        f"{path}:3",
-    )
+    assert (records[1].hint, records[1].task, records[1].source) == ("return 1", "default", f"{path}:3")
+    assert records[1].columns["meta"] == {"id": 3} and records[1].columns["difficulty"] == 2
     assert records[2].tests == ("assert True",)
+
+
+def test_a_column_map_renames_columns_and_a_conversation_keeps_its_system_turn(jsonl):
+    """A GSM8K-shaped row (question, solution) mapped as TRL users rename columns; a conversational one."""
+    system = {"role": "system", "content": "Answer with a number."}
+    path = jsonl(
+        "rows.jsonl",
+        [
+            {"question": "2 + 3?", "solution": "5"},
+            {"question": [system, {"role": "user", "content": "4 + 4?"}], "solution": "8"},
+        ],
+    )
+    plain, chat = read_prompts(path, {"prompt": "question"})
+    assert plain.prompt == "2 + 3?" and plain.columns == {"solution": "5"} and not plain.conversational
+    assert chat.prompt == (system, {"role": "user", "content": "4 + 4?"}) and chat.conversational
+    (renamed, _) = read_prompts(path, {"prompt": "question", "answer": "solution"})
+    assert renamed.answer == "5" and "solution" not in renamed.columns
 
 
 @pytest.mark.parametrize(
@@ -46,16 +61,30 @@ def test_prompt_records_with_optional_fields_and_blank_lines(jsonl):
     [
         ('{"prompt": "x", "answer": "1"', r"not valid JSON"),
         ('["prompt", "x"]', r"expected a JSON object, got list"),
-        ('{"prompt": "x", "anwser": "1"}', r"unknown key 'anwser'; did you mean 'answer'\?"),
-        ('{"answer": "1"}', r"'prompt' must be a non-empty string \(missing\)"),
-        ('{"prompt": "x", "answer": 7}', r"'answer' must be a non-empty string \(got 7\)"),
+        ('{"answer": "1"}', r"no 'prompt' column \(its columns: answer\)"),
+        ('{"prompt": "", "answer": "1"}', r"'prompt' is empty"),
+        ('{"prompt": [{"role": "user"}]}', r"message 0 of 'prompt' must be"),
+        (
+            '{"prompt": [{"role": "assistant", "content": "a"}]}',
+            r"the prompt's last message is the assistant's",
+        ),
+        ('{"prompt": "x", "answer": [7]}', r"'answer' must be a string, got \[7\]"),
         ('{"prompt": "x", "tests": [1]}', r"'tests' must be a string or a list of non-empty strings"),
+        ('{"prompt": "x", "completions": "y"}', r"column 'completions' would clash"),
     ],
 )
 def test_a_malformed_prompt_record_is_named_by_file_and_line(jsonl, line, message):
     path = jsonl("bad.jsonl", [{"prompt": "fine", "answer": "1"}, "", line])
     with pytest.raises(RecordError, match=rf"^{path}:3: {message}"):
         read_prompts(path)
+
+
+def test_a_mapped_column_a_row_lacks_is_named_with_the_columns_it_has(jsonl):
+    path = jsonl("rows.jsonl", [{"questoin": "2 + 3?", "solution": "5"}])
+    with pytest.raises(
+        RecordError, match=rf"^{path}:1: column 'question' \(mapped to 'prompt'.*did you mean 'questoin'"
+    ):
+        read_prompts(path, {"prompt": "question"})
 
 
 def test_preference_pairs_with_and_without_reference_log_probs(jsonl):

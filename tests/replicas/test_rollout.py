@@ -5,6 +5,7 @@ import torch
 
 from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import HintConfig, RewardConfig
+from composer_serverless.data.chat import render_prompt
 from composer_serverless.data.records import PromptRecord
 from composer_serverless.losses.batches import LossBatch
 from composer_serverless.losses.compose import LossSettings, three_channel_loss
@@ -75,7 +76,7 @@ def test_overlong_punishment_follows_dapo():
 
 
 def _records():
-    return [PromptRecord(prompt=p, answer="5", task="t") for p in PROMPTS]
+    return [PromptRecord(prompt=p, columns={"answer": "5", "task": "t"}) for p in PROMPTS]
 
 
 def _draw(records):
@@ -200,3 +201,22 @@ def test_a_checkpoint_asking_for_a_static_cache_samples_on_the_device_as_on_the_
         on_device = generate(model, tokenizer, PROMPTS, max_new_tokens=4, temperature=None)
         assert on_device.completion_ids.device.type == "cuda"
     assert on_device.texts == on_cpu.texts
+
+
+def test_a_prompt_a_chat_template_rendered_gets_no_second_bos(tokenizer):
+    """A template that writes BOS itself (Llama 3's): the rendered prompt is encoded without special tokens,
+    as TRL encodes rendered prompts; a plain prompt still gets the tokenizer's BOS."""
+    from tokenizers.processors import TemplateProcessing
+
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, bos_id)]
+    )
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    rendered = render_prompt(tokenizer, "add 2 3=", as_chat=True)
+    assert rendered.templated and rendered.text.startswith(bos)
+    assert tokenizer(rendered.text)["input_ids"].count(bos_id) == 2  # what encoding it as usual would do
+    ids, mask = encode_prompts(tokenizer, [rendered, "add 2 3="], torch.device("cpu"))
+    for row, keep in zip(ids.tolist(), mask.tolist(), strict=True):
+        tokens = [t for t, k in zip(row, keep, strict=True) if k]
+        assert tokens[0] == bos_id and tokens.count(bos_id) == 1

@@ -1,0 +1,103 @@
+"""The launcher's check of a run's rewards, run in a child process (``python -m
+composer_serverless.objectives.reward_check``, the resolved config on stdin): every reward imported and called
+as TRL calls rewards, on the first training records with placeholder completions, before anything is written
+or paid for. A wrong signature, a reward that raises, a missing package or a missing file is reported with
+its fix. It also says whether any reward gave feedback in words, which decides SDPO's weight when it is
+'auto'.
+
+A child process, because a user's reward module may import anything (torch, a verifier): the launcher itself
+imports no training stack.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+from composer_serverless.config import ConfigError, RunConfig
+from composer_serverless.config.composer import BUILTIN_REWARDS
+from composer_serverless.data.records import PromptRecord
+from composer_serverless.objectives import inputs
+from composer_serverless.objectives.rewards import RewardError, RewardSet, code_root
+
+# Training records a reward is called on.
+PROBE_RECORDS = 4
+CHECK_TIMEOUT_S = 300.0
+
+
+def run_check(config: RunConfig) -> bool:
+    """Check ``config``'s rewards in a child process; whether any gave feedback (the built-ins do).
+
+    Raises:
+        ConfigError: every problem found, each with its fix; or the check could not run.
+    """
+    composer = inputs.composer_table(config)
+    if all(r.fn in BUILTIN_REWARDS for r in composer.rewards):
+        return True  # nothing of the user's to import; the built-ins give feedback
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", __name__],
+            input=config.resolved_json(),
+            capture_output=True,
+            text=True,
+            timeout=CHECK_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"the reward check did not finish in {CHECK_TIMEOUT_S:.0f}s") from None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+        raise ConfigError(f"the reward check could not run (exit {done.returncode}):\n{tail}")
+    result = json.loads(lines[-1])
+    if result["problems"]:
+        raise ConfigError(
+            "the rewards cannot be used as configured:\n"
+            + "\n".join("  " + p.replace("\n", "\n  ") for p in result["problems"])
+        )
+    return bool(result["feedback"]) or any(r.fn in BUILTIN_REWARDS for r in composer.rewards)
+
+
+def placeholder(record: PromptRecord) -> str:
+    """A completion to call rewards with: the row's answer when it has one (a right answer, so a verifier's
+    happy path runs), else a short text."""
+    return record.answer if record.answer else "placeholder completion"
+
+
+def check(config: RunConfig) -> dict[str, Any]:
+    """``{"problems": [...], "feedback": bool}``: what is wrong with the rewards, and whether one gave feedback."""
+    composer = inputs.composer_table(config)
+    train, _ = inputs.read_prompt_sets(composer)
+    records = train[:PROBE_RECORDS]
+    completions = [placeholder(r) for r in records]
+    try:
+        rewards = RewardSet(composer.rewards, code_root(config))
+    except RewardError as e:
+        return {"problems": [str(e)], "feedback": False}
+    problems: list[str] = []
+    feedback = False
+    for reward in rewards.rewards:
+        try:
+            _, notes = reward(records, completions, [[] for _ in records])
+        except RewardError as e:
+            problems.append(str(e))
+        except Exception as e:  # the user's code raised: name the rows it was called on
+            problems.append(
+                f"reward {reward.name!r} raised {type(e).__name__}: {e}\n  called on {records[0].source} and the "
+                f"{len(records) - 1} rows after it, with completions {completions[:2]!r}...\n"
+                "  fix: make it return None for a row it cannot score (TRL: the reward does not apply there)"
+            )
+        else:
+            feedback = feedback or any(notes)
+    return {"problems": problems, "feedback": feedback}
+
+
+def main() -> int:
+    config = RunConfig.model_validate_json(sys.stdin.read())
+    print(json.dumps(check(config)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
