@@ -31,7 +31,7 @@ from rich.console import Console
 
 from composer_serverless import watch
 from composer_serverless.config import ConfigError, RunConfig, validate_config
-from composer_serverless.executors import make_executor
+from composer_serverless.executors import make_executor, shipment
 from composer_serverless.executors.base import (
     TERMINAL_STATES,
     LaunchPlan,
@@ -68,8 +68,15 @@ def new_run_id(source: str) -> str:
     return f"{stem}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
-def create_run(config: RunConfig, source: str, console: Console) -> tuple[ObjectStore, RunConfig]:
-    """Create the run in the store: model (if built here) first, ``run.json`` last and exactly once."""
+def create_run(
+    config: RunConfig,
+    source: str,
+    console: Console,
+    shipped: shipment.Shipment | None = None,
+    ship_code: bool = False,
+) -> tuple[ObjectStore, RunConfig]:
+    """Create the run in the store: the model (if built here), the shipped data and code (``ship_code``: for
+    replicas that fetch it) first, ``run.json`` last and exactly once."""
     root = ObjectStore(config.store)
     root.ensure_root()
     run_id = config.run_id or new_run_id(source)
@@ -78,13 +85,18 @@ def create_run(config: RunConfig, source: str, console: Console) -> tuple[Object
         raise ConfigError(
             f"run {run.url} already exists\n  fix: choose another run_id, or leave run_id unset"
         )
+    key = None
     if config.diloco.authenticate:  # made and saved before the run's first object is written
-        runkey.record_fingerprint(run, new_run_key(run.url))
+        key = new_run_key(run.url)
+        runkey.record_fingerprint(run, key)
     # Validated again (model_copy would not): whatever reaches run.json is exactly what replicas will accept.
     resolved = validate_config({**config.model_dump(), "run_id": run_id}, source="the resolved config")
     if resolved.model.tiny is not None:
         with console.status("building the tiny model and its tokenizer"):
             _build_tiny_into(run, resolved)
+    if shipped is not None:
+        with console.status("uploading the run's data and code"):
+            shipment.upload(run, shipped, code=ship_code, key=None if key is None else key.for_run(run_id))
     if not run.create(layout.RUN_CONFIG, resolved.resolved_json().encode()):
         raise ConfigError(
             f"run {run.url} was created concurrently by someone else\n  fix: choose another run_id"
@@ -120,6 +132,7 @@ class Prepared:
     executor: ServerlessExecutor
     plan: LaunchPlan
     problems: list[str]
+    shipped: shipment.Shipment
 
 
 def prepare(config: RunConfig, source: str) -> Prepared:
@@ -134,7 +147,10 @@ def prepare(config: RunConfig, source: str) -> Prepared:
     run = open_store(store, fix=STORE_HINT).child(run_id)
     executor = make_executor(resolved, run)
     plan = _plan(executor, resolved, run)
-    return Prepared(resolved, source, run, executor, plan, _preflight(executor, plan, resolved))
+    # Data named by a local path reaches cloud replicas through the run's prefix: run.json names it there.
+    shipped = shipment.plan(resolved, cloud=plan.executor != "local")
+    resolved = shipment.with_uploaded_data(resolved, run.url, shipped)
+    return Prepared(resolved, source, run, executor, plan, _preflight(executor, plan, resolved), shipped)
 
 
 def _with_rewards_checked(config: RunConfig, train: list[Any]) -> RunConfig:
@@ -175,7 +191,8 @@ def start(prepared: Prepared, console: Console) -> Supervisor:
         with console.status("checking the model (config, tokenizer, a meta-device instance)"):
             check_model(prepared.config)
     prepared.executor.check_access(prepared.plan)
-    run, _ = create_run(prepared.config, prepared.source, console)
+    ship_code = prepared.plan.resources["shipped"]["how"] == shipment.STORE
+    run, _ = create_run(prepared.config, prepared.source, console, prepared.shipped, ship_code)
     _hand_over_key(prepared.executor, run, prepared.config)
     record = LaunchRecord(prepared.plan, (), created_at=time.time())
     return _start_replicas(run, prepared.executor, record, prepared.config, console)

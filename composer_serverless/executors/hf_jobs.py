@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from composer_serverless.accelerator import ACCELERATOR_ENV
 from composer_serverless.config import DEFAULT_HF_JOBS_IMAGE, RunConfig
 from composer_serverless.config.hardware import HF_FLAVOR_PRICES
-from composer_serverless.executors import retrying, runtime
+from composer_serverless.executors import retrying, runtime, shipment
 from composer_serverless.executors.base import (
     BackendError,
     Journal,
@@ -118,8 +118,14 @@ class HFJobsExecutor:
             env[ACCELERATOR_ENV] = "cuda"
         secrets = present_secrets(config, always=(HUB_TOKEN,))
         stock = ex.image == DEFAULT_HF_JOBS_IMAGE
+        shipped = shipment.plan(config, cloud=True)
         specs = tuple(
-            ReplicaSpec(rank, _command(run_url, rank, ex.package, install_torch=stock), env, secrets)
+            ReplicaSpec(
+                rank,
+                _command(run_url, rank, ex.package, install_torch=stock, requirements=shipped.requirements),
+                env,
+                secrets,
+            )
             for rank in range(replicas)
         )
         price = ex.price_per_hour or HF_FLAVOR_PRICES[ex.flavor]
@@ -138,6 +144,7 @@ class HFJobsExecutor:
                 # runs the torch it holds.
                 "torch": torch_build() if stock else f"as installed in {ex.image}",
                 "package": ex.package,
+                "shipped": shipped.describe(shipment.STORE),
                 "flavor": ex.flavor,
                 "timeout_s": ex.timeout_s,
                 "namespace": ex.namespace,
@@ -366,13 +373,17 @@ class _MaybeCreated(Exception):
     """A job creation failed in a way that does not show whether the job was created (its message: why)."""
 
 
-def _command(run_url: str, rank: int, package: str | None, *, install_torch: bool) -> tuple[str, ...]:
-    """The job's command: the worker, after installing the tested torch build (on the stock image) and the
-    package (when ``executor.package`` names one)."""
+def _command(
+    run_url: str, rank: int, package: str | None, *, install_torch: bool, requirements: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """The job's command: the worker, after installing the tested torch build (on the stock image), the
+    package (when ``executor.package`` names one) and the run's code's requirements."""
     worker = worker_argv(run_url, rank)
     steps = [runtime.install_torch()] if install_torch else []
     if package is not None:
         steps.append(f"pip install --quiet --no-cache-dir {shlex.quote(package)}")
+    if requirements:
+        steps.append("pip install --quiet --no-cache-dir " + " ".join(map(shlex.quote, requirements)))
     if not steps:
         return worker
     return ("bash", "-c", " && ".join([*steps, f"exec {shlex.join(worker)}"]))

@@ -19,6 +19,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -32,6 +33,7 @@ import psutil
 
 from composer_serverless.accelerator import ACCELERATOR_ENV
 from composer_serverless.config import ConfigError, RunConfig
+from composer_serverless.executors import shipment
 from composer_serverless.executors.base import (
     WORKER_MODULE,
     CostEstimate,
@@ -104,6 +106,7 @@ class LocalProcessExecutor:
                 "devices": "cpu" if devices is None else {str(r): d for r, d in enumerate(devices)},
                 "log_dir": str(self._log_dir),
                 "secrets": "inherited environment",
+                "shipped": shipment.plan(config, cloud=False).describe(shipment.IN_PLACE),
                 # The teachers' keys stay with the launcher, which harvests: replicas never need them.
                 "withheld_env": teacher_key_names(config),
             },
@@ -112,7 +115,13 @@ class LocalProcessExecutor:
         )
 
     def preflight(self, plan: LaunchPlan) -> list[str]:
-        return []  # replicas inherit this environment, credentials included
+        """Replicas inherit this environment, credentials included: what it lacks is the packages the run's
+        code needs."""
+        return [
+            f"requirement {r!r} is not installed in this environment, where local replicas run\n"
+            f"  fix: pip install {shlex.quote(r)}"
+            for r in shipment.missing_requirements(tuple(plan.resources["shipped"]["requirements"]))
+        ]
 
     def check_access(self, plan: LaunchPlan) -> None:
         return None  # no API between this machine and its own processes

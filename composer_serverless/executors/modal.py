@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import json
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from composer_serverless.accelerator import ACCELERATOR_ENV
 from composer_serverless.config import RunConfig
 from composer_serverless.config.hardware import MODAL_GPU_PRICES
-from composer_serverless.executors import retrying
+from composer_serverless.executors import retrying, shipment
 from composer_serverless.executors.base import (
     BackendError,
     Journal,
@@ -63,6 +66,7 @@ from composer_serverless.executors.modal_image import (
     IMAGE_REQUIREMENTS,
     PYTHON_VERSION,
     RETRY_DELAY_S,
+    SHIPMENT_ENV,
 )
 from composer_serverless.executors.pricing import estimate_cost
 from composer_serverless.executors.runtime import torch_build
@@ -119,6 +123,7 @@ class ModalExecutor:
                     "requirements": list(IMAGE_REQUIREMENTS),
                 },
                 "modal_secrets": list(ex.modal_secrets),
+                "shipped": shipment.plan(config, cloud=True).describe(shipment.IMAGE),
                 "detached": True,
                 "app_per_replica": True,
             },
@@ -166,7 +171,7 @@ class ModalExecutor:
         """Spawn replica ``rank`` in a detached app of its own, recorded (the app) before the call exists."""
         import modal
 
-        from composer_serverless.executors.modal_app import app
+        app = replica_module(plan.resources["shipped"]).app
 
         kept: BaseException | None = None
         pending = handle = None
@@ -196,7 +201,7 @@ class ModalExecutor:
         here too, for the same reason (a secret made from a dict belongs to the app it is first used in)."""
         import modal
 
-        from composer_serverless.executors.modal_app import train_replica
+        train_replica = replica_module(plan.resources["shipped"]).train_replica
 
         res = plan.resources
         first = plan.replicas[0]
@@ -319,6 +324,21 @@ def _stop_app(app_id: str) -> None:
 
     with contextlib.suppress(mx.NotFoundError):  # gone already
         modal.App.lookup(app_id).stop()
+
+
+def replica_module(shipped: dict[str, Any]) -> Any:
+    """``modal_app``, its image holding the run's code and requirements: imported again when the shipment
+    differs from the one its image was built with (a module-level app cannot change its image later)."""
+    from composer_serverless.executors import modal_app
+
+    wanted = shipped if shipped["code"] or shipped["requirements"] else None
+    if wanted != modal_app.SHIPPED:
+        os.environ[SHIPMENT_ENV] = json.dumps(wanted)
+        try:
+            modal_app = importlib.reload(modal_app)
+        finally:
+            del os.environ[SHIPMENT_ENV]
+    return modal_app
 
 
 def _gpu_option(gpu: str, count: int) -> str:

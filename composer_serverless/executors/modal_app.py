@@ -10,22 +10,50 @@ number of replicas would queue some of them behind a sync barrier that waits for
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import modal
 
+from composer_serverless.config.code import CODE_DIR_ENV
 from composer_serverless.executors.modal_image import (
     APP_NAME,
     IMAGE_REQUIREMENTS,
     PYTHON_VERSION,
+    REMOTE_CODE,
     RETRY_DELAY_S,
+    SHIPMENT_ENV,
 )
 from composer_serverless.executors.runtime import TORCH_INDEX_URL, TORCH_REQUIREMENT
 
-image = (
-    modal.Image.debian_slim(python_version=PYTHON_VERSION)
-    .pip_install(TORCH_REQUIREMENT, index_url=TORCH_INDEX_URL)  # the tested build, for the driver floor
-    .pip_install(*IMAGE_REQUIREMENTS)
-    .env({"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
-)
+# The run's code and requirements (``shipment.py``), when the launcher imports this module for a run that
+# ships some (``SHIPMENT_ENV``, read only while it does). In a container the module runs again without it:
+# the image is already built, and its files are at REMOTE_CODE.
+SHIPPED = json.loads(os.environ[SHIPMENT_ENV]) if modal.is_local() and SHIPMENT_ENV in os.environ else None
+
+
+def replica_image(shipped: dict | None) -> modal.Image:
+    """The replica image: the tested torch, the package's requirements, then the run's requirements and its
+    code files (mounted last, as Modal requires of files added at container start)."""
+    image = (
+        modal.Image.debian_slim(python_version=PYTHON_VERSION)
+        .pip_install(TORCH_REQUIREMENT, index_url=TORCH_INDEX_URL)  # the tested build, for the driver floor
+        .pip_install(*IMAGE_REQUIREMENTS)
+        .env({"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+    )
+    if shipped is None:
+        return image
+    if shipped["requirements"]:
+        image = image.pip_install(*shipped["requirements"])
+    if shipped["code"]:
+        image = image.env({CODE_DIR_ENV: REMOTE_CODE})
+        for rel in shipped["code"]:
+            image = image.add_local_file(Path(shipped["root"]) / rel, f"{REMOTE_CODE}/{rel}")
+    return image
+
+
+image = replica_image(SHIPPED)
 app = modal.App(APP_NAME, image=image)
 
 

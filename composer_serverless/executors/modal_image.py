@@ -31,3 +31,6 @@ IMAGE_REQUIREMENTS = (
     "huggingface_hub>=1.24",
 )
 RETRY_DELAY_S = 10.0
+# How the launcher hands a run's shipment to ``modal_app`` as it imports it, and where the code lands.
+SHIPMENT_ENV = "COMPOSER_SERVERLESS_MODAL_SHIPMENT"
+REMOTE_CODE = "/root/composer-serverless-code"

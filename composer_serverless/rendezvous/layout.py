@@ -28,6 +28,12 @@ KEY_FINGERPRINT = "key.json"
 or a replica with the wrong key is told so at once instead of rejecting every state it reads."""
 MODEL = "model"
 """The tiny model and tokenizer the launcher builds for offline runs (save_pretrained format)."""
+CODE = "code"
+"""The user's code for replicas that fetch it (HF Jobs), under its path relative to the config."""
+CODE_MANIFEST = f"{CODE}/manifest.json"
+"""Each shipped code file's sha256, written after the files: a replica checks every file against it."""
+INPUTS = "inputs"
+"""Data files named by a path on the launcher's machine, uploaded for cloud replicas (``inputs/{slot}/``)."""
 LOGS = "logs"
 """The local executor's replica logs (``logs/rank-{rank}.log``), when the store is a local directory."""
 SUMMARY = "summary.json"
@@ -220,6 +226,9 @@ def describe() -> list[tuple[str, str]]:
         (LAUNCH_RECORD, "the plan and every replica attempt's handle (the launcher)"),
         (KEY_FINGERPRINT, "the run key's fingerprint, created once (diloco.authenticate)"),
         (f"{MODEL}/", "the tiny model the launcher builds for offline runs"),
+        (f"{CODE}/", "the user's code, for replicas that fetch it (HF Jobs)"),
+        (CODE_MANIFEST, "each code file's sha256, written after them"),
+        (f"{INPUTS}/", "data files named by a local path, uploaded for cloud replicas"),
         (heartbeat(rank), "heartbeat: state, round, step, last loss"),
         (metrics(rank, k), "one row per round (object stores cannot append)"),
         (in_sync + sync_input(rank, shard, local), "pseudo-gradient shards of local rank {local}'s part"),

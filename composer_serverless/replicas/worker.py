@@ -22,10 +22,12 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 from composer_serverless.accelerator import SIMULATED_ENV
 from composer_serverless.config import RunConfig
-from composer_serverless.rendezvous import layout
+from composer_serverless.config.code import CODE_DIR_ENV
+from composer_serverless.rendezvous import layout, shipped
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
 
@@ -57,6 +59,31 @@ def run_worker(run_url: str, rank: int, open_store: Callable[[str], ObjectStore]
     _simulate_if_asked()
     store = open_store(run_url)
     config = RunConfig.model_validate_json(store.get(layout.RUN_CONFIG))
+    # The run's code, when it is shipped through the store, lives as long as this replica (its ranks too).
+    with tempfile.TemporaryDirectory(prefix="composer-serverless-code-") as code:
+        _fetch_code(store, config, rank, Path(code))
+        return _run_ranks(run_url, rank, config, store, open_store)
+
+
+def _fetch_code(store: ObjectStore, config: RunConfig, rank: int, into: Path) -> None:
+    """Fetch the run's shipped code (HF Jobs), checked file by file, and tell the objective where it is
+    (``CODE_DIR_ENV``, inherited by the ranks); nothing to do where it is in place or in the image."""
+    from composer_serverless.replicas.diloco import run_key
+
+    try:
+        key = run_key(config.diloco)
+        fetched = shipped.fetch(store, into, None if key is None else key.for_run(config.run_id or ""))
+    except Exception as e:
+        Reporter(store, rank).beat(state="failed", error=f"{type(e).__name__}: {e}")
+        raise
+    if fetched is not None:
+        os.environ[CODE_DIR_ENV] = str(fetched)
+        logger.info("replica %d: the run's code fetched from %s", rank, store.url_of(layout.CODE))
+
+
+def _run_ranks(
+    run_url: str, rank: int, config: RunConfig, store: ObjectStore, open_store: Callable[[str], ObjectStore]
+) -> int:
     ranks = config.ranks_per_replica
     if ranks == 1:
         from composer_serverless.replicas.trainer import run_replica

@@ -1,0 +1,193 @@
+"""What a run ships to its replicas besides the package: the user's code (reward files, the files and package
+directories ``[code] paths`` lists), the pip packages it needs, and, for cloud replicas, data named by a path
+on this machine.
+
+How each backend gets it (the plan says which, and ``--dry-run`` lists what):
+
+* local replicas import the code in place, from the config's directory (no PYTHONPATH), and run in this
+  environment, so the requirements must be installed here;
+* Modal adds the files to the replica image and installs the requirements in it (``modal_app.py``);
+* HF Jobs replicas fetch the files from the run's store prefix (``code/``, each checked against the sha256 the
+  launcher recorded) and install the requirements before the worker starts.
+
+Cloud replicas cannot read this machine's disk, so data files named by a local path are uploaded to the run's
+store prefix (``inputs/``) and the run reads them there; a local Hugging Face dataset directory is refused with
+the fix (push it to the Hub).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from composer_serverless.config import ConfigError, RunConfig, validate_config
+from composer_serverless.config.composer import FILE_PATH
+from composer_serverless.rendezvous import shipped
+from composer_serverless.rendezvous.layout import CODE, CODE_MANIFEST, INPUTS
+from composer_serverless.rendezvous.runkey import RunKey
+
+# How a backend's replicas get the code (a plan's ``shipped.how``).
+IN_PLACE = "imported in place from the config's directory; requirements must be installed here"
+IMAGE = "added to the replica image, with the requirements"
+STORE = "fetched by each replica from the run's store prefix code/ (sha256-checked); requirements installed before it starts"
+# Config keys that name data, and the slot each is uploaded to under inputs/.
+DATA_KEYS = {
+    ("composer", "data", "prompts"): "prompts",
+    ("composer", "data", "heldout"): "heldout",
+    ("composer", "data", "pairs"): "pairs",
+    ("data", "corpus"): "corpus",
+    ("data", "heldout"): "corpus-heldout",
+}
+_SKIPPED = ("__pycache__", ".pyc", ".git")
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """The code, packages and local data of one run.
+
+    Attributes:
+        root: the directory code paths are relative to (the config's).
+        code: every file shipped, relative to ``root``.
+        requirements: pip requirements.
+        data: (config key, local files) for each data setting that names files on this machine.
+    """
+
+    root: Path | None
+    code: tuple[str, ...]
+    requirements: tuple[str, ...]
+    data: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def describe(self, how: str) -> dict[str, Any]:
+        """What a plan shows: the files, packages and data, and how the backend gets them."""
+        return {
+            "how": how,
+            "root": None if self.root is None else str(self.root),
+            "code": list(self.code),
+            "requirements": list(self.requirements),
+            "data": {key: list(files) for key, files in self.data},
+        }
+
+    def manifest(self) -> dict[str, str]:
+        """Each code file's sha256, as the replicas check it."""
+        assert self.root is not None
+        return {rel: hashlib.sha256((self.root / rel).read_bytes()).hexdigest() for rel in self.code}
+
+
+def plan(config: RunConfig, cloud: bool) -> Shipment:
+    """The run's shipment. With ``cloud``, data named by local paths is part of it.
+
+    Raises:
+        ConfigError: a code path or reward file is not there, or a local dataset directory for the cloud.
+    """
+    root = None if config.code.root is None else Path(config.code.root)
+    names = list(config.code.paths)
+    if config.composer is not None:
+        names += [r.fn.rpartition(":")[0] for r in config.composer.rewards if FILE_PATH.match(r.fn)]
+    files: list[str] = []
+    for name in dict.fromkeys(names):
+        if root is None or not (root / name).exists():
+            raise ConfigError(
+                f"code path {name!r} is not in {root}\n  fix: name files relative to the config file, inside "
+                "its directory"
+            )
+        files += _files(root, name)
+    return Shipment(
+        root, tuple(dict.fromkeys(files)), config.code.requirements, _local_data(config) if cloud else ()
+    )
+
+
+def _files(root: Path, name: str) -> list[str]:
+    path = root / name
+    if path.is_file():
+        return [name]
+    return sorted(
+        str(p.relative_to(root))
+        for p in path.rglob("*")
+        if p.is_file() and not any(part in _SKIPPED or part.endswith(".pyc") for part in p.parts)
+    )
+
+
+def _local_data(config: RunConfig) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    raw = config.model_dump()
+    found = []
+    for keys in DATA_KEYS:
+        value = _get(raw, keys)
+        if not isinstance(value, str) or "://" in value or value == "stdlib":
+            continue
+        path = Path(value).expanduser()
+        if path.is_dir():
+            raise ConfigError(
+                f"{'.'.join(keys)} = {value!r} is a dataset directory on this machine, which cloud replicas "
+                "cannot read\n  fix: push it to the Hub (dataset.push_to_hub) and name hf://datasets/OWNER/NAME, "
+                "or save it as JSONL or Parquet files"
+            )
+        matches = sorted(glob.glob(str(path)))
+        if matches:
+            found.append((".".join(keys), tuple(matches)))
+    return tuple(found)
+
+
+def _get(raw: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        if not isinstance(raw, dict):
+            return None
+        raw = raw.get(key)  # type: ignore[assignment]
+    return raw
+
+
+def with_uploaded_data(config: RunConfig, run_url: str, shipment: Shipment) -> RunConfig:
+    """``config`` reading each shipped data setting from the run's store prefix (where ``upload`` puts it)."""
+    if not shipment.data:
+        return config
+    raw = config.model_dump()
+    for dotted, files in shipment.data:
+        keys = tuple(dotted.split("."))
+        slot = DATA_KEYS[keys]
+        target = raw
+        for key in keys[:-1]:
+            target = target[key]
+        name = Path(files[0]).name if len(files) == 1 else "*" + "".join(Path(files[0]).suffixes)
+        target[keys[-1]] = f"{run_url}/{INPUTS}/{slot}/{name}"
+    return validate_config(raw, source="the resolved config")
+
+
+def upload(run: Any, shipment: Shipment, *, code: bool, key: RunKey | None = None) -> int:
+    """Put the shipment's data (and, with ``code``, its code and their manifest, last) under the run's prefix;
+    the bytes written. With ``key`` (an authenticated run) the manifest carries its MAC: a replica then runs
+    no code that someone with the bucket but not the key put there."""
+    written = 0
+    for dotted, files in shipment.data:
+        slot = DATA_KEYS[tuple(dotted.split("."))]
+        for file in files:
+            data = Path(file).read_bytes()
+            run.put(f"{INPUTS}/{slot}/{Path(file).name}", data)
+            written += len(data)
+    if code and shipment.code:
+        assert shipment.root is not None
+        for rel in shipment.code:
+            data = (shipment.root / rel).read_bytes()
+            run.put(f"{CODE}/{rel}", data)
+            written += len(data)
+        run.put(CODE_MANIFEST, shipped.manifest(shipment.manifest(), key))
+    return written
+
+
+def missing_requirements(requirements: tuple[str, ...]) -> list[str]:
+    """The requirements this environment does not satisfy (local replicas run in it)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    missing = []
+    for text in requirements:
+        try:
+            requirement = Requirement(text)
+            installed = metadata.version(requirement.name)
+        except (InvalidRequirement, metadata.PackageNotFoundError):
+            missing.append(text)
+            continue
+        if requirement.specifier and not requirement.specifier.contains(installed, prereleases=True):
+            missing.append(text)
+    return missing
