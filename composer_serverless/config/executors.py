@@ -154,7 +154,7 @@ class HFJobsExecutorConfig(_CloudExecutorConfig):
         None,
         min_length=1,
         description="pip requirement installed in the image before the worker starts, e.g. "
-        "'composer-serverless[s3,hf] @ https://github.com/you/composer-serverless/archive/<commit>.tar.gz'; "
+        "'composer-serverless[s3,hf,parquet] @ https://github.com/you/composer-serverless/archive/<commit>.tar.gz'; "
         "unset when the image already contains the package",
     )
     namespace: str | None = Field(

@@ -207,7 +207,8 @@ def _dataset_rows(url: str, split: str, subset: str | None) -> Iterator[tuple[di
         raise RecordError(
             f"{url}: a Hugging Face dataset is read with the datasets package, which is not installed\n  fix: {DATASETS_EXTRA}"
         ) from None
-    name = url.removeprefix("hf://datasets/").strip("/")
+    hub = url.startswith("hf://")
+    name = url.removeprefix("hf://datasets/").strip("/") if hub else url
     local = Path(url).expanduser()
     try:
         if not url.startswith("hf://") and (local / "dataset_dict.json").exists():

@@ -160,7 +160,7 @@ class HFJobsExecutor:
         if plan.resources["image"] == DEFAULT_HF_JOBS_IMAGE and plan.resources["package"] is None:
             problems.append(
                 f"the stock image {DEFAULT_HF_JOBS_IMAGE} does not contain composer-serverless, and "
-                "executor.package is not set\n  fix: --set executor.package='composer-serverless[s3,hf] @ "
+                "executor.package is not set\n  fix: --set executor.package='composer-serverless[s3,hf,parquet] @ "
                 "https://github.com/<you>/composer-serverless/archive/<commit>.tar.gz' (code you pushed), or "
                 "build deploy/hf_jobs/Dockerfile, push it, and --set executor.image=<that image>"
             )

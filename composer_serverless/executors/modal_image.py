@@ -8,7 +8,7 @@ from __future__ import annotations
 
 APP_NAME = "composer-serverless"
 PYTHON_VERSION = "3.11"
-# The project's runtime dependencies plus its s3 and hf extras. torch is installed before them, from PyTorch's
+# The project's runtime dependencies plus its s3, hf and parquet extras. torch is installed before them, from PyTorch's
 # index, as the build ``runtime.py`` names; pip then keeps it.
 IMAGE_REQUIREMENTS = (
     "transformers>=5.0,<6",
@@ -29,6 +29,8 @@ IMAGE_REQUIREMENTS = (
     "s3fs>=2025.1",
     "boto3>=1.35.21",
     "huggingface_hub>=1.24",
+    "datasets>=3",
+    "pyarrow>=15",
 )
 RETRY_DELAY_S = 10.0
 # How the launcher hands a run's shipment to ``modal_app`` as it imports it, and where the code lands.

@@ -12,6 +12,7 @@ imports no training stack.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -93,11 +94,12 @@ def check(config: RunConfig) -> dict[str, Any]:
     return {"problems": problems, "feedback": feedback}
 
 
-def main() -> int:
+def main() -> None:
     config = RunConfig.model_validate_json(sys.stdin.read())
-    print(json.dumps(check(config)))
-    return 0
+    print(json.dumps(check(config)), flush=True)
+    # Out at once: what the user's code or a reader started (pyarrow's threads, say) may abort in teardown.
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -210,3 +210,37 @@ def test_the_flavors_the_config_accepts_are_the_hub_clients_flavors() -> None:
     from composer_serverless.config.hardware import HF_FLAVOR_PRICES
 
     assert set(HF_FLAVOR_PRICES) == {flavor.value for flavor in JobHardware}
+
+
+def test_a_job_fetches_the_runs_code_and_data_from_the_store_and_trains_with_them(
+    tmp_path, s3_store, fake_hf, hf_env
+):
+    """A TRL reward in a file next to the config and data files on this machine: the launcher uploads both to
+    the run's prefix, and each job fetches the code (checked against its manifest) and imports it."""
+    from tests.test_own_task import write_task
+
+    store, client = s3_store
+    task = tmp_path / "task"
+    executor = (
+        f'[executor]\ntype = "hf_jobs"\nimage = "ghcr.io/example/composer-serverless:test"\nflavor = "a10g-small"\n'
+        f'namespace = "{NAMESPACE}"\nstatus_poll_s = 0.5\nprivate_store_endpoint = true'
+    )
+    config = write_task(
+        task,
+        store=store,
+        prompts=str(task / "train.jsonl"),
+        heldout=str(task / "test.jsonl"),
+        executor=executor,
+    )
+    result = cli("launch", str(config), "--set", "run_id=hf-own", env=hf_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    objects = store_objects(client)
+    assert objects["runs/hf-own/code/my_task.py"] == (task / "my_task.py").read_bytes()
+    assert json.loads(objects["runs/hf-own/code/manifest.json"])["files"].keys() == {"my_task.py"}
+    assert objects["runs/hf-own/inputs/prompts/train.jsonl"] == (task / "train.jsonl").read_bytes()
+    resolved = json.loads(objects["runs/hf-own/run.json"])
+    assert resolved["composer"]["data"]["prompts"] == f"{store}/hf-own/inputs/prompts/train.jsonl"
+    logs = [cli("logs", f"{store}/hf-own", "--rank", str(rank), env=hf_env).stdout for rank in (0, 1)]
+    assert all(f"the run's code fetched from {store}/hf-own/code" in log for log in logs)
+    row = json.loads(objects["runs/hf-own/metrics/0/000002.json"])
+    assert "rollout/reward/accuracy" in row["train"]  # the user's reward ran in the job

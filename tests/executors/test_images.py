@@ -28,21 +28,39 @@ def test_the_tested_version_is_the_one_the_suite_runs_on_and_the_package_allows(
     assert floor == f"torch>={runtime.TORCH_VERSION.rsplit('.', 1)[0]}"
 
 
-def _dockerfile_commands(image: Any) -> list[str]:
+def _layers(image: Any) -> tuple[list[str], dict[str, str]]:
     """The Dockerfile commands Modal's image builder would be sent for ``image`` and its bases, in build
-    order, from the installed SDK's own layer functions (no network: nothing is built)."""
+    order, and the files it mounts (remote path -> local path), read from the installed SDK's own layer
+    objects (no network: nothing is built)."""
     from modal._utils.async_utils import synchronizer
+    from modal.image import _Image
+    from modal.mount import _Mount
 
-    raw = synchronizer._translate_in(image)
-    layer = dict(
-        zip(raw._load.__code__.co_freevars, (c.cell_contents for c in raw._load.__closure__), strict=True)
+    raw = image if isinstance(image, _Image) else synchronizer._translate_in(image)
+    cells = dict(
+        zip(
+            raw._load.__code__.co_freevars,
+            (c.cell_contents for c in raw._load.__closure__ or ()),
+            strict=True,
+        )
     )
-    commands = []
-    for base in layer["base_images"].values():
-        commands += _dockerfile_commands(synchronizer._translate_out(base))
-    if layer["dockerfile_function"] is not None:
-        commands += [c for c in layer["dockerfile_function"]("2025.06").commands if not c.startswith("FROM")]
-    return commands
+    commands: list[str] = []
+    mounts: dict[str, str] = {}
+    for dep in raw._deps():
+        if isinstance(dep, _Image):
+            base_commands, base_mounts = _layers(dep)
+            commands += base_commands
+            mounts |= base_mounts
+        elif isinstance(dep, _Mount):
+            mounts |= {str(e.remote_path): str(e.local_file) for e in dep._entries}
+    function = cells.get("dockerfile_function")
+    if function is not None:
+        commands += [c for c in function("2025.06").commands if not c.startswith("FROM")]
+    return commands, mounts
+
+
+def _dockerfile_commands(image: Any) -> list[str]:
+    return _layers(image)[0]
 
 
 def test_modal_image_installs_the_tested_torch_build_before_anything_else() -> None:
@@ -103,3 +121,33 @@ def test_the_dockerfile_builds_on_the_stock_image_with_the_tested_torch() -> Non
     assert f"FROM {DEFAULT_HF_JOBS_IMAGE}" in lines
     runs = [line for line in lines if line.startswith("RUN ")]
     assert runs[0] == f"RUN pip install {runtime.TORCH_REQUIREMENT} --index-url {runtime.TORCH_INDEX_URL}"
+
+
+def test_a_modal_image_carries_the_runs_code_and_its_packages(tmp_path) -> None:
+    """The image Modal would build for a run that ships code: the tested torch, the package's requirements,
+    the run's requirements, then its files mounted where the replica looks for them."""
+    from composer_serverless.config.code import CODE_DIR_ENV
+    from composer_serverless.executors.modal import replica_module
+    from composer_serverless.executors.modal_image import REMOTE_CODE
+
+    (tmp_path / "helpers").mkdir()
+    for rel in ("my_task.py", "helpers/__init__.py"):
+        (tmp_path / rel).write_text("x = 1\n")
+    shipped = {
+        "root": str(tmp_path),
+        "code": ["my_task.py", "helpers/__init__.py"],
+        "requirements": ["math-verify>=0.8"],
+    }
+    try:
+        commands, mounts = _layers(replica_module(shipped).image)
+    finally:
+        plain = replica_module({"code": [], "requirements": []})
+    pips = [c for c in commands if "pip install" in c]
+    assert pips[-1] == "RUN python -m pip install 'math-verify>=0.8'" and any(
+        "torch==" in c for c in pips[:-1]
+    )
+    assert f"ENV {CODE_DIR_ENV}={REMOTE_CODE}" in commands
+    assert mounts == {f"{REMOTE_CODE}/{rel}": str(tmp_path / rel) for rel in shipped["code"]}
+    assert (
+        _layers(plain.image)[1] == {} and plain.SHIPPED is None
+    )  # a run shipping nothing gets the plain image

@@ -116,7 +116,8 @@ def test_image_installs_what_pyproject_declares():
     (torch apart: the image installs the tested build first, ``test_images.py``)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     declared = [r for r in project["dependencies"] if "python_version" not in r]
-    declared += project["optional-dependencies"]["s3"] + project["optional-dependencies"]["hf"]
+    extras = project["optional-dependencies"]
+    declared += extras["s3"] + extras["hf"] + extras["parquet"]
 
     def name(requirement: str) -> str:
         return (

@@ -1,0 +1,105 @@
+"""A run's shipment: which files and packages, data uploaded for cloud replicas, and the code a replica fetches
+from the store, checked file by file (and MACed with a run key)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from composer_serverless.config import ConfigError, validate_config
+from composer_serverless.executors import shipment
+from composer_serverless.rendezvous import layout, shipped
+from composer_serverless.rendezvous.runkey import RunKey
+from composer_serverless.rendezvous.store import ObjectStore
+
+
+def _config(root: Path, **code: object) -> object:
+    (root / "train.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    return validate_config(
+        {
+            "model": {"tiny": {}},
+            "train": {"objective": "composer"},
+            "diloco": {"replicas": 1, "sync_every": 1, "rounds": 1},
+            "composer": {
+                "data": {"prompts": str(root / "train.jsonl"), "heldout": str(root / "train.jsonl")},
+                "rewards": [{"fn": "my_task.py:accuracy"}],
+            },
+            "code": {"root": str(root), **code},
+        }
+    )
+
+
+def test_the_shipment_is_the_reward_files_and_the_listed_paths(tmp_path: Path) -> None:
+    (tmp_path / "my_task.py").write_text("")
+    (tmp_path / "helpers" / "__pycache__").mkdir(parents=True)
+    for rel in ("helpers/__init__.py", "helpers/data.json", "helpers/__pycache__/x.pyc"):
+        (tmp_path / rel).write_text("")
+    ship = shipment.plan(_config(tmp_path, paths=["helpers"], requirements=["numpy"]), cloud=True)
+    assert ship.code == ("helpers/__init__.py", "helpers/data.json", "my_task.py")
+    assert ship.requirements == ("numpy",)
+    assert ship.data == (
+        ("composer.data.prompts", (str(tmp_path / "train.jsonl"),)),
+        ("composer.data.heldout", (str(tmp_path / "train.jsonl"),)),
+    )
+    assert shipment.plan(_config(tmp_path), cloud=False).data == ()  # local replicas read it in place
+    moved = shipment.with_uploaded_data(_config(tmp_path), "s3://b/runs/r", ship)
+    assert moved.composer.data.prompts == "s3://b/runs/r/inputs/prompts/train.jsonl"
+
+
+def test_a_reward_file_that_is_not_there_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"code path 'my_task.py' is not in"):
+        shipment.plan(_config(tmp_path), cloud=False)
+
+
+def test_a_local_dataset_directory_is_refused_for_the_cloud_with_the_fix(tmp_path: Path) -> None:
+    (tmp_path / "my_task.py").write_text("")
+    config = _config(tmp_path)
+    (tmp_path / "dataset").mkdir()
+    raw = config.model_dump()
+    raw["composer"]["data"]["prompts"] = str(tmp_path / "dataset")
+    with pytest.raises(ConfigError, match=r"(?s)is a dataset directory on this machine.*push_to_hub"):
+        shipment.plan(validate_config(raw), cloud=True)
+
+
+def test_requirements_this_environment_lacks_are_named() -> None:
+    assert shipment.missing_requirements(("pytest", "pytest>=1", "pytest<1", "no-such-package-here")) == [
+        "pytest<1",
+        "no-such-package-here",
+    ]
+
+
+def _store_with_code(tmp_path: Path, files: dict[str, bytes], key: RunKey | None) -> ObjectStore:
+    (tmp_path / "src").mkdir(exist_ok=True)
+    for rel, data in files.items():
+        (tmp_path / "src" / rel).write_bytes(data)
+    ship = shipment.Shipment(tmp_path / "src", tuple(files), (), ())
+    store = ObjectStore(str(tmp_path / "run"))
+    shipment.upload(store, ship, code=True, key=key)
+    return store
+
+
+def test_a_replica_fetches_the_code_a_launcher_shipped_and_refuses_it_tampered(tmp_path: Path) -> None:
+    store = _store_with_code(tmp_path, {"my_task.py": b"x = 1\n"}, None)
+    assert (shipped.fetch(store, tmp_path / "a", None) / "my_task.py").read_bytes() == b"x = 1\n"
+    assert (
+        shipped.fetch(ObjectStore(str(tmp_path / "empty")), tmp_path / "b", None) is None
+    )  # nothing shipped
+    store.put(f"{layout.CODE}/my_task.py", b"import os; os.system('evil')\n")
+    with pytest.raises(shipped.ShippedCodeError, match="does not match the sha256"):
+        shipped.fetch(store, tmp_path / "c", None)
+
+
+def test_with_a_run_key_only_the_launchers_manifest_is_trusted(tmp_path: Path) -> None:
+    key = RunKey.generate()
+    store = _store_with_code(tmp_path, {"my_task.py": b"x = 1\n"}, key)
+    assert shipped.fetch(store, tmp_path / "a", key) is not None
+    forged = {"my_task.py": "0" * 64}
+    store.put(f"{layout.CODE}/my_task.py", b"evil = 1\n")
+    store.put(layout.CODE_MANIFEST, shipped.manifest(forged, None))  # someone with the bucket, not the key
+    with pytest.raises(shipped.ShippedCodeError, match="no valid MAC"):
+        shipped.fetch(store, tmp_path / "b", key)
+    store.put(layout.CODE_MANIFEST, shipped.manifest({"../escape.py": "0" * 64}, None))
+    with pytest.raises(shipped.ShippedCodeError, match="leaves the code directory"):
+        shipped.fetch(store, tmp_path / "c", None)
