@@ -289,3 +289,93 @@ def test_a_local_run_needs_its_requirements_installed_here(
     err = capsys.readouterr().err
     assert "requirement 'no-such-package-here>=1' is not installed in this environment" in err
     assert "fix: pip install 'no-such-package-here>=1'" in err
+
+
+RECIPE = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "gsm8k-qwen2.5-0.5b.toml"
+
+
+def _tiny_qwen2(out: Path, chat_model_dir: Path) -> Path:
+    """A Qwen2-shaped model with random weights and a chat tokenizer, saved as a checkpoint."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_the_math_recipe_runs_end_to_end_with_a_tiny_qwen2(tmp_path: Path, chat_model_dir: Path) -> None:
+    model = _tiny_qwen2(tmp_path / "qwen2", chat_model_dir)
+    sets = {
+        "model.path": model,
+        "store": tmp_path / "runs",
+        "run_id": "gsm8k",
+        "diloco.replicas": 2,
+        "diloco.sync_every": 2,
+        "diloco.rounds": 2,
+        "eval.sequences": 8,
+        "composer.rollout.group_size": 4,
+        "composer.rollout.prompts_per_step": 2,
+        "composer.rollout.max_new_tokens": 8,
+        "executor.threads_per_replica": 1,
+    }
+    argv = [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+    done = subprocess.run(
+        [sys.executable, "-m", "composer_serverless.cli", "launch", str(RECIPE), *argv],
+        cwd=RECIPE.parents[2],
+        env=_without_pythonpath(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = tmp_path / "runs" / "gsm8k"
+    assert json.loads((run / "summary.json").read_text())["rounds_committed"] == 2
+    resolved = json.loads((run / "run.json").read_text())
+    assert resolved["composer"]["alpha"] == 1.0  # the correct reward gives feedback: SDPO is on
+    row = json.loads((run / "metrics" / "0" / "000002.json").read_text())
+    assert {"rollout/reward/correct", "rollout/reward/formatted", "sdpo/loss"} <= row["train"].keys()
+
+
+@pytest.mark.parametrize("executor", ["modal", "hf_jobs"])
+def test_the_math_recipe_plans_on_each_cloud_backend_unchanged(executor: str) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "composer_serverless.cli",
+            "launch",
+            str(RECIPE),
+            "--executor",
+            executor,
+            "--set",
+            "store=s3://bucket/runs",
+            "--dry-run",
+        ],
+        cwd=RECIPE.parents[2],
+        env=_without_pythonpath(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    shipped = json.loads(done.stdout)["resources"]["shipped"]
+    assert shipped["code"] == ["gsm8k_reward.py"]
+    assert shipped["data"] == {
+        "composer.data.prompts": ["deploy/data/gsm8k-sample/train.jsonl"],
+        "composer.data.heldout": ["deploy/data/gsm8k-sample/test.jsonl"],
+    }

@@ -252,13 +252,25 @@ class ComposerConfig(StrictModel):
     chat_template: bool = Field(
         False,
         description="render every prompt (and the SDPO teacher's hinted prompt) as a user turn with the "
-        "tokenizer's chat template, as an instruct model expects; false: the prompt text as it is",
+        "tokenizer's chat template, as an instruct model expects; false: the prompt text as it is "
+        "(a conversational prompt is always rendered with the template)",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="a system turn put before every string prompt rendered with the chat template (the "
+        "answer format, say); conversational prompts keep their own",
     )
     record_rollouts: bool = Field(
         False,
         description="write each round's rollouts (prompt, sampled completion, reward) to the store, where "
         "`composer-serverless harvest` reads them (harvest.run); always on with a live harvest",
     )
+
+    @model_validator(mode="after")
+    def _system_prompt_needs_the_template(self) -> ComposerConfig:
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("system_prompt is a turn of the chat template: set chat_template = true too")
+        return self
 
     @field_validator("alpha")
     @classmethod

@@ -66,9 +66,12 @@ class Rendered:
     templated: bool
 
 
-def render_prompt(tokenizer: Any, prompt: str | Messages, as_chat: bool) -> Rendered:
+def render_prompt(
+    tokenizer: Any, prompt: str | Messages, as_chat: bool, system: str | None = None
+) -> Rendered:
     """A prompt rendered up to where the assistant's answer begins: a conversation (system turns kept) with
-    the tokenizer's chat template; a string as the user's turn of one when ``as_chat``, else as it is."""
+    the tokenizer's chat template; a string as the user's turn of one when ``as_chat`` (after the ``system``
+    turn, if any), else as it is."""
     if isinstance(prompt, str) and not as_chat:
         return Rendered(prompt, templated=False)
     if getattr(tokenizer, "chat_template", None) is None:
@@ -80,7 +83,11 @@ def render_prompt(tokenizer: Any, prompt: str | Messages, as_chat: bool) -> Rend
                 else "set composer.chat_template = false"
             )
         )
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if isinstance(prompt, str):
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages.append({"role": "user", "content": prompt})
+    else:
+        messages = list(prompt)
     return Rendered(
         tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), templated=True
     )

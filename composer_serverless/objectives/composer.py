@@ -214,7 +214,9 @@ class ComposerObjective:
             max_draws=composer.rollout.max_draws,
             overlong_buffer=composer.rollout.overlong_buffer,
             overlong_penalty=composer.rollout.overlong_penalty,
-            render=functools.partial(render_prompt, tokenizer, as_chat=composer.chat_template),
+            render=functools.partial(
+                render_prompt, tokenizer, as_chat=composer.chat_template, system=composer.system_prompt
+            ),
         )
         for record in [train[0], *[r for r in train if r.conversational][:1]]:
             self._rollout.render(record.prompt)  # a tokenizer without a chat template fails here, not later

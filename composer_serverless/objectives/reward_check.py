@@ -60,18 +60,18 @@ def run_check(config: RunConfig) -> bool:
     return bool(result["feedback"]) or any(r.fn in BUILTIN_REWARDS for r in composer.rewards)
 
 
-def placeholder(record: PromptRecord) -> str:
-    """A completion to call rewards with: the row's answer when it has one (a right answer, so a verifier's
-    happy path runs), else a short text."""
-    return record.answer if record.answer else "placeholder completion"
+def placeholders(record: PromptRecord) -> list[str]:
+    """Completions to call rewards with, for one row: its answer when it has one (a right answer, so a
+    verifier's happy path runs) and a short text that answers nothing (so feedback, if any, shows)."""
+    return [*([record.answer] if record.answer else []), "placeholder completion"]
 
 
 def check(config: RunConfig) -> dict[str, Any]:
     """``{"problems": [...], "feedback": bool}``: what is wrong with the rewards, and whether one gave feedback."""
     composer = inputs.composer_table(config)
     train, _ = inputs.read_prompt_sets(composer)
-    records = train[:PROBE_RECORDS]
-    completions = [placeholder(r) for r in records]
+    pairs = [(r, c) for r in train[:PROBE_RECORDS] for c in placeholders(r)]
+    records, completions = [r for r, _ in pairs], [c for _, c in pairs]
     try:
         rewards = RewardSet(composer.rewards, code_root(config))
     except RewardError as e:
@@ -86,7 +86,7 @@ def check(config: RunConfig) -> dict[str, Any]:
         except Exception as e:  # the user's code raised: name the rows it was called on
             problems.append(
                 f"reward {reward.name!r} raised {type(e).__name__}: {e}\n  called on {records[0].source} and the "
-                f"{len(records) - 1} rows after it, with completions {completions[:2]!r}...\n"
+                f"rows after it, with completions {completions[:2]!r}...\n"
                 "  fix: make it return None for a row it cannot score (TRL: the reward does not apply there)"
             )
         else:
