@@ -115,7 +115,9 @@ def write_task(
 
 
 def _without_pythonpath() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"COLUMNS": "200"}
+    """A user's shell: no PYTHONPATH, and no S3 endpoint another test may have pointed at loopback."""
+    kept = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("AWS_ENDPOINT_URL")}
+    return kept | {"COLUMNS": "200"}
 
 
 @pytest.mark.slow
