@@ -61,6 +61,7 @@ TINY = {
     "vocab_size": 2048,  # the demo tokenizer's
 }
 TASKS = REPO / "deploy" / "data" / "composer-tasks"
+GSM8K = REPO / "deploy" / "data" / "gsm8k-sample"
 SIMULATED_ENV = "COMPOSER_SERVERLESS_SIMULATED_ACCELERATOR"
 ALLREDUCE_CORES = 16
 
@@ -251,8 +252,8 @@ class Check:
     def _chat(self) -> list[str]:
         train, heldout = self.work / "chat-train.jsonl", self.work / "chat-heldout.jsonl"
         if not train.exists():
-            train.write_text("".join(json.dumps(c) + "\n" for c in _chats(512, seed=0)))
-            heldout.write_text("".join(json.dumps(c) + "\n" for c in _chats(64, seed=1)))
+            train.write_text("".join(json.dumps(c) + "\n" for c in _chats("train")))
+            heldout.write_text("".join(json.dumps(c) + "\n" for c in _chats("test")))
         seq = 512 if self.cuda else 64
         return [
             f"data.corpus={train}",
@@ -335,23 +336,13 @@ class Check:
         return row
 
 
-def _chats(count: int, seed: int) -> list[dict[str, Any]]:
-    import random
-
-    rng = random.Random(seed)
-    chats = []
-    for _ in range(count):
-        a, b = rng.randrange(1000), rng.randrange(1000)
-        chats.append(
-            {
-                "messages": [
-                    {"role": "system", "content": "Answer with the number only."},
-                    {"role": "user", "content": f"What is {a} plus {b}?"},
-                    {"role": "assistant", "content": str(a + b)},
-                ]
-            }
-        )
-    return chats
+def _chats(split: str) -> list[dict[str, Any]]:
+    """The GSM8K-shaped sample (deploy/data/gsm8k-sample) as chat records: the question, the worked answer."""
+    rows = [json.loads(line) for line in (GSM8K / f"{split}.jsonl").read_text().splitlines()]
+    return [
+        {"messages": [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]}]}
+        for r in rows
+    ]
 
 
 def _per_step(run: Path) -> dict[str, Any]:

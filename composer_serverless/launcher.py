@@ -31,6 +31,7 @@ from rich.console import Console
 
 from composer_serverless import watch
 from composer_serverless.config import ConfigError, RunConfig, validate_config
+from composer_serverless.config.composer import BUILTIN_REWARDS
 from composer_serverless.executors import make_executor, shipment
 from composer_serverless.executors.base import (
     TERMINAL_STATES,
@@ -42,7 +43,7 @@ from composer_serverless.executors.base import (
     model_plan,
 )
 from composer_serverless.harvest import plan as harvest_plan
-from composer_serverless.objectives import inputs, reward_check
+from composer_serverless.objectives import inputs
 from composer_serverless.rendezvous import layout, runkey
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.store import ObjectStore
@@ -53,7 +54,8 @@ from composer_serverless.supervisor import Supervisor
 from composer_serverless.watch import Choice, Followed, ReplicaView, cancel_on_interrupt
 
 # Loading a config and a tokenizer from the Hub and building the model on the meta device: seconds to a minute.
-MODEL_CHECK_TIMEOUT_S = 300.0
+# How long the model check or the reward check (each a child process) may take.
+CHILD_CHECK_TIMEOUT_S = 300.0
 # The states of a replica that a resume starts again beside live ones.
 _RESTARTED = frozenset({"failed", "cancelled", "unscheduled"})
 # The states in which an attempt whose id was recorded is known to have ended (not ``unscheduled``: a job past
@@ -159,7 +161,16 @@ def _with_rewards_checked(config: RunConfig, train: list[Any]) -> RunConfig:
     composer = config.composer
     if composer is None:
         return config
-    feedback = reward_check.run_check(config)
+    builtin = [r.fn in BUILTIN_REWARDS for r in composer.rewards]
+    feedback = any(builtin)  # the built-ins give feedback
+    if not all(builtin):  # the user's rewards: imported and called where they cannot reach the launcher
+        found = _child_check("composer_serverless.objectives.reward_check", config, "the reward check")
+        if found["problems"]:
+            raise ConfigError(
+                "the rewards cannot be used as configured:\n"
+                + "\n".join(textwrap.indent(p, "  ") for p in found["problems"])
+            )
+        feedback = feedback or found["feedback"]
     if composer.alpha != "auto":
         return config
     raw = config.model_dump()
@@ -237,21 +248,31 @@ _CHECKED = ("model", "data", "train", "composer", "diloco", "harvest")
 def _model_problems(checked: str) -> tuple[str, ...]:
     raw = json.loads(checked)
     config = validate_config({**raw, "executor": {"type": "local"}}, source="the model check")
+    return tuple(_child_check("composer_serverless.model_check", config, "the model check"))
+
+
+def _child_check(module: str, config: RunConfig, what: str) -> Any:
+    """What the check ``python -m module`` prints last (JSON), given the resolved ``config`` on stdin: run in
+    a child process, so that what it imports (torch, the user's code) never enters the launcher.
+
+    Raises:
+        ConfigError: the check did not finish in time, or failed without an answer (its stderr's tail).
+    """
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "composer_serverless.model_check"],
+            [sys.executable, "-m", module],
             input=config.resolved_json(),
             capture_output=True,
             text=True,
-            timeout=MODEL_CHECK_TIMEOUT_S,
+            timeout=CHILD_CHECK_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
-        raise ConfigError(f"the model check did not finish in {MODEL_CHECK_TIMEOUT_S:.0f}s") from None
+        raise ConfigError(f"{what} did not finish in {CHILD_CHECK_TIMEOUT_S:.0f}s") from None
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0 or not lines:
         tail = "\n".join(result.stderr.strip().splitlines()[-8:])
-        raise ConfigError(f"the model check could not run (exit {result.returncode}):\n{tail}")
-    return tuple(json.loads(lines[-1]))
+        raise ConfigError(f"{what} could not run (exit {result.returncode}):\n{tail}")
+    return json.loads(lines[-1])
 
 
 def _start_replicas(

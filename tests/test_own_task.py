@@ -114,6 +114,18 @@ def write_task(
     return config
 
 
+def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user runs it: in ``cwd``, in a fresh interpreter, with no PYTHONPATH."""
+    return subprocess.run(
+        [sys.executable, "-m", "composer_serverless.cli", *args],
+        cwd=cwd,
+        env=_without_pythonpath(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 def _without_pythonpath() -> dict[str, str]:
     """A user's shell: no PYTHONPATH, and no S3 endpoint another test may have pointed at loopback."""
     kept = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("AWS_ENDPOINT_URL")}
@@ -124,14 +136,7 @@ def _without_pythonpath() -> dict[str, str]:
 def test_a_trl_reward_next_to_the_config_trains_from_outside_the_repository(tmp_path: Path) -> None:
     task = tmp_path / "my-task"
     config = write_task(task)
-    done = subprocess.run(
-        [sys.executable, "-m", "composer_serverless.cli", "launch", str(config), "--set", "run_id=own"],
-        cwd=task,
-        env=_without_pythonpath(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = _cli(task, "launch", str(config), "--set", "run_id=own")
     assert done.returncode == 0, done.stdout + done.stderr
     run = task / "runs" / "own"
     summary = json.loads((run / "summary.json").read_text())
@@ -147,26 +152,17 @@ def test_a_trl_reward_next_to_the_config_trains_from_outside_the_repository(tmp_
 @pytest.mark.parametrize("executor", ["modal", "hf_jobs"])
 def test_the_dry_run_lists_what_each_cloud_backend_ships(tmp_path: Path, executor: str) -> None:
     config = write_task(tmp_path / "my-task")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "composer_serverless.cli",
-            "launch",
-            str(config),
-            "--executor",
-            executor,
-            "--set",
-            "store=s3://bucket/runs",
-            "--set",
-            'code.requirements=["math-verify>=0.8"]',
-            "--dry-run",
-        ],
-        cwd=tmp_path / "my-task",
-        env=_without_pythonpath(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = _cli(
+        tmp_path / "my-task",
+        "launch",
+        str(config),
+        "--executor",
+        executor,
+        "--set",
+        "store=s3://bucket/runs",
+        "--set",
+        'code.requirements=["math-verify>=0.8"]',
+        "--dry-run",
     )
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
@@ -264,14 +260,7 @@ def test_conversations_with_a_system_turn_from_a_hub_style_dataset_and_parquet_t
         prompt="messages",
         model=f'[model]\npath = "{chat_model_dir}"',
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "composer_serverless.cli", "launch", str(config), "--set", "run_id=chat"],
-        cwd=tmp_path,
-        env=_without_pythonpath(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = _cli(tmp_path, "launch", str(config), "--set", "run_id=chat")
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "runs" / "chat" / "summary.json").read_text())
     assert summary["rounds_committed"] == 2 and summary["replicas_bit_identical"]
@@ -336,14 +325,7 @@ def test_the_math_recipe_runs_end_to_end_with_a_tiny_qwen2(tmp_path: Path, chat_
         "executor.threads_per_replica": 1,
     }
     argv = [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
-    done = subprocess.run(
-        [sys.executable, "-m", "composer_serverless.cli", "launch", str(RECIPE), *argv],
-        cwd=RECIPE.parents[2],
-        env=_without_pythonpath(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = _cli(RECIPE.parents[2], "launch", str(RECIPE), *argv)
     assert done.returncode == 0, done.stdout + done.stderr
     run = tmp_path / "runs" / "gsm8k"
     assert json.loads((run / "summary.json").read_text())["rounds_committed"] == 2
@@ -355,24 +337,15 @@ def test_the_math_recipe_runs_end_to_end_with_a_tiny_qwen2(tmp_path: Path, chat_
 
 @pytest.mark.parametrize("executor", ["modal", "hf_jobs"])
 def test_the_math_recipe_plans_on_each_cloud_backend_unchanged(executor: str) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "composer_serverless.cli",
-            "launch",
-            str(RECIPE),
-            "--executor",
-            executor,
-            "--set",
-            "store=s3://bucket/runs",
-            "--dry-run",
-        ],
-        cwd=RECIPE.parents[2],
-        env=_without_pythonpath(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = _cli(
+        RECIPE.parents[2],
+        "launch",
+        str(RECIPE),
+        "--executor",
+        executor,
+        "--set",
+        "store=s3://bucket/runs",
+        "--dry-run",
     )
     assert done.returncode == 0, done.stderr
     shipped = json.loads(done.stdout)["resources"]["shipped"]

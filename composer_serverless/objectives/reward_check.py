@@ -1,5 +1,6 @@
 """The launcher's check of a run's rewards, run in a child process (``python -m
-composer_serverless.objectives.reward_check``, the resolved config on stdin): every reward imported and called
+composer_serverless.objectives.reward_check``, the resolved config on stdin, by ``launcher.py`` as it runs the
+model check): every reward imported and called
 as TRL calls rewards, on the first training records with placeholder completions, before anything is written
 or paid for. A wrong signature, a reward that raises, a missing package or a missing file is reported with
 its fix. It also says whether any reward gave feedback in words, which decides SDPO's weight when it is
@@ -13,51 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
-from composer_serverless.config import ConfigError, RunConfig
-from composer_serverless.config.composer import BUILTIN_REWARDS
+from composer_serverless.config import RunConfig
 from composer_serverless.data.records import PromptRecord
 from composer_serverless.objectives import inputs
 from composer_serverless.objectives.rewards import RewardError, RewardSet, code_root
 
 # Training records a reward is called on.
 PROBE_RECORDS = 4
-CHECK_TIMEOUT_S = 300.0
-
-
-def run_check(config: RunConfig) -> bool:
-    """Check ``config``'s rewards in a child process; whether any gave feedback (the built-ins do).
-
-    Raises:
-        ConfigError: every problem found, each with its fix; or the check could not run.
-    """
-    composer = inputs.composer_table(config)
-    if all(r.fn in BUILTIN_REWARDS for r in composer.rewards):
-        return True  # nothing of the user's to import; the built-ins give feedback
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", __name__],
-            input=config.resolved_json(),
-            capture_output=True,
-            text=True,
-            timeout=CHECK_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        raise ConfigError(f"the reward check did not finish in {CHECK_TIMEOUT_S:.0f}s") from None
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
-        raise ConfigError(f"the reward check could not run (exit {done.returncode}):\n{tail}")
-    result = json.loads(lines[-1])
-    if result["problems"]:
-        raise ConfigError(
-            "the rewards cannot be used as configured:\n"
-            + "\n".join("  " + p.replace("\n", "\n  ") for p in result["problems"])
-        )
-    return bool(result["feedback"]) or any(r.fn in BUILTIN_REWARDS for r in composer.rewards)
 
 
 def placeholders(record: PromptRecord) -> list[str]:

@@ -9,10 +9,10 @@ import torch
 from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import ConfigError, validate_config
 from composer_serverless.data.records import PromptRecord
+from composer_serverless.launcher import prepare
 from composer_serverless.objectives.composer import stratified
 from composer_serverless.objectives.inputs import check_composer
 from composer_serverless.objectives.objective import evaluate, make_objective
-from composer_serverless.objectives.reward_check import run_check
 from composer_serverless.objectives.shares import combine
 from composer_serverless.replicas.trainer import _read_step
 from tests.replicas.conftest import tiny_model
@@ -116,11 +116,12 @@ def test_the_launchers_check_names_the_malformed_record(raw, jsonl):
         check_composer(broken)
 
 
-def test_the_launchers_check_names_a_reward_that_does_not_import(raw):
+def test_the_launchers_check_names_a_reward_that_does_not_import(raw, tmp_path, monkeypatch):
     """In a child process, as the launcher runs it: the user's code never enters the launcher."""
+    monkeypatch.chdir(tmp_path)
     config = validate_config(raw(rewards=[{"fn": "no_such_module:score"}]))
     with pytest.raises(ConfigError, match="reward 'no_such_module:score': importing 'no_such_module' failed"):
-        run_check(config)
+        prepare(config, "composer.toml")
 
 
 def test_a_built_in_reward_whose_column_no_record_has_is_refused_with_the_column_map(raw, jsonl):
