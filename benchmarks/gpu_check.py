@@ -340,7 +340,12 @@ def _chats(split: str) -> list[dict[str, Any]]:
     """The GSM8K-shaped sample (deploy/data/gsm8k-sample) as chat records: the question, the worked answer."""
     rows = [json.loads(line) for line in (GSM8K / f"{split}.jsonl").read_text().splitlines()]
     return [
-        {"messages": [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]}]}
+        {
+            "messages": [
+                {"role": "user", "content": r["question"]},
+                {"role": "assistant", "content": r["answer"]},
+            ]
+        }
         for r in rows
     ]
 
