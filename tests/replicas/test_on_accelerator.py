@@ -83,6 +83,7 @@ def test_lm_with_fragments_overlap_and_checkpoints_ends_where_the_cpu_run_does(
             "train": {"lr": 1e-2, "warmup_steps": 2, "schedule": "cosine"},
             "diloco": {
                 "replicas": 2,
+                "min_replicas": 2,  # every round averages both, however late one is: the runs compare exactly
                 "sync_every": 4,
                 "rounds": 3,
                 "fragments": 2,
@@ -115,7 +116,7 @@ def test_composer_in_bf16_over_float32_masters_ends_where_the_cpu_run_does(tmp_p
                 },
             },
             "train": {"objective": "composer", "lr": 1e-3},
-            "diloco": {"replicas": 2, "sync_every": 2, "rounds": 2},
+            "diloco": {"replicas": 2, "min_replicas": 2, "sync_every": 2, "rounds": 2},
             "eval": {"sequences": 7},
             "composer": {
                 "alpha": 1.0,
