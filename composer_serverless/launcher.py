@@ -150,7 +150,7 @@ def prepare(config: RunConfig, source: str) -> Prepared:
     executor = make_executor(resolved, run)
     plan = _plan(executor, resolved, run)
     # Data named by a local path reaches cloud replicas through the run's prefix: run.json names it there.
-    shipped = shipment.plan(resolved, cloud=plan.executor != "local")
+    shipped = shipment.from_plan(plan.resources["shipped"])
     resolved = shipment.with_uploaded_data(resolved, run.url, shipped)
     return Prepared(resolved, source, run, executor, plan, _preflight(executor, plan, resolved), shipped)
 
@@ -161,16 +161,15 @@ def _with_rewards_checked(config: RunConfig, train: list[Any]) -> RunConfig:
     composer = config.composer
     if composer is None:
         return config
-    builtin = [r.fn in BUILTIN_REWARDS for r in composer.rewards]
-    feedback = any(builtin)  # the built-ins give feedback
-    if not all(builtin):  # the user's rewards: imported and called where they cannot reach the launcher
+    feedback = False  # of the user's rewards (the built-ins give it, as sdpo_weight knows)
+    if any(r.fn not in BUILTIN_REWARDS for r in composer.rewards):  # imported where they cannot reach here
         found = _child_check("composer_serverless.objectives.reward_check", config, "the reward check")
         if found["problems"]:
             raise ConfigError(
                 "the rewards cannot be used as configured:\n"
                 + "\n".join(textwrap.indent(p, "  ") for p in found["problems"])
             )
-        feedback = feedback or found["feedback"]
+        feedback = found["feedback"]
     if composer.alpha != "auto":
         return config
     raw = config.model_dump()

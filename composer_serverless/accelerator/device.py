@@ -79,9 +79,11 @@ def restore_rng_state(saved: Mapping[str, Any], device: torch.device) -> None:
     was, and the log says so instead of changing it silently."""
     entry = saved.get(_RNG_KEY)
     kind = None if entry is None else entry["type"]
-    if device.type == "cuda" and kind == "cuda":
-        torch.cuda.set_rng_state(entry["state"], device)
-    elif kind != (device.type if device.type == "cuda" else None):
+    here = "cuda" if device.type == "cuda" else None  # a CPU run saves no device state
+    if kind == here:
+        if entry is not None:
+            torch.cuda.set_rng_state(entry["state"], device)
+    else:
         logger.warning(
             "the saved state is of a %s run and this replica runs on %s: sampling continues from a new "
             "random stream, not the interrupted one (the run is not bit-identical to an uninterrupted one)",

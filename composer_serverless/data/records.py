@@ -20,6 +20,7 @@ import contextlib
 import difflib
 import gzip
 import io
+import itertools
 import json
 import math
 import random
@@ -115,9 +116,13 @@ class PreferencePair:
 
 
 def read_prompts(
-    url: str, columns: Mapping[str, str] | None = None, split: str | None = None, subset: str | None = None
+    url: str,
+    columns: Mapping[str, str] | None = None,
+    split: str | None = None,
+    subset: str | None = None,
+    limit: int | None = None,
 ) -> list[PromptRecord]:
-    """Every prompt record of the file(s) or dataset at ``url``, in order.
+    """Every prompt record of the file(s) or dataset at ``url``, in order (the first ``limit`` when given).
 
     Args:
         columns: renames (our name -> the dataset's column), applied to every row first.
@@ -129,7 +134,8 @@ def read_prompts(
         FileNotFoundError: nothing matches ``url``.
     """
     renames = dict(columns or {})
-    return [_prompt_record(obj, where, renames) for obj, where in read_rows(url, split=split, subset=subset)]
+    rows = itertools.islice(read_rows(url, split=split, subset=subset), limit)
+    return [_prompt_record(obj, where, renames) for obj, where in rows]
 
 
 def read_pairs(url: str) -> list[PreferencePair]:
@@ -175,8 +181,9 @@ def read_rows(
     try:
         files = fsspec.open_files(url, mode="rb", skip_instance_cache=True)
     except ImportError as e:  # hf:// without huggingface_hub, s3:// without s3fs
+        extra = DATASETS_EXTRA if url.startswith("hf://") else "pip install 'composer-serverless[s3]' (s3fs)"
         raise RecordError(
-            f"{url}: reading it needs a package that is not installed ({e})\n  fix: {DATASETS_EXTRA if url.startswith('hf://') else e}"
+            f"{url}: reading it needs a package that is not installed ({e})\n  fix: {extra}"
         ) from None
     if not files:
         raise FileNotFoundError(f"no file matches {url}")

@@ -120,7 +120,9 @@ class LocalProcessExecutor:
         return [
             f"requirement {r!r} is not installed in this environment, where local replicas run\n"
             f"  fix: pip install {shlex.quote(r)}"
-            for r in shipment.missing_requirements(tuple(plan.resources["shipped"]["requirements"]))
+            for r in shipment.missing_requirements(
+                tuple(plan.resources.get("shipped", {}).get("requirements", ()))
+            )
         ]
 
     def check_access(self, plan: LaunchPlan) -> None:

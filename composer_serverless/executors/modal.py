@@ -171,7 +171,7 @@ class ModalExecutor:
         """Spawn replica ``rank`` in a detached app of its own, recorded (the app) before the call exists."""
         import modal
 
-        app = replica_module(plan.resources["shipped"]).app
+        app = replica_module(plan.resources.get("shipped")).app
 
         kept: BaseException | None = None
         pending = handle = None
@@ -201,7 +201,7 @@ class ModalExecutor:
         here too, for the same reason (a secret made from a dict belongs to the app it is first used in)."""
         import modal
 
-        train_replica = replica_module(plan.resources["shipped"]).train_replica
+        train_replica = replica_module(plan.resources.get("shipped")).train_replica
 
         res = plan.resources
         first = plan.replicas[0]
@@ -326,12 +326,13 @@ def _stop_app(app_id: str) -> None:
         modal.App.lookup(app_id).stop()
 
 
-def replica_module(shipped: dict[str, Any]) -> Any:
+def replica_module(shipped: dict[str, Any] | None) -> Any:
     """``modal_app``, its image holding the run's code and requirements: imported again when the shipment
-    differs from the one its image was built with (a module-level app cannot change its image later)."""
+    differs from the one its image was built with (a module-level app cannot change its image later). A plan
+    written before runs shipped code (resumed) has none."""
     from composer_serverless.executors import modal_app
 
-    wanted = shipped if shipped["code"] or shipped["requirements"] else None
+    wanted = shipped if shipped and (shipped["code"] or shipped["requirements"]) else None
     if wanted != modal_app.SHIPPED:
         os.environ[SHIPMENT_ENV] = json.dumps(wanted)
         try:

@@ -100,6 +100,17 @@ def plan(config: RunConfig, cloud: bool) -> Shipment:
     )
 
 
+def from_plan(described: dict[str, Any]) -> Shipment:
+    """The shipment a plan describes (``Shipment.describe``): what the executor planned, not planned again."""
+    root = described["root"]
+    return Shipment(
+        None if root is None else Path(root),
+        tuple(described["code"]),
+        tuple(described["requirements"]),
+        tuple((key, tuple(files)) for key, files in described["data"].items()),
+    )
+
+
 def _files(root: Path, name: str) -> list[str]:
     path = root / name
     if path.is_file():

@@ -96,14 +96,18 @@ def composer_table(config: RunConfig) -> ComposerConfig:
 def read_prompt_sets(composer: ComposerConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """The training and held-out prompts, their columns renamed by the column map (a Hugging Face dataset's
     configured splits)."""
+    return read_prompt_set(composer, heldout=False), read_prompt_set(composer, heldout=True)
+
+
+def read_prompt_set(
+    composer: ComposerConfig, *, heldout: bool, limit: int | None = None
+) -> list[PromptRecord]:
+    """The training (or held-out) prompts, the first ``limit`` of them when given."""
     data = composer.data
-
-    def read(url: str, split: str) -> list[PromptRecord]:
-        if is_dataset(url):
-            return read_prompts(url, data.columns, split=split, subset=data.subset)
-        return read_prompts(url, data.columns)
-
-    return read(data.prompts, data.train_split), read(data.heldout, data.heldout_split)
+    url, split = (data.heldout, data.heldout_split) if heldout else (data.prompts, data.train_split)
+    if is_dataset(url):
+        return read_prompts(url, data.columns, split=split, subset=data.subset, limit=limit)
+    return read_prompts(url, data.columns, limit=limit)
 
 
 def check_columns(composer: ComposerConfig, train: list[PromptRecord], heldout: list[PromptRecord]) -> None:

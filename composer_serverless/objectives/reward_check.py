@@ -35,8 +35,8 @@ def placeholders(record: PromptRecord) -> list[str]:
 def check(config: RunConfig) -> dict[str, Any]:
     """``{"problems": [...], "feedback": bool}``: what is wrong with the rewards, and whether one gave feedback."""
     composer = inputs.composer_table(config)
-    train, _ = inputs.read_prompt_sets(composer)
-    pairs = [(r, c) for r in train[:PROBE_RECORDS] for c in placeholders(r)]
+    probed = inputs.read_prompt_set(composer, heldout=False, limit=PROBE_RECORDS)
+    pairs = [(r, c) for r in probed for c in placeholders(r)]
     records, completions = [r for r, _ in pairs], [c for _, c in pairs]
     try:
         rewards = RewardSet(composer.rewards, code_root(config))
