@@ -104,8 +104,10 @@ def fake_hf_session(tmp_path_factory):
 
 
 @pytest.fixture
-def fake_hf(fake_hf_session):
+def fake_hf(fake_hf_session, tmp_path_factory):
+    """The fake, its jobs given a temporary directory of their own (``TMPDIR``), as a container has."""
     fake_hf_session.reset()
+    fake_hf_session.image_env["TMPDIR"] = str(tmp_path_factory.mktemp("job-tmp"))
     yield fake_hf_session
     fake_hf_session.kill_all()
 

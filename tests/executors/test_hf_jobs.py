@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 import pytest
@@ -244,3 +245,7 @@ def test_a_job_fetches_the_runs_code_and_data_from_the_store_and_trains_with_the
     assert all(f"the run's code fetched from {store}/hf-own/code" in log for log in logs)
     row = json.loads(objects["runs/hf-own/metrics/0/000002.json"])
     assert "rollout/reward/accuracy" in row["train"]  # the user's reward ran in the job
+    # The jobs' fetched code, model cache and sandboxes went with them (torch keeps its per-user compile cache
+    # there, as it does in any process: its own, reused by the next).
+    left = [p.name for p in Path(fake_hf.image_env["TMPDIR"]).iterdir()]
+    assert [name for name in left if not name.startswith("torchinductor_")] == [], left

@@ -4,6 +4,7 @@ from the store, checked file by file (and MACed with a run key)."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from composer_serverless.executors import shipment
 from composer_serverless.rendezvous import layout, shipped
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.telemetry import read_heartbeats
+from composer_serverless.replicas.worker import run_worker
 
 
 def _config(root: Path, **code: object) -> object:
@@ -89,6 +92,24 @@ def test_a_replica_fetches_the_code_a_launcher_shipped_and_refuses_it_tampered(t
     store.put(f"{layout.CODE}/my_task.py", b"import os; os.system('evil')\n")
     with pytest.raises(shipped.ShippedCodeError, match="does not match the sha256"):
         shipped.fetch(store, tmp_path / "c", None)
+
+
+def test_a_replica_that_refuses_tampered_code_says_so_and_leaves_no_files(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Through the replica's entry point: the failure is on its heartbeat, its scratch directory is gone."""
+    root = tmp_path / "src"
+    root.mkdir()
+    store = _store_with_code(tmp_path, {"my_task.py": b"x = 1\n"}, None)
+    store.put(layout.RUN_CONFIG, _config(root).model_dump_json().encode())
+    store.put(f"{layout.CODE}/my_task.py", b"evil = 1\n")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    with pytest.raises(shipped.ShippedCodeError, match="does not match the sha256"):
+        run_worker(store.url, 0, ObjectStore)
+    assert read_heartbeats(store)[0]["state"] == "failed"
+    assert not list(scratch.iterdir())
 
 
 def test_with_a_run_key_only_the_launchers_manifest_is_trusted(tmp_path: Path) -> None:
