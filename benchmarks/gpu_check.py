@@ -126,15 +126,7 @@ class Check:
         return self._launch("demo", REPO / "deploy" / "configs" / "local-demo.toml", self._rounds(6, 2))
 
     def lm_chat(self) -> dict[str, Any]:
-        model, shape = self._model("qwen2.5-0.5b", QWEN_05B)
-        sets = [
-            f"model.path={model}",
-            "model.dtype=bfloat16",
-            *self._chat(),
-            "diloco.replicas=2",
-            "diloco.sync_every=5",
-        ]
-        return {"shape": shape, **self._launch("lm-chat", self._base(), [*sets, *self._rounds(2, 2)])}
+        return self._chat_run("lm-chat", "qwen2.5-0.5b", QWEN_05B)
 
     def composer_bf16(self) -> dict[str, Any]:
         model, shape = self._model("qwen2.5-0.5b", QWEN_05B)
@@ -162,16 +154,7 @@ class Check:
         return {"shape": shape, **self._launch("composer-bf16", config, [*sets, *self._rounds(2, 2)])}
 
     def lora_1_5b(self) -> dict[str, Any]:  # the line "lora-1.5b"
-        model, shape = self._model("qwen2.5-1.5b", QWEN_15B)
-        sets = [
-            f"model.path={model}",
-            "model.dtype=bfloat16",
-            "model.lora.r=16",
-            *self._chat(),
-            "diloco.replicas=2",
-            "diloco.sync_every=5",
-        ]
-        return {"shape": shape, **self._launch("lora-1-5b", self._base(), [*sets, *self._rounds(2, 2)])}
+        return self._chat_run("lora-1-5b", "qwen2.5-1.5b", QWEN_15B, "model.lora.r=16")
 
     def kill_resume(self) -> dict[str, Any]:
         config = REPO / "deploy" / "configs" / "local-demo.toml"
@@ -248,6 +231,13 @@ class Check:
         if not path.exists():
             path.write_text('store = "runs"\nseed = 0\n\n[executor]\ntype = "local"\n')
         return path
+
+    def _chat_run(self, line: str, name: str, shape: dict[str, int], *extra: str) -> dict[str, Any]:
+        """Two replicas of ``name`` (bf16, plus ``extra`` settings) training on chat data for two rounds."""
+        model, shown = self._model(name, shape)
+        sets = [f"model.path={model}", "model.dtype=bfloat16", *extra, *self._chat()]
+        sets += ["diloco.replicas=2", "diloco.sync_every=5", *self._rounds(2, 2)]
+        return {"shape": shown, **self._launch(line, self._base(), sets)}
 
     def _chat(self) -> list[str]:
         train, heldout = self.work / "chat-train.jsonl", self.work / "chat-heldout.jsonl"

@@ -96,7 +96,7 @@ def build(family: str, tokenizer_dir: Path, out: Path, *, seed: int = 0) -> Path
     model = AutoModelForCausalLM.from_config(config)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
     return out

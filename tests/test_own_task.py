@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from composer_serverless.cli import run as cli_run
+from tests.archs import build
 
 MY_TASK = '''
 import re
@@ -285,32 +286,9 @@ def test_a_local_run_needs_its_requirements_installed_here(
 RECIPE = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "gsm8k-qwen2.5-0.5b.toml"
 
 
-def _tiny_qwen2(out: Path, chat_model_dir: Path) -> Path:
-    """A Qwen2-shaped model with random weights and a chat tokenizer, saved as a checkpoint."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
 @pytest.mark.slow
 def test_the_math_recipe_runs_end_to_end_with_a_tiny_qwen2(tmp_path: Path, chat_model_dir: Path) -> None:
-    model = _tiny_qwen2(tmp_path / "qwen2", chat_model_dir)
+    model = build("qwen2", chat_model_dir, tmp_path / "qwen2")  # a Qwen2 with the chat tokenizer
     sets = {
         "model.path": model,
         "store": tmp_path / "runs",

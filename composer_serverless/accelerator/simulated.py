@@ -80,7 +80,9 @@ _COPIES = frozenset({aten.copy_, aten._copy_from, aten._copy_from_and_resize})
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     try:
         return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper subclass)
+    # No storage of its own: a DTensor raises RuntimeError (its shard has one: ``on_device``), a sparse tensor
+    # NotImplementedError. Neither is placed or pinned by itself.
+    except (RuntimeError, NotImplementedError):
         return None
 
 

@@ -40,7 +40,7 @@ DATASETS_EXTRA = "pip install 'composer-serverless[hf]'  (datasets, huggingface_
 
 
 class RecordError(ValueError):
-    """A JSONL record that cannot be used; the message starts with ``file:line``."""
+    """A record that cannot be used; the message starts with where it is (``file:line``, ``dataset[split]:row``)."""
 
 
 Prompt = str | tuple[dict[str, str], ...]
@@ -218,14 +218,14 @@ def _dataset_rows(url: str, split: str, subset: str | None) -> Iterator[tuple[di
     name = url.removeprefix("hf://datasets/").strip("/") if hub else url
     local = Path(url).expanduser()
     try:
-        if not url.startswith("hf://") and (local / "dataset_dict.json").exists():
+        if hub:
+            loaded = datasets.load_dataset(name, subset, split=split)
+        elif (local / "dataset_dict.json").exists():  # saved with save_to_disk: its splits
             loaded = datasets.load_from_disk(str(local))[split]
-        elif not url.startswith("hf://") and (local / "dataset_info.json").exists():
+        elif (local / "dataset_info.json").exists():  # one split saved with save_to_disk
             loaded = datasets.load_from_disk(str(local))
-        else:
-            loaded = datasets.load_dataset(
-                str(local) if not url.startswith("hf://") else name, subset, split=split
-            )
+        else:  # data files in a directory
+            loaded = datasets.load_dataset(str(local), subset, split=split)
     except (KeyError, ValueError) as e:  # an unknown split or configuration
         raise RecordError(
             f"{url}: cannot read split {split!r}{'' if subset is None else f' of {subset!r}'}: {e}"

@@ -42,7 +42,7 @@ DATA_KEYS = {
     ("data", "corpus"): "corpus",
     ("data", "heldout"): "corpus-heldout",
 }
-_SKIPPED = ("__pycache__", ".pyc", ".git")
+_SKIPPED = ("__pycache__", ".git")
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,6 @@ class Shipment:
             "requirements": list(self.requirements),
             "data": {key: list(files) for key, files in self.data},
         }
-
-    def manifest(self) -> dict[str, str]:
-        """Each code file's sha256, as the replicas check it."""
-        assert self.root is not None
-        return {rel: hashlib.sha256((self.root / rel).read_bytes()).hexdigest() for rel in self.code}
 
 
 def plan(config: RunConfig, cloud: bool) -> Shipment:
@@ -179,11 +174,13 @@ def upload(run: Any, shipment: Shipment, *, code: bool, key: RunKey | None = Non
             written += len(data)
     if code and shipment.code:
         assert shipment.root is not None
+        digests = {}  # of the bytes uploaded, read once: the replicas check each file against it
         for rel in shipment.code:
             data = (shipment.root / rel).read_bytes()
             run.put(f"{CODE}/{rel}", data)
+            digests[rel] = hashlib.sha256(data).hexdigest()
             written += len(data)
-        run.put(CODE_MANIFEST, shipped.manifest(shipment.manifest(), key))
+        run.put(CODE_MANIFEST, shipped.manifest(digests, key))
     return written
 
 

@@ -11,20 +11,18 @@ from pathlib import Path
 from tests.benchmarks.bench_scripts import BENCHMARKS, load_script
 
 
-def test_lines_it_cannot_run_are_skipped_with_the_reason(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "gpu_check.py"),
-            "--out",
-            str(tmp_path),
-            "--only",
-            "export",
-        ],
+def _gpu_check(out: Path, only: str, *, timeout: int) -> subprocess.CompletedProcess[str]:
+    """``make gpu-check`` with ``--only``, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--out", str(out), "--only", only],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
+
+
+def test_lines_it_cannot_run_are_skipped_with_the_reason(tmp_path: Path) -> None:
+    done = _gpu_check(tmp_path, "export", timeout=300)
     assert done.returncode == 0, done.stderr
     (written,) = tmp_path.glob("*.json")
     result = json.loads(written.read_text())
@@ -44,19 +42,7 @@ def test_the_exchange_line_needs_sixteen_cores(tmp_path: Path, monkeypatch) -> N
 
 
 def test_an_unknown_line_is_refused_with_the_known_ones(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "gpu_check.py"),
-            "--out",
-            str(tmp_path),
-            "--only",
-            "demo,warp-drive",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _gpu_check(tmp_path, "demo,warp-drive", timeout=60)
     assert (
         done.returncode == 2
         and "unknown lines ['warp-drive']" in done.stderr

@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_serverless.config import RunConfig, validate_config
-
-TASKS = Path(__file__).resolve().parents[2] / "deploy" / "data" / "composer-tasks"
+from tests.composer_tasks import TASKS, TINY_CHARS
 
 
 def composer_live_config(
@@ -19,16 +18,7 @@ def composer_live_config(
         {
             "run_id": run_id,
             "store": str(store),
-            "model": {
-                "tiny": {
-                    "tokenizer": "chars",
-                    "alphabet": " -.0123456789:=ATabcdefghilmnoprstvwx",
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_layers": 2,
-                    "num_heads": 4,
-                }
-            },
+            "model": {"tiny": TINY_CHARS},
             "train": {"objective": "composer", "lr": 1e-3},
             "diloco": {"replicas": 2, "sync_every": 8, "rounds": rounds},
             "eval": {"sequences": 7},

@@ -7,11 +7,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from composer_serverless.models import char_tokenizer
+from tests.composer_tasks import ALPHABET
 
 # Tiny tensors: one thread avoids two OpenMP threads waiting on each other on a shared 2-core machine.
 torch.set_num_threads(1)
-
-ALPHABET = " -.0123456789:=ATabcdefghilmnoprstvwx"
 
 
 def tiny_model(tokenizer, seed: int = 0) -> LlamaForCausalLM:

@@ -23,23 +23,12 @@ from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.trainer import run_replica
 from composer_serverless.report import summarise
 from tests.archs import FAMILIES, build
+from tests.composer_tasks import composer
 from tests.rendezvous.harness import create
 
 pytestmark = pytest.mark.slow
 
-TASKS = Path(__file__).resolve().parents[2] / "deploy" / "data" / "composer-tasks"
-COMPOSER = {
-    "alpha": 1.0,
-    "beta": 1.0,
-    "data": {
-        "prompts": str(TASKS / "train.jsonl"),
-        "heldout": str(TASKS / "heldout.jsonl"),
-        "pairs": str(TASKS / "pairs.jsonl"),
-    },
-    "rewards": [{"fn": "exact_match"}, {"fn": "format", "pattern": ".*[0-9].*", "weight": 0.5}],
-    "rollout": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 3},
-    "replay": {"pairs_per_step": 2},
-}
+COMPOSER = composer(group_size=2, prompts_per_step=2, max_new_tokens=3, pairs_per_step=2)
 
 
 @pytest.fixture(scope="session")

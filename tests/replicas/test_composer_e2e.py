@@ -1,7 +1,6 @@
 """A short composer run through the real launcher and subprocess replicas: every channel contributes."""
 
 import io
-from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -12,10 +11,8 @@ from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 from composer_serverless.task_suite import TASKS as TASK_SUITE
+from tests.composer_tasks import TINY_CHARS, composer
 from tests.conftest import cli_in_fresh_process
-
-TASKS = Path(__file__).resolve().parents[2] / "deploy" / "data" / "composer-tasks"
-
 
 pytestmark = pytest.mark.slow
 
@@ -27,33 +24,11 @@ def finished_run(tmp_path_factory):
         {
             "run_id": "composer-e2e",
             "store": str(tmp_path),
-            "model": {
-                "tiny": {
-                    "tokenizer": "chars",
-                    "alphabet": " -.0123456789:=ATabcdefghilmnoprstvwx",
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_layers": 2,
-                    "num_heads": 4,
-                }
-            },
+            "model": {"tiny": TINY_CHARS},
             "train": {"objective": "composer", "lr": 1e-3},
             "diloco": {"replicas": 2, "sync_every": 2, "rounds": 2},
             "eval": {"sequences": 14},
-            "composer": {
-                "alpha": 1.0,
-                "beta": 1.0,
-                "data": {
-                    "prompts": str(TASKS / "train.jsonl"),
-                    "heldout": str(TASKS / "heldout.jsonl"),
-                    "pairs": str(TASKS / "pairs.jsonl"),
-                },
-                # A fresh model almost never gets an answer right; the format reward (a digit anywhere, about
-                # one completion in four) makes the GRPO groups' rewards differ from the first step.
-                "rewards": [{"fn": "exact_match"}, {"fn": "format", "pattern": ".*[0-9].*", "weight": 0.5}],
-                "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 4},
-                "replay": {"pairs_per_step": 4},
-            },
+            "composer": composer(group_size=4, prompts_per_step=4, max_new_tokens=4, pairs_per_step=4),
             "executor": {"type": "local", "threads_per_replica": 1},
         }
     )

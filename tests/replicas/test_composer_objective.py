@@ -102,16 +102,16 @@ def test_held_out_prompts_are_taken_across_tasks_in_turn():
     assert len(stratified(records, 100)) == 6
 
 
+def _with_prompts(config, prompts: str):
+    """``config`` reading its prompts from ``prompts``, unvalidated: the launcher's check is what is tested."""
+    data = config.composer.data.model_copy(update={"prompts": prompts})
+    return config.model_copy(update={"composer": config.composer.model_copy(update={"data": data})})
+
+
 def test_the_launchers_check_names_the_malformed_record(raw, jsonl):
     config = validate_config(raw())
     bad = jsonl("bad.jsonl", [TRAIN[0], '{"prompt": "x", "answer": [5]}'])
-    broken = config.model_copy(
-        update={
-            "composer": config.composer.model_copy(
-                update={"data": config.composer.data.model_copy(update={"prompts": bad})}
-            )
-        }
-    )
+    broken = _with_prompts(config, bad)
     with pytest.raises(ConfigError, match=rf"{bad}:2: 'answer' must be a string, got \[5\]"):
         check_composer(broken)
 
@@ -127,13 +127,7 @@ def test_the_launchers_check_names_a_reward_that_does_not_import(raw, tmp_path, 
 def test_a_built_in_reward_whose_column_no_record_has_is_refused_with_the_column_map(raw, jsonl):
     config = validate_config(raw())
     plain = jsonl("plain.jsonl", [{"prompt": "add 1 1=", "solution": "2"}] * 4)
-    broken = config.model_copy(
-        update={
-            "composer": config.composer.model_copy(
-                update={"data": config.composer.data.model_copy(update={"prompts": plain})}
-            )
-        }
-    )
+    broken = _with_prompts(config, plain)
     with pytest.raises(ConfigError, match=r"reads the 'answer' column, which no record of .*plain.jsonl has"):
         check_composer(broken)
 

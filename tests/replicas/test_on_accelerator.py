@@ -22,9 +22,8 @@ from composer_serverless.config import validate_config
 from composer_serverless.launcher import launch
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
+from tests.composer_tasks import TINY_CHARS, composer
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
-
-TASKS = Path(__file__).resolve().parents[2] / "deploy" / "data" / "composer-tasks"
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +41,13 @@ def _both(tmp_path: Path, raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 summary = launch(config, place, Console(file=io.StringIO()))
         run = ObjectStore(str(tmp_path / place))
         assert summary["rounds_committed"] == raw["diloco"]["rounds"] and summary["replicas_bit_identical"]
+        metrics = read_metrics(run)[0]
         digests = {
             row["round"]: row["global_sha256"]
-            for row in read_metrics(run)[0]
+            for row in metrics
             if "global_sha256" in row and "caught_up_from" not in row
         }
-        rows = [r for r in read_metrics(run)[0] if r["round"] > 0 and "train" in r]
+        rows = [r for r in metrics if r["round"] > 0 and "train" in r]
         assert rows and all(
             r["time_s"].keys() == {"generate", "forward_backward", "optimizer", "sync"} for r in rows
         )
@@ -106,30 +106,12 @@ def test_composer_in_bf16_over_float32_masters_ends_where_the_cpu_run_does(tmp_p
         {
             "model": {
                 "dtype": "bfloat16",
-                "tiny": {
-                    "tokenizer": "chars",
-                    "alphabet": " -.0123456789:=ATabcdefghilmnoprstvwx",
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_layers": 2,
-                    "num_heads": 4,
-                },
+                "tiny": TINY_CHARS,
             },
             "train": {"objective": "composer", "lr": 1e-3},
             "diloco": {"replicas": 2, "min_replicas": 2, "sync_every": 2, "rounds": 2},
             "eval": {"sequences": 7},
-            "composer": {
-                "alpha": 1.0,
-                "beta": 1.0,
-                "data": {
-                    "prompts": str(TASKS / "train.jsonl"),
-                    "heldout": str(TASKS / "heldout.jsonl"),
-                    "pairs": str(TASKS / "pairs.jsonl"),
-                },
-                "rewards": [{"fn": "exact_match"}, {"fn": "format", "pattern": ".*[0-9].*", "weight": 0.5}],
-                "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 4},
-                "replay": {"pairs_per_step": 2},
-            },
+            "composer": composer(group_size=4, prompts_per_step=2, max_new_tokens=4, pairs_per_step=2),
             "executor": {"threads_per_replica": 1},
         },
     )
