@@ -132,6 +132,14 @@ def _local_data(config: RunConfig) -> tuple[tuple[str, tuple[str, ...]], ...]:
                 "or save it as JSONL or Parquet files"
             )
         matches = sorted(glob.glob(str(path)))
+        names = [Path(m).name for m in matches]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # one upload directory a setting: the second file of a name would replace the first
+            raise ConfigError(
+                f"{'.'.join(keys)} = {value!r} matches files of the same name in different directories "
+                f"({', '.join(twice)}), which cloud replicas read from one directory of the run's store\n"
+                "  fix: give the files distinct names, or put them in one directory"
+            )
         if matches:
             found.append((".".join(keys), tuple(matches)))
     return tuple(found)

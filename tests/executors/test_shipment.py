@@ -66,6 +66,21 @@ def test_a_local_dataset_directory_is_refused_for_the_cloud_with_the_fix(tmp_pat
         shipment.plan(validate_config(raw), cloud=True)
 
 
+def test_local_files_of_one_name_in_two_directories_are_refused_for_the_cloud(tmp_path: Path) -> None:
+    """Uploaded side by side under inputs/, the second would replace the first: half the data, silently."""
+    (tmp_path / "my_task.py").write_text("")
+    for part in ("a", "b"):
+        (tmp_path / part).mkdir()
+        (tmp_path / part / "train.jsonl").write_text(json.dumps({"prompt": part, "answer": "1"}) + "\n")
+    raw = _config(tmp_path).model_dump()
+    raw["composer"]["data"]["prompts"] = str(tmp_path / "*" / "train.jsonl")
+    with pytest.raises(
+        ConfigError, match=r"(?s)files of the same name in different directories \(train.jsonl\)"
+    ):
+        shipment.plan(validate_config(raw), cloud=True)
+    assert shipment.plan(validate_config(raw), cloud=False).data == ()  # local replicas read them in place
+
+
 def test_requirements_this_environment_lacks_are_named() -> None:
     assert shipment.missing_requirements(("pytest", "pytest>=1", "pytest<1", "no-such-package-here")) == [
         "pytest<1",
