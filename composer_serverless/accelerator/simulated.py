@@ -393,6 +393,8 @@ class _KernelMode(TorchDispatchMode):
                 )
 
     def _check_in_flight(self, func: Any, args: tuple, kwargs: dict, tensors: list, placed: list) -> None:
+        if func.is_view:  # a view reads no memory: taking one of a buffer in flight is no access
+            return
         host = [t for t, on in zip(tensors, placed, strict=True) if not on]
         states = [getattr(_storage(t), _IN_FLIGHT, None) for t in host]
         if not any(states):
@@ -406,9 +408,12 @@ class _KernelMode(TorchDispatchMode):
         dst, src = args[0], args[1]
         non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
         on_dst, on_src = sim.on_device(dst), sim.on_device(src)
-        if not on_dst:
+        # An asynchronous copy between the device and pinned memory is the device's, queued on its stream
+        # behind the copies already in flight there: no race with them (filling one pinned buffer by parts).
+        queued = non_blocking and on_src != on_dst and sim.pinned(src if on_dst else dst)
+        if not on_dst and not queued:
             sim.check_host_access(dst, write=True, op=func)
-        if not on_src:
+        if not on_src and not queued:
             sim.check_host_access(src, write=False, op=func)
         if on_src and not on_dst:  # device to host
             if non_blocking and sim.pinned(dst):

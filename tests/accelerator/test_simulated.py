@@ -103,6 +103,21 @@ def test_a_host_buffer_is_not_written_while_the_device_still_reads_it() -> None:
         assert on.sum().item() == 3.0
 
 
+def test_asynchronous_copies_queued_on_the_stream_do_not_race_each_other() -> None:
+    """Filling one pinned buffer by parts from the device is stream-ordered; the host touching it is not."""
+    with simulated():
+        on = torch.arange(4.0, device="cuda")
+        pinned = torch.empty(4).pin_memory()
+        pinned[:2].copy_(on[:2], non_blocking=True)
+        pinned[2:].copy_(on[2:], non_blocking=True)  # the same storage, queued behind the first copy
+        back = torch.empty(4, device="cuda")
+        back.copy_(pinned, non_blocking=True)  # the device reads it in stream order too
+        with pytest.raises(RuntimeError, match="race"):
+            pinned[:2].copy_(torch.zeros(2))  # a host write: a race
+        torch.cuda.synchronize()
+        assert pinned.tolist() == [0.0, 1.0, 2.0, 3.0] and back.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_host_synchronisations_are_counted_by_operation() -> None:
     with simulated() as sim:
         on = torch.tensor([0.0, 1.0, 2.0], device="cuda")
