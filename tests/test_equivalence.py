@@ -24,7 +24,6 @@ from composer_serverless.replicas.diloco import (
     grace_settings,
     make_diloco,
     make_inner_optimizer,
-    make_outer_optimizers,
     make_schedule,
     split_fragments,
 )
@@ -107,9 +106,7 @@ def run_diloco(cfg, steps_per_replica):
                 settings=ExchangeSettings(replicas=n, min_replicas=n, codec="fp32", timeout_s=60),
                 grace=grace_settings(cfg.diloco),
             )
-            with make_diloco(
-                manager, fragments, inner, make_outer_optimizers(fragments, cfg.diloco), cfg.diloco
-            ):
+            with make_diloco(manager, fragments, inner, cfg.diloco):
                 for batch in steps_per_replica[rank]:
                     model(input_ids=batch, labels=batch).loss.backward()
                     inner.step()

@@ -103,11 +103,10 @@ def apply_global(
     manager: ObjectStoreManager,
     names: list[dict[str, str]],
     model: nn.Module,
-    outer: list[torch.optim.Optimizer],
     state: dict[str, Any],
 ) -> None:
-    """Load a published global state into DiLoCo's fragments, their outer optimizers and the model, and move
-    the manager's step."""
+    """Load a published global state into DiLoCo's fragments, their outer optimizers (over host tensors: no
+    shards to rebuild) and the model, and move the manager's step."""
     # DiLoCo fills its host copy of the global parameters asynchronously from the accelerator (when it is
     # built, after every sync): overwriting that copy while a copy into it is in flight would lose the load.
     synchronize(next(model.parameters()).device)
@@ -127,8 +126,6 @@ def apply_global(
                 "train.lr or diloco.outer_lr"
             )
     manager.load_user_state_dict(user)
-    for optimizer in outer:
-        reshard_optimizer_state(optimizer)
     manager.set_step(int(state["step"]))
     params = global_parameters(manager, names)
     with torch.no_grad():

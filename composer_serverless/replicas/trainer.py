@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from composer_serverless.accelerator.clock import PhaseClock
-from composer_serverless.accelerator.device import replica_device, synchronize
+from composer_serverless.accelerator.device import replica_device
 from composer_serverless.config import RunConfig
 from composer_serverless.objectives.objective import Objective, make_objective
 from composer_serverless.rendezvous import checkpoint, layout, runkey
@@ -51,7 +51,6 @@ from composer_serverless.replicas.diloco import (
     grace_settings,
     make_diloco,
     make_inner_optimizer,
-    make_outer_optimizers,
     make_schedule,
     model_names,
     run_key,
@@ -227,7 +226,6 @@ class Replica:
         self.schedule = make_schedule(self.inner, config.train, self.total_steps)
         self.fragments = split_fragments(model, dl.fragments)
         self.names = model_names(model, self.fragments)
-        self.outer = make_outer_optimizers(self.fragments, dl)
         self.manager = ObjectStoreManager(
             run,
             run_id=config.run_id or "",
@@ -245,7 +243,7 @@ class Replica:
 
     def run(self) -> None:
         dl = self.config.diloco
-        with make_diloco(self.manager, self.fragments, self.inner, self.outer, dl):
+        with make_diloco(self.manager, self.fragments, self.inner, dl):
             if self._restore() == 0:
                 check_initial_weights(self.run_store, self.model, self.rank, self.node)
                 initial = self._evaluate(0, list(range(dl.replicas)))
@@ -274,9 +272,7 @@ class Replica:
             if self.manager.syncs_attempted == seen:
                 continue
             # DiLoCo just finished a sync: nothing is in flight, so this is where the replica may change state.
-            # Its copy of the new global parameters into host memory is asynchronous: wait for it to land
-            # before anything below reads that copy (evaluation, digests, checkpoints).
-            synchronize(self.device)
+            # (The new global parameters were computed in host memory and copied to the device blocking.)
             seen = self.manager.syncs_attempted
             outcome = self.manager.last_sync
             assert outcome is not None
@@ -542,7 +538,7 @@ class Replica:
         """Continue from the published global state of ``round_index``, keeping this replica's own state."""
         was = self.completed_rounds
         published = state.load_global(self.run_store, round_index, self.node, key=self.key)
-        state.apply_global(self.manager, self.names, self.model, self.outer, published)
+        state.apply_global(self.manager, self.names, self.model, published)
         dl = self.config.diloco
         self.schedule = self._schedule_at(self.completed_rounds)
         # The inner steps run since the last row are discarded by the jump; counted, so goodput can be.
@@ -576,7 +572,7 @@ class Replica:
         if latest == 0:
             return 0
         published = state.load_global(self.run_store, latest, node, fall_back=True, key=self.key)
-        state.apply_global(self.manager, self.names, self.model, self.outer, published)
+        state.apply_global(self.manager, self.names, self.model, published)
         latest = self.completed_rounds
         own = checkpoint.load_replica(
             self.run_store, self.rank, latest, node.local_rank, node.all_true, key=self.key

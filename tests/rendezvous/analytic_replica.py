@@ -2,10 +2,10 @@
 
     python analytic_replica.py --store URL [URL ...] --rank R --out history.json
 
-For each store, runs every case of fragments in {1, 2} x fragment_sync_delay in {0, 1} x alpha in {0, 0.5},
-each under its own prefix, and writes each case's parameter history (after every inner step) as JSON,
-keyed by store URL then case. One process covers all stores: starting a replica (importing torch) costs
-more than all of its syncs.
+For each store, runs every case of fragments in {1, 2} x fragment_sync_delay in {0, 1} x alpha in {0, 0.5} x
+torchft's own ``DiLoCo`` and ours with the outer state in host memory (``HostDiLoCo``), each under its own
+prefix, and writes each case's parameter history (after every inner step) as JSON, keyed by store URL then
+case. One process covers all stores: starting a replica (importing torch) costs more than all of its syncs.
 """
 
 from __future__ import annotations
@@ -22,8 +22,15 @@ from composer_serverless.rendezvous.allreduce import ExchangeSettings
 from composer_serverless.rendezvous.deadline import GraceSettings
 from composer_serverless.rendezvous.manager import ObjectStoreManager
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.replicas.host_diloco import HostDiLoCo
 
-CASES = [(fragments, delay, alpha) for fragments in (1, 2) for delay in (0, 1) for alpha in (0.0, 0.5)]
+CASES = [
+    (fragments, delay, alpha, host)
+    for fragments in (1, 2)
+    for delay in (0, 1)
+    for alpha in (0.0, 0.5)
+    for host in (False, True)
+]
 SYNC_EVERY = 6
 SYNCS = 4
 
@@ -42,18 +49,17 @@ class MockOptimizer(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"])
 
 
-def case_key(fragments: int, delay: int, alpha: float) -> str:
-    return f"f{fragments}-d{delay}-a{alpha}"
+def case_key(fragments: int, delay: int, alpha: float, host: bool) -> str:
+    return f"f{fragments}-d{delay}-a{alpha}" + ("-host" if host else "")
 
 
-def run_case(url: str, rank: int, fragments: int, delay: int, alpha: float) -> list[list[float]]:
+def run_case(url: str, rank: int, fragments: int, delay: int, alpha: float, host: bool) -> list[list[float]]:
     layers = nn.ModuleList(nn.Linear(1, 1, bias=False) for _ in range(fragments))
     for layer in layers:
         nn.init.ones_(layer.weight)
     inner = MockOptimizer(layers.parameters(), lr=1.0)
-    outer = [MockOptimizer(layer.parameters(), lr=2.0) for layer in layers]
     manager = ObjectStoreManager(
-        ObjectStore(url).child(case_key(fragments, delay, alpha).replace(".", "_")),
+        ObjectStore(url).child(case_key(fragments, delay, alpha, host).replace(".", "_")),
         run_id="analytic",
         rank=rank,
         fragments=fragments,
@@ -61,17 +67,15 @@ def run_case(url: str, rank: int, fragments: int, delay: int, alpha: float) -> l
         grace=GraceSettings(min_s=0.0, max_s=60.0, mads=4.0),
     )
     history = [[layer.weight.item() for layer in layers]]
-    with DiLoCo(
-        manager,
-        list(layers),
-        inner,
-        outer,
-        sync_every=SYNC_EVERY,
-        use_bucketization=True,
-        bucket_cap_mb=1,
-        fragment_sync_delay=delay,
-        fragment_update_alpha=alpha,
-    ):
+    settings = {"sync_every": SYNC_EVERY, "fragment_sync_delay": delay, "fragment_update_alpha": alpha}
+    if host:
+        diloco = HostDiLoCo(manager, list(layers), inner, lambda ps: MockOptimizer(ps, lr=2.0), **settings)
+    else:
+        outer = [MockOptimizer(layer.parameters(), lr=2.0) for layer in layers]
+        diloco = DiLoCo(
+            manager, list(layers), inner, outer, use_bucketization=True, bucket_cap_mb=1, **settings
+        )
+    with diloco:
         while manager.current_step() < SYNCS:
             for layer in layers:
                 layer.weight.grad = torch.full_like(layer.weight, 2.0)

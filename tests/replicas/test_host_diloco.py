@@ -1,0 +1,207 @@
+"""``HostDiLoCo`` (the outer state in host memory) against torchft's unmodified ``DiLoCo`` as the oracle: the
+same weights and outer momentum, bit for bit, through the real store exchange; and on the simulated device,
+a sync that allocates nothing on the accelerator."""
+
+from __future__ import annotations
+
+import math
+import threading
+import uuid
+
+import pytest
+import torch
+from torchft.local_sgd import DiLoCo
+
+from composer_serverless.accelerator.simulated import simulated
+from composer_serverless.config import validate_config
+from composer_serverless.rendezvous.allreduce import ExchangeSettings
+from composer_serverless.rendezvous.manager import ObjectStoreManager
+from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.replicas.diloco import (
+    grace_settings,
+    make_diloco,
+    make_inner_optimizer,
+    outer_optimizer,
+    split_fragments,
+)
+from tests.test_equivalence import batches, tiny_llama
+
+
+def _config(fragments: int, delay: int, alpha: float):
+    return validate_config(
+        {
+            "model": {"tiny": {}},
+            "train": {"optimizer": "adamw", "lr": 0.02, "schedule": "constant", "grad_clip": None},
+            "diloco": {
+                "replicas": 2,
+                "sync_every": 4,
+                "rounds": 3,
+                "outer_lr": 0.7,
+                "outer_momentum": 0.9,
+                "nesterov": True,
+                "fragments": fragments,
+                "fragment_sync_delay": delay,
+                "fragment_update_alpha": alpha,
+            },
+        }
+    )
+
+
+def torchft_diloco(manager, fragments, inner, dl) -> DiLoCo:
+    """torchft's DiLoCo as it comes, its outer SGD over the model's parameters, one bucket per fragment."""
+    largest = max(sum(p.numel() * p.element_size() for p in f.parameters()) for f in fragments)
+    return DiLoCo(
+        manager,
+        fragments,
+        inner,
+        [outer_optimizer(dl)(f.parameters()) for f in fragments],
+        sync_every=dl.sync_every,
+        use_bucketization=True,
+        bucket_cap_mb=math.ceil(largest / 2**20),
+        fragment_sync_delay=dl.fragment_sync_delay,
+        fragment_update_alpha=dl.fragment_update_alpha,
+    )
+
+
+class FailingManager(ObjectStoreManager):
+    """Fails the exchange of the syncs numbered in ``fail`` (counted from 0 over attempts)."""
+
+    def __init__(self, *args, fail=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fail = set(fail)
+        self._attempt = 0
+
+    def _exchange(self, staged, copied, outcome):
+        attempt, self._attempt = self._attempt, self._attempt + 1
+        if attempt in self._fail:
+            outcome.error = RuntimeError("injected")
+            return
+        super()._exchange(staged, copied, outcome)
+
+
+def run(build, config, *, fail=()):
+    """Train both replicas in threads; return each one's parameters and outer optimizer states."""
+    url = f"memory://host-diloco-{uuid.uuid4().hex}"
+    dl = config.diloco
+    models = {rank: tiny_llama() for rank in range(dl.replicas)}
+    out: dict[int, tuple[dict, list]] = {}
+    errors: list[BaseException] = []
+
+    def replica(rank: int) -> None:
+        try:
+            model = models[rank]
+            inner = make_inner_optimizer(model, config.train)
+            fragments = split_fragments(model, dl.fragments)
+            manager = FailingManager(
+                ObjectStore(url),
+                run_id="host",
+                rank=rank,
+                fragments=dl.fragments,
+                settings=ExchangeSettings(replicas=2, min_replicas=2, codec="fp32", timeout_s=60),
+                grace=grace_settings(dl),
+                fail=fail,
+            )
+            data = iter(batches(rank, 64))
+            with build(manager, fragments, inner, dl) as diloco:
+                while manager.current_step() < dl.rounds * dl.fragments:
+                    batch = next(data)
+                    model(input_ids=batch, labels=batch).loss.backward()
+                    inner.step()
+                    inner.zero_grad()
+            outer = [f._outer_optimizer.state_dict() for f in diloco._fragments]
+            out[rank] = ({n: p.detach().clone() for n, p in model.named_parameters()}, outer)
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(dl.replicas)]
+    torch.set_num_threads(1)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def assert_same(actual, expected) -> None:
+    for rank in expected:
+        (params, outer), (want_params, want_outer) = actual[rank], expected[rank]
+        assert params.keys() == want_params.keys()
+        for name in want_params:
+            assert torch.equal(params[name], want_params[name]), (rank, name)
+        for mine, theirs in zip(outer, want_outer, strict=True):
+            assert mine["state"].keys() == theirs["state"].keys() and mine["state"]
+            for index, state in theirs["state"].items():
+                assert torch.equal(mine["state"][index]["momentum_buffer"], state["momentum_buffer"])
+
+
+@pytest.mark.parametrize(
+    ("fragments", "delay", "alpha"),
+    [(1, 0, 0.0), (2, 1, 0.0), (2, 0, 0.5)],
+    ids=["plain", "overlap", "merge"],
+)
+def test_host_outer_state_is_bit_identical_to_torchft(fragments, delay, alpha) -> None:
+    config = _config(fragments, delay, alpha)
+    expected = run(torchft_diloco, config)
+    actual = run(make_diloco, config)
+    assert_same(actual, expected)
+    # The replicas really moved apart between syncs and together at them: not a run that did nothing.
+    assert not torch.equal(actual[0][0]["model.norm.weight"], tiny_llama().model.norm.weight.detach())
+
+
+def test_a_failed_sync_restores_the_same_global_weights_as_torchft() -> None:
+    config = _config(2, 0, 0.0)
+    expected = run(torchft_diloco, config, fail={1})
+    actual = run(make_diloco, config, fail={1})
+    assert_same(actual, expected)
+    # The failure changed the trajectory (a discarded fragment sync): the oracle is not the plain run.
+    plain = run(torchft_diloco, config)
+    assert not all(torch.equal(plain[0][0][n], expected[0][0][n]) for n in plain[0][0])
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_a_sync_allocates_nothing_on_the_accelerator(alpha) -> None:
+    """The fragment's pseudo-gradient, its average and the outer step live in host memory: the device's peak
+    during a sync is what was live before it (plus the clone of the local weights that the alpha merge
+    needs), and the outer state is host memory."""
+    config = _config(1, 0, alpha)
+    dl = config.diloco
+    with simulated() as sim:
+        model = tiny_llama().to("cuda")
+        inner = make_inner_optimizer(model, config.train)
+        fragments = split_fragments(model, 1)
+        manager = ObjectStoreManager(
+            ObjectStore(f"memory://host-diloco-{uuid.uuid4().hex}"),
+            run_id="host",
+            rank=0,
+            fragments=1,
+            settings=ExchangeSettings(replicas=1, min_replicas=1, codec="fp32", timeout_s=60),
+            grace=grace_settings(dl),
+        )
+        starts: list[int] = []
+
+        def free_gradients(optimizer, args, kwargs) -> None:
+            """As the replica does, before DiLoCo's hook (registered first); the sync's window opens here."""
+            optimizer.zero_grad(set_to_none=True)
+            starts.append(sim.live_bytes)
+            sim.reset_peak()
+
+        inner.register_step_post_hook(free_gradients)
+        peaks: list[tuple[int, int]] = []
+        with make_diloco(manager, fragments, inner, config.diloco) as diloco:
+            for batch in batches(0, dl.sync_every * 2):
+                batch = batch.to("cuda")
+                model(input_ids=batch, labels=batch).loss.backward()
+                inner.step()
+                if manager.syncs_attempted > len(peaks):
+                    peaks.append((starts[-1], sim.peak_bytes))
+        fragment = diloco._fragments[0]
+        momentum = [s["momentum_buffer"] for s in fragment._outer_optimizer.state.values()]
+        assert momentum and not any(sim.on_device(t) for t in momentum)
+        assert not any(sim.on_device(t) for t in fragment.original_parameters.values())
+        assert all(sim.on_device(p) for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(peaks) == 2
+    for before, peak in peaks:
+        assert peak - before == (weights if alpha else 0), (before, peak, weights)
