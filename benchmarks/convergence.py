@@ -54,7 +54,7 @@ from composer_serverless.data.corpus import stdlib_corpus, training_text
 from composer_serverless.launcher import launch
 from composer_serverless.models import build_tiny, load_pretrained
 from composer_serverless.objectives.lm import LMObjective
-from composer_serverless.objectives.objective import evaluate
+from composer_serverless.objectives.objective import evaluate, step_loss
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 from composer_serverless.replicas.diloco import make_inner_optimizer, make_schedule
@@ -292,7 +292,7 @@ def run_dp(base: RunConfig, budget: Budget, seed: int, model_dir: Path, replicas
     schedule = make_schedule(inner, config.train, budget.steps)
     curve = [(0, evaluate(objective, model)["eval/loss"], 0)]
     for step in range(1, budget.steps + 1):
-        loss, _ = objective.loss(model)
+        loss, _ = step_loss(objective, model)
         loss.backward()
         if config.train.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)

@@ -63,6 +63,13 @@ class TrainConfig(StrictModel):
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
     grad_clip: float | None = Field(1.0, gt=0, description="clip the inner gradient norm; unset to disable")
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="sequences per forward and backward (lm: rows of this rank's batch; composer: completions, "
+        "and half as many preference pairs): the step's gradient accumulates over its micro-batches, equal to "
+        "the whole batch's, and activation memory follows the micro-batch. Unset: the whole batch at once",
+    )
 
     @field_validator("betas")
     @classmethod

@@ -108,7 +108,9 @@ class RLBatch:
             (`logprobs.completion_logprobs` under no_grad). None means on-policy: the ratio is exactly 1.
         ref_logps: (B, C) float or None; reference-model log-probs, needed when `GRPOSettings.kl_beta > 0`.
         num_items: loss-token count of everything one optimizer step averages over (all micro-batches and ranks),
-            the `dapo` normaliser; None means this batch's count.
+            the `bnpo` and `dapo` normaliser; None means this batch's count.
+        num_sequences: the completions one optimizer step averages over, the `grpo` and `dr_grpo` normaliser;
+            None means this batch's.
     """
 
     prompt_ids: torch.Tensor
@@ -120,6 +122,7 @@ class RLBatch:
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
     num_items: int | torch.Tensor | None = None
+    num_sequences: int | None = None
 
     def __post_init__(self) -> None:
         checks = Checks()
@@ -246,6 +249,7 @@ class ReplayBatch:
             temperature 1, i.e. `completion_logprobs(ref_model, prompt_ids, prompt_mask, chosen_ids,
             chosen_mask).sum(-1)` under no_grad. Required for DPO, unused by SimPO.
         ref_rejected_logps: (N,) float or None, the same for the rejected completions.
+        num_pairs: the pairs one optimizer step averages over (all micro-batches); None means this batch's.
     """
 
     prompt_ids: torch.Tensor
@@ -256,6 +260,7 @@ class ReplayBatch:
     rejected_mask: torch.Tensor
     ref_chosen_logps: torch.Tensor | None = None
     ref_rejected_logps: torch.Tensor | None = None
+    num_pairs: int | None = None
 
     def __post_init__(self) -> None:
         checks = Checks()

@@ -159,7 +159,8 @@ def _policy_channels(
         settings.grpo,
         old_logps=rl.old_logps,
         ref_logps=rl.ref_logps,
-        num_items=rl.num_items,
+        num_items=rl.num_items if settings.grpo.loss_type in ("bnpo", "dapo") else None,
+        num_sequences=rl.num_sequences if settings.grpo.loss_type in ("grpo", "dr_grpo") else None,
     )
     if hint is None:
         return grpo, None, metrics
@@ -198,7 +199,7 @@ def _replay_channel(
         hidden[scored], completions[scored], head, temperature=1.0, chunk_tokens=settings.chunk_tokens
     )
     chosen, rejected = logps.new_zeros(scored.shape).masked_scatter(scored, logps).chunk(2)
-    return replay_loss(
+    loss, metrics = replay_loss(
         chosen[:, :chosen_width],
         replay.chosen_mask,
         rejected[:, :rejected_width],
@@ -207,6 +208,12 @@ def _replay_channel(
         ref_chosen_logps=replay.ref_chosen_logps,
         ref_rejected_logps=replay.ref_rejected_logps,
     )
+    if (
+        replay.num_pairs is not None
+    ):  # a mean over this micro-batch's pairs, weighed by their share of the step
+        loss = loss * (replay.prompt_ids.size(0) / replay.num_pairs)
+        metrics["replay/loss"] = loss.detach()
+    return loss, metrics
 
 
 def _graph_zero(model: nn.Module) -> torch.Tensor:

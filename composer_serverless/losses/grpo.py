@@ -144,21 +144,26 @@ def grpo_loss(
     old_logps: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
     num_items: int | torch.Tensor | None = None,
+    num_sequences: int | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-ratio policy-gradient loss of one micro-batch, normalised as TRL 1.16 does.
 
     Per token: `r = exp(logp - old_logp)`, `loss_t = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`, plus
     `kl_beta * k3_kl` (times `r` if `kl_importance_correction`). Then, with m the loss mask:
 
-    - grpo:    mean over sequences of `sum_t(m * loss_t) / max(sum_t m, 1)` (each sequence weighs the same)
-    - bnpo:    `sum(m * loss_t) / max(sum m, 1)` (token mean over the micro-batch)
-    - dr_grpo: `sum(m * loss_t) / (B * max_completion_length)` (constant divisor, no length bias)
+    - grpo:    mean over sequences of `sum_t(m * loss_t) / max(sum_t m, 1)` (each sequence weighs the same);
+               with `num_sequences`, the sum over this micro-batch's sequences divided by it
+    - bnpo:    `sum(m * loss_t) / max(sum m, 1)` (token mean over the micro-batch); with `num_items`, over
+               that count, as dapo
+    - dr_grpo: `sum(m * loss_t) / (B * max_completion_length)` (constant divisor, no length bias), B being
+               `num_sequences` when given
     - dapo:    `sum(m * loss_t) / max(num_items, 1)` where `num_items` is the loss-token count of everything
                one optimizer step averages over (all micro-batches, all ranks); it defaults to this micro-batch's
                count, which makes dapo equal to bnpo.
 
-    Gradient accumulation: TRL divides grpo, bnpo and dr_grpo by the number of accumulation steps; pass the global
-    `num_items` for dapo instead. Entries outside `loss_mask` are ignored, whatever their value.
+    Gradient accumulation: TRL divides grpo, bnpo and dr_grpo by the number of accumulation steps, which is
+    exact only for micro-batches of equal size; pass the step's `num_sequences` (grpo, dr_grpo) or
+    `num_items` (bnpo, dapo) instead, and the micro-batches' gradients add up to the whole batch's exactly. Entries outside `loss_mask` are ignored, whatever their value.
 
     Args:
         logps: (B, C) log pi_theta of the sampled completion tokens, differentiable.
@@ -167,7 +172,8 @@ def grpo_loss(
         settings: loss type, clip ranges, KL weight.
         old_logps: (B, C) log pi_old at sampling time; None means on-policy (`logps.detach()`, ratio 1).
         ref_logps: (B, C) reference log-probs; required when `settings.kl_beta > 0`.
-        num_items: dapo only, see above.
+        num_items: bnpo and dapo only, see above.
+        num_sequences: grpo and dr_grpo only, see above.
 
     Returns:
         The scalar loss and detached metrics under `grpo/`.
@@ -185,9 +191,13 @@ def grpo_loss(
             raise ValueError(f"{name} shape {tuple(other.shape)} != logps shape {tuple(logps.shape)}")
     if settings.kl_beta > 0 and ref_logps is None:
         raise ValueError("kl_beta > 0 needs ref_logps")
-    if num_items is not None and settings.loss_type != "dapo":
+    if num_items is not None and settings.loss_type not in ("bnpo", "dapo"):
         raise ValueError(
-            f"num_items is the dapo normaliser; loss_type={settings.loss_type!r} does not use it"
+            f"num_items is the bnpo and dapo normaliser; loss_type={settings.loss_type!r} does not use it"
+        )
+    if num_sequences is not None and settings.loss_type not in ("grpo", "dr_grpo"):
+        raise ValueError(
+            f"num_sequences is the grpo and dr_grpo normaliser; loss_type={settings.loss_type!r} does not use it"
         )
 
     mask = loss_mask.bool()
@@ -210,12 +220,12 @@ def grpo_loss(
     masked = torch.where(mask, per_token, 0)
     tokens = mask.sum()
     if settings.loss_type == "grpo":
-        loss = (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-    elif settings.loss_type == "bnpo":
-        loss = masked.sum() / tokens.clamp(min=1)
+        per_sequence = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        loss = per_sequence.mean() if num_sequences is None else per_sequence.sum() / num_sequences
     elif settings.loss_type == "dr_grpo":
-        loss = masked.sum() / (logps.size(0) * settings.max_completion_length)
-    else:
+        sequences = logps.size(0) if num_sequences is None else num_sequences
+        loss = masked.sum() / (sequences * settings.max_completion_length)
+    else:  # bnpo, dapo
         denominator = tokens if num_items is None else torch.as_tensor(num_items, device=logps.device)
         loss = masked.sum() / denominator.clamp(min=1)
 

@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from composer_serverless.data.records import (
     read_pairs,
     shard_records,
 )
+from composer_serverless.losses import micro
 from composer_serverless.losses.batches import LossBatch, RLBatch
 from composer_serverless.losses.compose import LossSettings, three_channel_loss
 from composer_serverless.losses.grpo import GRPOSettings
@@ -204,6 +205,7 @@ class ComposerObjective:
         self._prompts = shard_records(train, rank, replicas)
         self._cycle = Cycle(len(self._prompts), seed=config.seed * 7919 + rank)
         self._heldout = stratified(heldout, config.eval.sequences)
+        self._micro_batch_size = config.train.micro_batch_size
         self._rollout = RolloutSettings(
             group_size=composer.rollout.group_size,
             prompts_per_step=composer.rollout.prompts_per_step,
@@ -270,7 +272,9 @@ class ComposerObjective:
             )
         return dataclasses.replace(rl, ref_logps=ref)
 
-    def loss(self, model: nn.Module) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+    def losses(self, model: nn.Module) -> Iterator[tuple[torch.Tensor, dict[str, float | torch.Tensor]]]:
+        """Rollouts generated in one batch, trained on in micro-batches (``losses.micro``); the rollout's
+        metrics come with the first."""
         rolled = rollout(model, self._tokenizer, self._draw, self._rewards, self._hints, self._rollout)
         if self._record:
             for record, text, reward in zip(
@@ -289,8 +293,11 @@ class ComposerObjective:
                     )
         replay = None if self._pairs is None else self._pairs.next(next(model.parameters()).device)
         batch = LossBatch(rl=self._with_reference(rolled.rl), hint=rolled.hint, replay=replay)
-        loss, metrics = three_channel_loss(model, batch, self._settings)
-        return loss, {**metrics, **rolled.metrics}
+        extra: dict[str, float | torch.Tensor] = dict(rolled.metrics)
+        for part in micro.split(batch, self._micro_batch_size):
+            loss, metrics = three_channel_loss(model, part.batch, self._settings)
+            yield loss, {**micro.weighted(part, metrics), **extra}
+            extra = {}
 
     def evaluate_part(self, model: nn.Module, part: int, parts: int) -> EvalPart:
         """Reward of greedy completions of a share of the held-out prompts, overall (`eval/reward`) and per

@@ -4,7 +4,7 @@ a chat record's assistant turns), evaluated the same way on the held-out documen
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -57,26 +57,30 @@ class LMObjective:
         self._heldout = Batches(corpus, corpus.heldout, tokenizer, seq_len, self._eval_streams, seed=0)
         self._eval_sequences = config.eval.sequences
         self._batch_size = batch_size
+        self._micro_batch_size = config.train.micro_batch_size
         self._node = node
         self._eval_set: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def loss(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
+    def losses(self, model: torch.nn.Module) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """This rank's rows in micro-batches of ``train.micro_batch_size`` rows, each loss a sum over its
+        trained tokens divided by the step's count of them (per rank, as FSDP averages the ranks): their
+        gradients add up to the whole batch's mean. One micro-batch takes the model's own mean."""
         device = _device_of(model)
         node = self._node
         local_rank, size = (0, 1) if node is None else (node.local_rank, node.size)
         rows = self._batch_size // size
         ids, labels = (t[local_rank * rows : (local_rank + 1) * rows].to(device) for t in self._train.next())
-        if node is None or size == 1:
-            out = model(input_ids=ids, labels=labels, use_cache=False)
-            trained = _targets(labels)
-        else:
-            trained = int(node.sum([_targets(labels)])[0])
-            out = model(
-                input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=max(1, trained) / size
-            )
-        if not trained:  # every token of the batch is masked: nothing to learn, and no NaN either
-            return out.logits.sum() * 0.0, {}
-        return out.loss, {"lm/loss": out.loss.detach()}
+        step = min(rows, self._micro_batch_size or rows)
+        trained = _targets(labels) if size == 1 else int(node.sum([_targets(labels)])[0])  # type: ignore[union-attr]
+        # The model's own mean, when it is the step's: one micro-batch on one rank.
+        count = None if step == rows and size == 1 else max(1, trained) / size
+        for start in range(0, rows, step):  # the same number of passes on every rank: FSDP's collectives
+            part_ids, part_labels = ids[start : start + step], labels[start : start + step]
+            out = model(input_ids=part_ids, labels=part_labels, use_cache=False, num_items_in_batch=count)
+            if not trained:  # every token of the batch is masked: nothing to learn, and no NaN either
+                yield out.logits.sum() * 0.0, {}
+            else:
+                yield out.loss, {"lm/loss": out.loss.detach()}
 
     @torch.no_grad()
     def evaluate_part(self, model: torch.nn.Module, part: int, parts: int) -> EvalPart:

@@ -2,13 +2,17 @@
 
 An objective draws its own next batch because objectives differ in what a batch is: the causal-LM objective
 packs text, the composer objective samples completions from the current model and scores them. The trainer
-only backpropagates what ``loss`` returns and checkpoints what ``state_dict`` returns.
+only backpropagates what ``losses`` yields and checkpoints what ``state_dict`` returns.
+
+A step's batch comes as micro-batches (``train.micro_batch_size``), each backpropagated before the next is
+drawn, so activation memory follows the micro-batch; each is normalised by the whole step's counts, so their
+gradients add up to the whole batch's.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -19,12 +23,16 @@ from composer_serverless.objectives.lm import LMObjective, Ranks
 from composer_serverless.objectives.shares import EvalPart, combine
 from composer_serverless.rendezvous.store import ObjectStore
 
+Metrics = dict[str, torch.Tensor | float]
+
 
 @runtime_checkable
 class Objective(Protocol):
-    def loss(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
-        """Draw the next batch and return the scalar loss to backpropagate plus namespaced scalar metrics
-        (floats or 0-dim tensors); the trainer records their mean over each round."""
+    def losses(self, model: torch.nn.Module) -> Iterator[tuple[torch.Tensor, Metrics]]:
+        """Draw the next batch and yield, per micro-batch, its part of the step's scalar loss (to backpropagate
+        before the next is drawn) and its parts of the step's namespaced scalar metrics (floats or 0-dim
+        tensors): the step's loss and metrics are the sums of the parts. The trainer records each metric's
+        mean over a round's steps."""
         ...
 
     def evaluate_part(self, model: torch.nn.Module, part: int, parts: int) -> EvalPart:
@@ -50,6 +58,23 @@ class Objective(Protocol):
         model; ``waiting(what)`` puts what the replica waits for in its heartbeat. Returns fields for the
         row."""
         ...
+
+
+def add_parts(total: Metrics, part: Metrics) -> Metrics:
+    """``total`` with a micro-batch's metric parts added."""
+    return {**total, **{name: total.get(name, 0.0) + value for name, value in part.items()}}
+
+
+def step_loss(objective: Objective, model: torch.nn.Module) -> tuple[torch.Tensor, Metrics]:
+    """The next step's whole loss in one graph, and its metrics: for a test or a benchmark that wants the loss
+    rather than the step (it holds every micro-batch's activations at once)."""
+    loss: torch.Tensor | None = None
+    metrics: Metrics = {}
+    for part, part_metrics in objective.losses(model):
+        loss = part if loss is None else loss + part
+        metrics = add_parts(metrics, part_metrics)
+    assert loss is not None, "an objective yields at least one micro-batch"
+    return loss, metrics
 
 
 def evaluate(objective: Objective, model: torch.nn.Module) -> dict[str, float]:

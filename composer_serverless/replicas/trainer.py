@@ -35,7 +35,7 @@ from torch import nn
 from composer_serverless.accelerator.clock import PhaseClock
 from composer_serverless.accelerator.device import replica_device
 from composer_serverless.config import RunConfig
-from composer_serverless.objectives.objective import Objective, make_objective
+from composer_serverless.objectives.objective import Metrics, Objective, add_parts, make_objective
 from composer_serverless.rendezvous import checkpoint, layout, runkey
 from composer_serverless.rendezvous.exchange import StaleRoundError
 from composer_serverless.rendezvous.latest import latest_round
@@ -294,11 +294,20 @@ class Replica:
     def _inner_step(self) -> torch.Tensor:
         clock = self.meter.clock
         clock.start()
-        with self._compute():
-            loss, metrics = self.objective.loss(self.model)
-        clock.lap("forward")
-        loss.backward()
-        clock.lap("backward")
+        parts = self.objective.losses(self.model)
+        loss: torch.Tensor | None = None
+        metrics: Metrics = {}
+        while True:  # each micro-batch's backward before the next one's forward
+            with self._compute():
+                part = next(parts, None)
+            if part is None:
+                break
+            clock.lap("forward")
+            part[0].backward()
+            clock.lap("backward")
+            loss = part[0].detach() if loss is None else loss + part[0].detach()
+            metrics = add_parts(metrics, part[1])
+        assert loss is not None, "an objective yields at least one micro-batch"
         if self.config.train.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
         self.inner.step()  # DiLoCo's hooks run the fragment syncs inside this call; ours frees the gradients

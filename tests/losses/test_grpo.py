@@ -273,6 +273,8 @@ def test_call_errors_are_explicit():
     with pytest.raises(ValueError, match="ref_logps"):
         grpo_loss(logps, torch.zeros(2), torch.ones(2, 3), GRPOSettings(kl_beta=0.1))
     with pytest.raises(ValueError, match="num_items"):
-        grpo_loss(logps, torch.zeros(2), torch.ones(2, 3), GRPOSettings(loss_type="bnpo"), num_items=5)
+        grpo_loss(logps, torch.zeros(2), torch.ones(2, 3), GRPOSettings(loss_type="grpo"), num_items=5)
+    with pytest.raises(ValueError, match="num_sequences"):
+        grpo_loss(logps, torch.zeros(2), torch.ones(2, 3), GRPOSettings(loss_type="dapo"), num_sequences=4)
     with pytest.raises(ValueError, match="advantages"):
         grpo_loss(logps, torch.zeros(3), torch.ones(2, 3), GRPOSettings())

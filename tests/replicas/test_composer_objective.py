@@ -12,7 +12,7 @@ from composer_serverless.data.records import PromptRecord
 from composer_serverless.launcher import prepare
 from composer_serverless.objectives.composer import stratified
 from composer_serverless.objectives.inputs import check_composer
-from composer_serverless.objectives.objective import evaluate, make_objective
+from composer_serverless.objectives.objective import evaluate, make_objective, step_loss
 from composer_serverless.objectives.shares import combine
 from composer_serverless.replicas.trainer import _read_step
 from tests.replicas.conftest import tiny_model
@@ -56,7 +56,7 @@ def raw(jsonl):
 def test_a_step_has_all_three_channels_and_the_position_is_json(raw, model, tokenizer):
     config = validate_config(raw())
     objective = make_objective(config, tokenizer, 1, model=model)
-    loss, metrics = objective.loss(model)
+    loss, metrics = step_loss(objective, model)
     loss.backward()
     # Scalars: floats, or 0-dim tensors the trainer reads in one transfer with the loss.
     assert all(
@@ -92,7 +92,7 @@ def test_evaluation_reports_the_reward_overall_per_task_and_per_reward(raw, mode
 def test_simpo_and_a_kl_term_need_other_references(raw, model, tokenizer):
     config = validate_config(raw(replay={"kind": "simpo"}, grpo={"kl": 0.1}))
     objective = make_objective(config, tokenizer, 0, model=model)
-    _, metrics = objective.loss(model)
+    _, metrics = step_loss(objective, model)
     assert "grpo/kl" in metrics and metrics["replay/loss"] > 0
 
 
@@ -164,7 +164,7 @@ def test_prompts_are_rendered_with_the_chat_template_when_asked(raw, model, toke
         lambda tok, prompts, device: seen.extend(p.text for p in prompts) or encode(tok, prompts, device),
     )
     objective = make_objective(validate_config(raw(chat_template=True)), tokenizer, 0, model=model)
-    objective.loss(model)
+    step_loss(objective, model)
     students = [p for p in seen if p.startswith("T:add")]
     assert students and all(p.endswith("=.A:") for p in students)
     # The teacher's hint goes inside the user's turn, before the original prompt.
@@ -200,7 +200,7 @@ def test_a_step_on_the_accelerator_waits_for_it_a_few_times_whatever_the_batch(r
 
             model.generate = counted
             before = Counter(sim.host_syncs)
-            loss, metrics = objective.loss(model)
+            loss, metrics = step_loss(objective, model)
             loss.backward()
             _read_step(loss, metrics)
             counts.append(sum((sim.host_syncs - before - generating).values()))

@@ -32,16 +32,16 @@ def test_a_non_finite_loss_stops_the_replica_with_the_fix(
         }
     )
     run, _ = create_run(config, "test", Console(quiet=True))
-    real_loss = objective.LMObjective.loss
+    real_losses = objective.LMObjective.losses
     steps = 0
 
     def diverging(self, model):
         nonlocal steps
         steps += 1
-        loss, metrics = real_loss(self, model)
-        return (loss * float("nan") if steps == 3 else loss), metrics
+        for loss, metrics in real_losses(self, model):
+            yield (loss * float("nan") if steps == 3 else loss), metrics
 
-    monkeypatch.setattr(objective.LMObjective, "loss", diverging)
+    monkeypatch.setattr(objective.LMObjective, "losses", diverging)
     with pytest.raises(
         DivergedError, match=r"training loss is nan in round 2, step 1: training diverged"
     ) as e:

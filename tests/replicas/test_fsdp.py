@@ -24,14 +24,16 @@ from composer_serverless.runs import export
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 
 
-def _config(store: Path, run_id: str, model_dir: Path, ranks: int, **model: Any) -> Any:
+def _config(
+    store: Path, run_id: str, model_dir: Path, ranks: int, micro: int | None = None, **model: Any
+) -> Any:
     return validate_config(
         {
             "run_id": run_id,
             "store": str(store),
             "model": {"path": str(model_dir), **model},
             "data": {"seq_len": 16, "batch_size": 4},
-            "train": {"lr": 1e-2, "warmup_steps": 2, "schedule": "cosine"},
+            "train": {"lr": 1e-2, "warmup_steps": 2, "schedule": "cosine", "micro_batch_size": micro},
             "diloco": {
                 "replicas": 2,
                 "sync_every": 4,
@@ -61,19 +63,24 @@ def test_two_ranks_per_replica_end_where_one_rank_does(
 ) -> None:
     """2 replicas x 2 FSDP ranks and 2 replicas x 1 rank, on the same global batch, in fp32, after 3 rounds
     (two fragments, overlap, alpha): the same global parameters to 1e-5, and the same held-out loss. With LoRA,
-    the same adapters (the frozen base sharded with them), which export merges."""
+    the same adapters (the frozen base sharded with them), which export merges. A full fine-tune also in
+    micro-batches of one row per rank (two per step, accumulated), to the same parameters."""
     model = {"lora": {"r": 4}} if lora else {}
-    for ranks in (1, 2):
+    runs = {"g1": (1, None), "g2": (2, None), **({} if lora else {"g2m1": (2, 1)})}
+    for run_id, (ranks, micro) in runs.items():
         summary = launch(
-            _config(tmp_path, f"g{ranks}", tiny_model_dir, ranks, **model),
+            _config(tmp_path, run_id, tiny_model_dir, ranks, micro, **model),
             "fsdp",
             Console(file=io.StringIO()),
         )
         assert summary["rounds_committed"] == 3 and summary["replicas_bit_identical"], summary
-    one, two = _final(tmp_path, "g1", lora), _final(tmp_path, "g2", lora)
-    assert one.keys() == two.keys()
-    worst = max(float((one[k] - two[k]).abs().max()) for k in one)
-    assert worst <= 1e-5, worst
+    one = _final(tmp_path, "g1", lora)
+    for run_id in runs.keys() - {"g1"}:
+        other = _final(tmp_path, run_id, lora)
+        assert one.keys() == other.keys()
+        worst = max(float((one[k] - other[k]).abs().max()) for k in one)
+        assert worst <= 1e-5, (run_id, worst)
+    two = _final(tmp_path, "g2", lora)
     if not lora:  # the runs trained: agreeing to 1e-5 is not agreeing on the initial weights
         start = load_file(tiny_model_dir / "model.safetensors")
         assert max(float((one[k] - start[k]).abs().max()) for k in one) > 1e-2

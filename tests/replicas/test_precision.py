@@ -11,6 +11,7 @@ import torch
 from composer_serverless.config import validate_config
 from composer_serverless.models import load_model
 from composer_serverless.objectives.lm import LMObjective
+from composer_serverless.objectives.objective import step_loss
 from composer_serverless.replicas import precision
 from composer_serverless.replicas.diloco import make_inner_optimizer
 
@@ -32,7 +33,7 @@ def changed_after_three_steps(model_dir: Path, **model: str) -> float:
     before = weight.detach().clone()
     for _ in range(3):
         with precision.compute(config.model, torch.device("cpu")):
-            loss, _ = objective.loss(model_)
+            loss, _ = step_loss(objective, model_)
         loss.backward()
         inner.step()
         inner.zero_grad(set_to_none=True)
