@@ -1,19 +1,15 @@
 """The memory benchmark's worker builds valid batches and measures something, for both losses (tiny model)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "loss_memory.py"
+from tests.benchmarks.bench_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def benchmark():
-    spec = importlib.util.spec_from_file_location("loss_memory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    # Through the shared loader, which puts benchmarks/ on the path for the script's own imports: loaded
+    # by hand, it passed or failed with the order the suite ran in.
+    return load_script("loss_memory")
 
 
 @pytest.mark.parametrize("loss", ["ce", "composer"])
