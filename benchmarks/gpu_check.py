@@ -10,6 +10,8 @@ GPU 0 when there is one GPU):
                   loaded as a checkpoint), bf16 over float32 masters, 2 replicas
   composer-bf16   the composer objective at that shape in bf16 over masters, 8 prompts x 8 completions x
                   256 new tokens, 1 replica
+  composer-1.5b   the same at the Qwen2.5-1.5B shape without gradient checkpointing, trained in micro-batches
+                  of 16 completions (it ran out of an 80 GB card in one batch of 64)
   lora-1.5b       LoRA (r = 16) at the Qwen2.5-1.5B shape, bf16 base, lm on chat records, 2 replicas
   kill-resume     the demo model, every replica and the launcher SIGKILLed once round 2 is published, then
                   ``launch --resume``; its final global digest against an uninterrupted run's
@@ -43,7 +45,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-LINES = ("demo", "lm-chat", "composer-bf16", "lora-1.5b", "kill-resume", "export", "allreduce-link")
+LINES = (
+    "demo",
+    "lm-chat",
+    "composer-bf16",
+    "composer-1.5b",
+    "lora-1.5b",
+    "kill-resume",
+    "export",
+    "allreduce-link",
+)
 # Qwen2.5's published shapes (config.json of Qwen/Qwen2.5-0.5B-Instruct and -1.5B-Instruct).
 QWEN_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14}
 QWEN_15B = {
@@ -129,7 +140,15 @@ class Check:
         return self._chat_run("lm-chat", "qwen2.5-0.5b", QWEN_05B)
 
     def composer_bf16(self) -> dict[str, Any]:
-        model, shape = self._model("qwen2.5-0.5b", QWEN_05B)
+        return self._composer("composer-bf16", "qwen2.5-0.5b", QWEN_05B)
+
+    def composer_1_5b(self) -> dict[str, Any]:  # the line "composer-1.5b"
+        sets = ["model.gradient_checkpointing=false", "train.micro_batch_size=16"]
+        return self._composer("composer-1-5b", "qwen2.5-1.5b", QWEN_15B, *sets)
+
+    def _composer(self, line: str, name: str, shape: dict[str, int], *extra: str) -> dict[str, Any]:
+        """One replica of ``name`` in bf16 over masters on the composer objective, 8 x 8 rollouts a step."""
+        model, shown = self._model(name, shape)
         tokens = 256 if self.cuda else 8
         sets = [
             f"model.path={model}",
@@ -144,6 +163,7 @@ class Check:
             "composer.rollout.prompts_per_step=8",
             f"composer.rollout.max_new_tokens={tokens}",
             "eval.sequences=16",
+            *extra,
         ]
         config = self.work / "composer.toml"
         config.write_text(
@@ -151,7 +171,7 @@ class Check:
             + '\n[[composer.rewards]]\nfn = "exact_match"\n\n[[composer.rewards]]\nfn = "format"\n'
             + 'pattern = ".*[0-9].*"\nweight = 0.5\n'
         )
-        return {"shape": shape, **self._launch("composer-bf16", config, [*sets, *self._rounds(2, 2)])}
+        return {"shape": shown, **self._launch(line, config, [*sets, *self._rounds(2, 2)])}
 
     def lora_1_5b(self) -> dict[str, Any]:  # the line "lora-1.5b"
         return self._chat_run("lora-1-5b", "qwen2.5-1.5b", QWEN_15B, "model.lora.r=16")
