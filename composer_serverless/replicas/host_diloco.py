@@ -100,7 +100,9 @@ class HostFragment(_StreamingDiLoCoFragment):
 
     def _set_grads(self) -> None:
         for name, original in self.original_parameters.items():
-            original.grad = self._grads.pop(name)
+            grad = self._grads.pop(name)
+            # In a mixed fragment, rounded to the parameter's dtype as torchft's unpacking of the bucket does.
+            original.grad = grad if grad.dtype == original.dtype else grad.to(original.dtype)
 
     def perform_sync(self) -> bool:
         assert self._allreduce_work, "perform_sync before prepare_sync"

@@ -79,11 +79,20 @@ class FailingManager(ObjectStoreManager):
         super()._exchange(staged, copied, outcome)
 
 
-def run(build, config, *, fail=()):
+def mixed_dtypes(model):
+    """bf16 decoder layers, a float32 final norm and head: the fragment's bucket is float32 (its widest dtype
+    first) and carries bf16 pseudo-gradients."""
+    model.to(torch.bfloat16)
+    model.model.norm.float()
+    model.lm_head.float()
+    return model
+
+
+def run(build, config, *, fail=(), prepare=lambda model: model):
     """Train both replicas in threads; return each one's parameters and outer optimizer states."""
     url = f"memory://host-diloco-{uuid.uuid4().hex}"
     dl = config.diloco
-    models = {rank: tiny_llama() for rank in range(dl.replicas)}
+    models = {rank: prepare(tiny_llama()) for rank in range(dl.replicas)}
     out: dict[int, tuple[dict, list]] = {}
     errors: list[BaseException] = []
 
@@ -148,6 +157,16 @@ def test_host_outer_state_is_bit_identical_to_torchft(fragments, delay, alpha) -
     assert_same(actual, expected)
     # The replicas really moved apart between syncs and together at them: not a run that did nothing.
     assert not torch.equal(actual[0][0]["model.norm.weight"], tiny_llama().model.norm.weight.detach())
+
+
+def test_a_fragment_of_mixed_dtypes_is_bit_identical_to_torchft() -> None:
+    """bf16 pseudo-gradients computed in bf16, carried in a float32 bucket, rounded back for the outer step."""
+    config = _config(1, 0, 0.0)
+    expected = run(torchft_diloco, config, prepare=mixed_dtypes)
+    actual = run(make_diloco, config, prepare=mixed_dtypes)
+    assert_same(actual, expected)
+    assert actual[0][0]["lm_head.weight"].dtype == torch.float32
+    assert actual[0][0]["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
 
 
 def test_a_failed_sync_restores_the_same_global_weights_as_torchft() -> None:
