@@ -162,6 +162,9 @@ def _bf16_weights_alive_after_forward(local_rank: int, rendezvous: str, with_pol
     loss.backward()
     if local_rank == 0:
         Path(out).write_text(json.dumps({"alive": alive, "weights": weights}))
+    # Neither rank tears gloo down while the other may still be in a collective (under load, a rank that
+    # destroyed its group first aborted the other with "terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
