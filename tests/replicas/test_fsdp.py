@@ -80,7 +80,6 @@ def test_two_ranks_per_replica_end_where_one_rank_does(
         assert one.keys() == other.keys()
         worst = max(float((one[k] - other[k]).abs().max()) for k in one)
         assert worst <= 1e-5, (run_id, worst)
-    two = _final(tmp_path, "g2", lora)
     if not lora:  # the runs trained: agreeing to 1e-5 is not agreeing on the initial weights
         start = load_file(tiny_model_dir / "model.safetensors")
         assert max(float((one[k] - start[k]).abs().max()) for k in one) > 1e-2
