@@ -160,8 +160,3 @@ class HostDiLoCo(DiLoCo):
         ]
         bucket = torch.empty(max(sizes), dtype=torch.uint8, pin_memory=torch.accelerator.is_available())
         self._fragments = [HostFragment.adopt(f, outer, bucket) for f in self._fragments]
-
-    @property
-    def outer_optimizers(self) -> list[torch.optim.Optimizer]:
-        """Each fragment's outer optimizer, stepping its host copy of the global parameters."""
-        return [f._outer_optimizer for f in self._fragments]
