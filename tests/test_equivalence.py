@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -85,38 +86,48 @@ def run_diloco(cfg, steps_per_replica):
     store_url = f"memory://equivalence-{uuid.uuid4().hex}"
     results: dict[int, dict[str, torch.Tensor]] = {}
     managers: dict[int, RecordingManager] = {}
-    errors: list[BaseException] = []
 
     # Built here, not in the threads: torch's global RNG is shared, so seeding inside threads would race.
     models = {rank: tiny_llama() for rank in range(cfg.diloco.replicas)}
 
     def replica(rank: int) -> None:
+        model = models[rank]
+        inner = make_inner_optimizer(model, cfg.train)
+        schedule = make_schedule(inner, cfg.train, len(steps_per_replica[rank]))
+        fragments = split_fragments(model, cfg.diloco.fragments)
+        # Every replica in every quorum: the equivalences are about the average of all of them.
+        n = cfg.diloco.replicas
+        manager = managers[rank] = RecordingManager(
+            ObjectStore(store_url),
+            run_id="eq",
+            rank=rank,
+            fragments=cfg.diloco.fragments,
+            settings=ExchangeSettings(replicas=n, min_replicas=n, codec="fp32", timeout_s=60),
+            grace=grace_settings(cfg.diloco),
+        )
+        with make_diloco(manager, fragments, inner, cfg.diloco):
+            for batch in steps_per_replica[rank]:
+                model(input_ids=batch, labels=batch).loss.backward()
+                inner.step()
+                schedule.step()
+                inner.zero_grad()
+        results[rank] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    in_threads(replica, cfg.diloco.replicas)
+    return results, managers
+
+
+def in_threads(replica: Callable[[int], None], count: int) -> None:
+    """``replica(rank)`` for every rank, each in its own thread; the first error is raised here."""
+    errors: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
         try:
-            model = models[rank]
-            inner = make_inner_optimizer(model, cfg.train)
-            schedule = make_schedule(inner, cfg.train, len(steps_per_replica[rank]))
-            fragments = split_fragments(model, cfg.diloco.fragments)
-            # Every replica in every quorum: the equivalences are about the average of all of them.
-            n = cfg.diloco.replicas
-            manager = managers[rank] = RecordingManager(
-                ObjectStore(store_url),
-                run_id="eq",
-                rank=rank,
-                fragments=cfg.diloco.fragments,
-                settings=ExchangeSettings(replicas=n, min_replicas=n, codec="fp32", timeout_s=60),
-                grace=grace_settings(cfg.diloco),
-            )
-            with make_diloco(manager, fragments, inner, cfg.diloco):
-                for batch in steps_per_replica[rank]:
-                    model(input_ids=batch, labels=batch).loss.backward()
-                    inner.step()
-                    schedule.step()
-                    inner.zero_grad()
-            results[rank] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            replica(rank)
         except BaseException as e:  # surfaced in the main thread
             errors.append(e)
 
-    threads = [threading.Thread(target=replica, args=(r,)) for r in range(cfg.diloco.replicas)]
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(count)]
     torch.set_num_threads(1)
     for t in threads:
         t.start()
@@ -124,7 +135,6 @@ def run_diloco(cfg, steps_per_replica):
         t.join()
     if errors:
         raise errors[0]
-    return results, managers
 
 
 def assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol=1e-6):

@@ -5,7 +5,6 @@ a sync that allocates nothing on the accelerator."""
 from __future__ import annotations
 
 import math
-import threading
 import uuid
 
 import pytest
@@ -24,7 +23,7 @@ from composer_serverless.replicas.diloco import (
     outer_optimizer,
     split_fragments,
 )
-from tests.test_equivalence import batches, tiny_llama
+from tests.test_equivalence import batches, in_threads, tiny_llama
 
 
 def _config(fragments: int, delay: int, alpha: float):
@@ -94,42 +93,31 @@ def run(build, config, *, fail=(), prepare=lambda model: model):
     dl = config.diloco
     models = {rank: prepare(tiny_llama()) for rank in range(dl.replicas)}
     out: dict[int, tuple[dict, list]] = {}
-    errors: list[BaseException] = []
 
     def replica(rank: int) -> None:
-        try:
-            model = models[rank]
-            inner = make_inner_optimizer(model, config.train)
-            fragments = split_fragments(model, dl.fragments)
-            manager = FailingManager(
-                ObjectStore(url),
-                run_id="host",
-                rank=rank,
-                fragments=dl.fragments,
-                settings=ExchangeSettings(replicas=2, min_replicas=2, codec="fp32", timeout_s=60),
-                grace=grace_settings(dl),
-                fail=fail,
-            )
-            data = iter(batches(rank, 64))
-            with build(manager, fragments, inner, dl) as diloco:
-                while manager.current_step() < dl.rounds * dl.fragments:
-                    batch = next(data)
-                    model(input_ids=batch, labels=batch).loss.backward()
-                    inner.step()
-                    inner.zero_grad()
-            outer = [f._outer_optimizer.state_dict() for f in diloco._fragments]
-            out[rank] = ({n: p.detach().clone() for n, p in model.named_parameters()}, outer)
-        except BaseException as e:  # surfaced in the main thread
-            errors.append(e)
+        model = models[rank]
+        inner = make_inner_optimizer(model, config.train)
+        fragments = split_fragments(model, dl.fragments)
+        manager = FailingManager(
+            ObjectStore(url),
+            run_id="host",
+            rank=rank,
+            fragments=dl.fragments,
+            settings=ExchangeSettings(replicas=2, min_replicas=2, codec="fp32", timeout_s=60),
+            grace=grace_settings(dl),
+            fail=fail,
+        )
+        data = iter(batches(rank, 64))
+        with build(manager, fragments, inner, dl) as diloco:
+            while manager.current_step() < dl.rounds * dl.fragments:
+                batch = next(data)
+                model(input_ids=batch, labels=batch).loss.backward()
+                inner.step()
+                inner.zero_grad()
+        outer = [f._outer_optimizer.state_dict() for f in diloco._fragments]
+        out[rank] = ({n: p.detach().clone() for n, p in model.named_parameters()}, outer)
 
-    threads = [threading.Thread(target=replica, args=(r,)) for r in range(dl.replicas)]
-    torch.set_num_threads(1)
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    in_threads(replica, dl.replicas)
     return out
 
 
