@@ -208,9 +208,8 @@ def _replay_channel(
         ref_chosen_logps=replay.ref_chosen_logps,
         ref_rejected_logps=replay.ref_rejected_logps,
     )
-    if (
-        replay.num_pairs is not None
-    ):  # a mean over this micro-batch's pairs, weighed by their share of the step
+    # A mean over this micro-batch's pairs, weighed by their share of the step's.
+    if replay.num_pairs is not None:
         loss = loss * (replay.prompt_ids.size(0) / replay.num_pairs)
         metrics["replay/loss"] = loss.detach()
     return loss, metrics

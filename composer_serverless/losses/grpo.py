@@ -163,7 +163,8 @@ def grpo_loss(
 
     Gradient accumulation: TRL divides grpo, bnpo and dr_grpo by the number of accumulation steps, which is
     exact only for micro-batches of equal size; pass the step's `num_sequences` (grpo, dr_grpo) or
-    `num_items` (bnpo, dapo) instead, and the micro-batches' gradients add up to the whole batch's exactly. Entries outside `loss_mask` are ignored, whatever their value.
+    `num_items` (bnpo, dapo) instead, and the micro-batches' gradients add up to the whole batch's exactly.
+    Entries outside `loss_mask` are ignored, whatever their value.
 
     Args:
         logps: (B, C) log pi_theta of the sampled completion tokens, differentiable.
