@@ -154,8 +154,10 @@ def _worker(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
     else:
-        baseline = rss_bytes()
+        # Reset first: the high-water mark then starts at the resident set read next or above it, so memory
+        # another thread frees in between cannot make the peak negative (as it did once in the suite).
         reset_hwm()
+        baseline = rss_bytes()
     start = time.perf_counter()
     losses = [step() for _ in range(spec["steps"])]
     if device.type == "cuda":
