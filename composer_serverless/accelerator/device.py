@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from composer_serverless.accelerator import ACCELERATOR_ENV
+from composer_serverless.accelerator import ACCELERATOR_ENV, simulated
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,12 @@ def synchronize(device: torch.device) -> None:
     pinned buffer that an asynchronous copy may still be using."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def captures_graphs(device: torch.device) -> bool:
+    """Whether work on ``device`` can be compiled and captured in CUDA graphs: a real CUDA device only. The
+    simulated one models neither, and on a CPU, compiling a decoder costs more than a rollout saves."""
+    return device.type == "cuda" and not simulated.active()
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

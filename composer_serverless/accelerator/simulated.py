@@ -504,6 +504,11 @@ def _index(device: Any, sim: Simulator) -> int:
     return sim.index if device.index is None else device.index
 
 
+TOTAL_MEMORY = 80 * 2**30
+"""The simulated device's memory, an H100's: what ``mem_get_info`` and the device's properties report (an
+engine that sizes its cache from the free memory sizes it from this)."""
+
+
 def _patches(sim: Simulator) -> dict[tuple[object, str], Any]:
     """(module or class, attribute) -> what it is while the simulation runs."""
 
@@ -512,7 +517,11 @@ def _patches(sim: Simulator) -> dict[tuple[object, str], Any]:
 
     def properties(device: Any = None) -> types.SimpleNamespace:
         return types.SimpleNamespace(
-            name="simulated accelerator", total_memory=80 * 2**30, major=9, minor=0, multi_processor_count=132
+            name="simulated accelerator",
+            total_memory=TOTAL_MEMORY,
+            major=9,
+            minor=0,
+            multi_processor_count=132,
         )
 
     def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
@@ -526,6 +535,7 @@ def _patches(sim: Simulator) -> dict[tuple[object, str], Any]:
         sim.reset_peak()
 
     cuda, accelerator = torch.cuda, torch.accelerator
+    device_module = torch.get_device_module
     event = type("Event", (_Event,), {"sim": sim})
     stream = type("Stream", (_Stream,), {"sim": sim, "event": event})
     patches: dict[tuple[object, str], Any] = {
@@ -548,6 +558,8 @@ def _patches(sim: Simulator) -> dict[tuple[object, str], Any]:
         (cuda, "manual_seed_all"): lambda seed: None,
         (cuda, "memory_allocated"): lambda device=None: sim.live_bytes,
         (cuda, "max_memory_allocated"): lambda device=None: sim.peak_bytes,
+        (cuda, "memory_reserved"): lambda device=None: sim.live_bytes,
+        (cuda, "mem_get_info"): lambda device=None: (TOTAL_MEMORY - sim.live_bytes, TOTAL_MEMORY),
         (cuda, "reset_peak_memory_stats"): reset_peak,
         (cuda, "empty_cache"): lambda: None,
         (cuda, "Stream"): stream,
@@ -566,6 +578,10 @@ def _patches(sim: Simulator) -> dict[tuple[object, str], Any]:
         (accelerator, "memory_allocated"): lambda device=None: sim.live_bytes,
         (accelerator, "reset_peak_memory_stats"): reset_peak,
         (torch, "Stream"): stream,
+        # The current accelerator's module is CUDA's (a CPU build answers torch.cpu).
+        (torch, "get_device_module"): lambda device=None: (
+            cuda if device is None or _is_cuda(device) else device_module(device)
+        ),
         (torch, "Event"): event,
     }
     for name in ("is_autocast_enabled", "set_autocast_enabled", "get_autocast_dtype", "set_autocast_dtype"):
@@ -577,6 +593,7 @@ def _patches(sim: Simulator) -> dict[tuple[object, str], Any]:
 def simulated(devices: int = 8) -> Iterator[Simulator]:
     """Run the block (and every thread it starts) on a simulated CUDA device; yields its state."""
     sim = Simulator(devices)
+    _running.append(sim)
     saved = {key: getattr(*key) for key in _patches(sim)}
     for (owner, name), value in _patches(sim).items():
         setattr(owner, name, value)
@@ -594,6 +611,15 @@ def simulated(devices: int = 8) -> Iterator[Simulator]:
         threading.Thread.run = run  # type: ignore[method-assign]
         for (owner, name), value in saved.items():
             setattr(owner, name, value)
+        _running.remove(sim)
+
+
+_running: list[Simulator] = []
+
+
+def active() -> bool:
+    """Whether a simulation runs in this process: its ``cuda`` is the CPU, with no CUDA graphs or compiler."""
+    return bool(_running)
 
 
 _installed: contextlib.ExitStack | None = None

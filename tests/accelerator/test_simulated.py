@@ -153,6 +153,23 @@ def test_device_memory_is_counted_while_it_lives() -> None:
         assert torch.cuda.max_memory_allocated() == sim.live_bytes
 
 
+def test_free_memory_and_the_accelerators_module_are_cudas() -> None:
+    """What an engine sizing its cache from the free memory reads (transformers' continuous batching), and
+    the module ``torch.get_device_module()`` answers for the current accelerator (a CPU build: torch.cpu)."""
+    from composer_serverless.accelerator.simulated import TOTAL_MEMORY, active
+
+    assert not active()
+    with simulated() as sim:
+        assert active()
+        a = torch.empty(1000, device="cuda")
+        assert torch.cuda.mem_get_info() == (TOTAL_MEMORY - sim.live_bytes, TOTAL_MEMORY)
+        assert torch.cuda.memory_reserved() == sim.live_bytes >= 4000
+        assert torch.get_device_module() is torch.cuda and torch.get_device_module("cpu") is torch.cpu
+        stream = torch.get_device_module().Stream(device=a.device)  # as transformers makes its own
+        assert stream.device == torch.device("cuda", 0)
+    assert not active()
+
+
 def test_autocast_on_cuda_computes_in_bf16_and_gradients_stay_on_the_device() -> None:
     with simulated():
         model = nn.Linear(4, 4).to("cuda")
