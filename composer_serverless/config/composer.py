@@ -92,6 +92,19 @@ class RolloutConfig(StrictModel):
         "overlong_buffer tokens loses reward linearly, up to overlong_penalty at max_new_tokens; 0: off",
     )
     overlong_penalty: float = Field(1.0, gt=0, description="the largest overlong punishment (DAPO: 1)")
+    engine: Literal["auto", "reference", "static", "paged"] = Field(
+        "auto",
+        description="how completions are generated: reference (generate, dynamic cache), static (static cache, "
+        "compiled with CUDA graphs on a GPU), paged (continuous batching, one prefill per prompt); auto: paged "
+        "on a GPU, static on a CPU (docs/RESULTS.md, rollout speed)",
+    )
+    engine_memory: float = Field(
+        0.5,
+        gt=0,
+        le=0.9,
+        description="paged engine: the largest share of the free device memory its KV cache takes while it "
+        "generates (freed when it returns, before the backward pass)",
+    )
 
     @model_validator(mode="after")
     def _buffer_below_limit(self) -> RolloutConfig:

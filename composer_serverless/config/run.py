@@ -378,17 +378,45 @@ class RunConfig(StrictModel):
             if isinstance(self.executor, LocalExecutorConfig)
             else "the GPUs per replica (executor.gpu_count, or the flavor's GPUs)"
         )
-        if self.train.objective == "composer":
-            raise ValueError(
-                f"train.objective = 'composer' runs one process per replica, but {where} gives {ranks}: "
-                "sampling under FSDP is not supported yet. Use one GPU per replica and more replicas"
-            )
+        if self.composer is not None:
+            self._composer_fits_ranks(ranks, where)
+            return self
         if self.data.batch_size % ranks:
             raise ValueError(
                 f"data.batch_size ({self.data.batch_size}) must be a multiple of the {ranks} ranks per replica "
                 f"({where}): each rank takes an equal share of the replica's batch"
             )
         return self
+
+    def _composer_fits_ranks(self, ranks: int, where: str) -> None:
+        """The composer objective on G ranks (``objectives.composer``): each rank samples and trains on an
+        equal share of the replica's prompts and pairs, and every forward pass runs on all of them together
+        (FSDP gathers each layer from every rank), so whatever would make one rank pass more often than
+        another is refused here."""
+        composer = self.composer
+        assert composer is not None
+        shares = {"composer.rollout.prompts_per_step": composer.rollout.prompts_per_step}
+        if composer.replay_on:
+            shares["composer.replay.pairs_per_step"] = composer.replay.pairs_per_step
+        for name, value in shares.items():
+            if value % ranks:
+                raise ValueError(
+                    f"{name} ({value}) must be a multiple of the {ranks} ranks per replica ({where}): each "
+                    "rank takes an equal share of the replica's"
+                )
+        refused = {
+            "composer.rollout.dynamic_sampling": composer.rollout.dynamic_sampling,
+            "composer.grpo.kl > 0 without model.lora (a frozen copy of the whole model)": composer.grpo.kl > 0
+            and self.model.lora is None,
+            "composer.record_rollouts": composer.record_rollouts,
+            "a live harvest (harvest.live)": self.live_harvest,
+        }
+        for name, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"{name} is not supported with {ranks} ranks per replica ({where}) yet: switch it off, "
+                    "or use one GPU per replica and more replicas"
+                )
 
     def resolved_json(self) -> str:
         """The JSON replicas read: every default filled in, so a run never depends on a later default change."""

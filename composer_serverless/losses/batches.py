@@ -177,6 +177,9 @@ class HintBatch:
         distill_mask: (B, C) 0/1, the completion tokens that receive the SDPO loss, a subset of the RL
             `completion_mask`; all zero for rows without a hint (SDPO: samples with neither a solution nor feedback).
         num_items: distilled-token count of everything one optimizer step averages over; None: this batch's.
+        always: run the teacher pass even when this batch distils no token. The ranks of a sharded replica
+            pass through the model together, so one whose rows have no hint passes with the others (and adds
+            0) when any of theirs has one.
     """
 
     teacher_ids: torch.Tensor
@@ -184,6 +187,7 @@ class HintBatch:
     teacher_positions: torch.Tensor
     distill_mask: torch.Tensor
     num_items: int | torch.Tensor | None = None
+    always: bool = False
 
     def __post_init__(self) -> None:
         checks = Checks()

@@ -32,7 +32,6 @@ from torch import nn
 from composer_serverless.losses.batches import Checks, HintBatch, LossBatch, ReplayBatch, RLBatch, require
 from composer_serverless.losses.grpo import GRPOSettings, grpo_loss
 from composer_serverless.losses.logprobs import (
-    LMHead,
     completion_hidden_states,
     hidden_states,
     lm_head_of,
@@ -127,7 +126,7 @@ def _teacher_hidden(model: nn.Module, hint: HintBatch) -> torch.Tensor:
 
 
 def _policy_channels(
-    model: nn.Module, head: LMHead, rl: RLBatch, hint: HintBatch | None, settings: LossSettings
+    model: nn.Module, rl: RLBatch, hint: HintBatch | None, settings: LossSettings
 ) -> tuple[torch.Tensor, torch.Tensor | None, Metrics]:
     """GRPO loss, SDPO loss (None without a hint) and their metrics, from one student pass."""
     loss_mask = rl.scored_mask()
@@ -145,7 +144,7 @@ def _policy_channels(
     logps, divergence = token_logprobs_and_divergence(
         hidden[scored],
         rl.completion_ids[scored],
-        head,
+        lm_head_of(model),  # after the pass: a sharded model's head is whole only from then on
         temperature=settings.grpo.temperature,
         chunk_tokens=settings.chunk_tokens,
         teacher_hidden=teacher_hidden,
@@ -174,7 +173,7 @@ def _policy_channels(
 
 
 def _replay_channel(
-    model: nn.Module, head: LMHead, replay: ReplayBatch, settings: LossSettings
+    model: nn.Module, replay: ReplayBatch, settings: LossSettings
 ) -> tuple[torch.Tensor, Metrics]:
     """Chosen and rejected completions scored in one pass, as 2N rows padded to a common width."""
     chosen_width, rejected_width = replay.chosen_ids.size(1), replay.rejected_ids.size(1)
@@ -196,7 +195,11 @@ def _replay_channel(
     scored = masks.bool()
     hidden = completion_hidden_states(model, prompts, prompt_mask, completions, masks)
     logps, _ = token_logprobs_and_divergence(
-        hidden[scored], completions[scored], head, temperature=1.0, chunk_tokens=settings.chunk_tokens
+        hidden[scored],
+        completions[scored],
+        lm_head_of(model),
+        temperature=1.0,
+        chunk_tokens=settings.chunk_tokens,
     )
     chosen, rejected = logps.new_zeros(scored.shape).masked_scatter(scored, logps).chunk(2)
     loss, metrics = replay_loss(
@@ -236,21 +239,25 @@ def three_channel_loss(
         The scalar loss to backpropagate (an exact, differentiable 0 when no channel is active) and detached
         scalar metrics: the active channels' `grpo/*`, `sdpo/*`, `replay/*` and `loss/total`.
     """
-    use_sdpo = settings.alpha != 0 and batch.hint is not None and bool(batch.hint.distill_mask.any())
+    use_sdpo = (
+        settings.alpha != 0
+        and batch.hint is not None
+        and (batch.hint.always or bool(batch.hint.distill_mask.any()))
+    )
     use_replay = settings.beta != 0 and batch.replay is not None
-    head = lm_head_of(model)
+    lm_head_of(model)  # a model whose head the loss cannot apply fails here, before any pass
     terms: list[torch.Tensor] = []
     metrics: Metrics = {}
     if batch.rl is not None:
         grpo, sdpo, policy_metrics = _policy_channels(
-            model, head, batch.rl, batch.hint if use_sdpo else None, settings
+            model, batch.rl, batch.hint if use_sdpo else None, settings
         )
         terms.append(grpo)
         if sdpo is not None:
             terms.append(settings.alpha * sdpo)
         metrics.update(policy_metrics)
     if use_replay:
-        replay, replay_metrics = _replay_channel(model, head, batch.replay, settings)
+        replay, replay_metrics = _replay_channel(model, batch.replay, settings)
         terms.append(settings.beta * replay)
         metrics.update(replay_metrics)
     total = functools.reduce(operator.add, terms) if terms else _graph_zero(model)

@@ -113,6 +113,12 @@ def _probed_scale(model: nn.Module, head: LMHead, name: str, value: float) -> fl
     )
 
 
+BACKBONE_FORWARD = "backbone_forward"
+"""A method of a model sharded with FSDP2 that runs its backbone as a forward pass of the whole model
+(``replicas.shards``): the backbone alone would skip the root's hooks, which gather the embeddings and the head
+and reduce their gradients."""
+
+
 def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Final hidden states (B, T, H) of the model's backbone: everything but the LM head.
 
@@ -126,7 +132,8 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
         raise ValueError(f"{type(model).__name__} has no separate backbone (base_model is the model itself)")
     mask = attention_mask.long()
     position_ids = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-    out = backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+    run = getattr(model, BACKBONE_FORWARD, backbone)
+    out = run(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -49,19 +50,15 @@ def split(batch: LossBatch, rows: int | None) -> list[MicroBatch]:
         return [MicroBatch(batch, 1.0, 1.0)]
     assert pair_rows is not None
     count = max(math.ceil(completions / rows), math.ceil(pairs / pair_rows))
-    if rl is not None:
-        rl = dataclasses.replace(rl, num_items=rl.scored_mask().sum(), num_sequences=completions)
-    if hint is not None:
-        hint = dataclasses.replace(hint, num_items=hint.distill_mask.bool().sum())
-    if replay is not None:
-        replay = dataclasses.replace(replay, num_pairs=pairs)
+    batch = _with_counts(batch, rl.scored_mask().sum() if rl is not None else 0, completions, pairs)
+    rl, hint, replay = batch.rl, batch.hint, batch.replay
     parts = []
     for k in range(count):
         rl_rows = slice(k * rows, (k + 1) * rows)
         pair_slice = slice(k * pair_rows, (k + 1) * pair_rows)
-        part_rl = _rows(rl, rl_rows) if rl is not None and k * rows < completions else None
-        part_hint = _rows(hint, rl_rows) if part_rl is not None and hint is not None else None
-        part_replay = _rows(replay, pair_slice) if replay is not None and k * pair_rows < pairs else None
+        part_rl = rows_of(rl, rl_rows) if rl is not None and k * rows < completions else None
+        part_hint = rows_of(hint, rl_rows) if part_rl is not None and hint is not None else None
+        part_replay = rows_of(replay, pair_slice) if replay is not None and k * pair_rows < pairs else None
         parts.append(
             MicroBatch(
                 LossBatch(rl=part_rl, hint=part_hint, replay=part_replay),
@@ -72,7 +69,47 @@ def split(batch: LossBatch, rows: int | None) -> list[MicroBatch]:
     return parts
 
 
-def _rows(part, rows: slice):  # type: ignore[no-untyped-def]
+def _with_counts(
+    batch: LossBatch, tokens: int | torch.Tensor, completions: int, pairs: int, *, distilled: Any = None
+) -> LossBatch:
+    """``batch`` carrying the step's counts where it does not carry them already (``across_ranks`` set the
+    replica's): its scored ``tokens``, ``completions``, ``pairs``, and the ``distilled`` tokens (None: the
+    hint's own)."""
+    rl, hint, replay = batch.rl, batch.hint, batch.replay
+    if rl is not None and rl.num_items is None:
+        rl = dataclasses.replace(rl, num_items=tokens, num_sequences=completions)
+    if hint is not None and hint.num_items is None:
+        count = hint.distill_mask.bool().sum() if distilled is None else distilled
+        hint = dataclasses.replace(hint, num_items=count)
+    if replay is not None and replay.num_pairs is None:
+        replay = dataclasses.replace(replay, num_pairs=pairs)
+    return LossBatch(rl=rl, hint=hint, replay=replay)
+
+
+def across_ranks(batch: LossBatch, total: Callable[[list[float]], list[float]]) -> LossBatch:
+    """One rank's share of a sharded replica's step, carrying the replica's counts (``total`` sums over
+    its ranks, a collective), so that the ranks' losses, averaged by FSDP and times G, are the replica's.
+
+    A hint batch is passed through the model on every rank when any rank distils a token (``always``), and
+    dropped on every rank when none does: the ranks' forward passes stay in step."""
+    rl, hint, replay = batch.rl, batch.hint, batch.replay
+    on_device = [] if rl is None else [rl.scored_mask().sum()]
+    if rl is not None and hint is not None:
+        on_device.append(hint.distill_mask.bool().sum())
+    read = torch.stack(on_device).tolist() if on_device else []  # the host waits once
+    local = read + [0] * (2 - len(read))
+    counts = local + [
+        0 if rl is None else rl.completion_ids.size(0),
+        0 if replay is None else replay.prompt_ids.size(0),
+    ]
+    tokens, distilled, completions, pairs = (int(c) for c in total(counts))
+    if hint is not None:
+        hint = dataclasses.replace(hint, always=True) if distilled else None
+    shared = LossBatch(rl=rl, hint=hint, replay=replay)
+    return _with_counts(shared, tokens, completions, pairs, distilled=distilled)
+
+
+def rows_of(part, rows: slice):  # type: ignore[no-untyped-def]
     """The rows ``rows`` of a batch part: every (B, ...) tensor field sliced, counts kept."""
     fields = {
         f.name: value[rows]
@@ -83,15 +120,16 @@ def _rows(part, rows: slice):  # type: ignore[no-untyped-def]
 
 
 def weighted(
-    micro: MicroBatch, metrics: Mapping[str, torch.Tensor | float]
+    micro: MicroBatch, metrics: Mapping[str, torch.Tensor | float], scale: float = 1.0
 ) -> dict[str, torch.Tensor | float]:
     """A micro-batch's metrics as its parts of the step's, which the step's sum over micro-batches adds up:
-    a loss or a count as it is, any other metric weighted by the micro-batch's share of rows (pairs for
-    ``replay/``), so that the sum is their row-weighted mean."""
+    a loss or a count as it is (times ``scale``: G on one of G ranks, where it is a share of the replica's),
+    any other metric weighted by the micro-batch's share of rows (pairs for ``replay/``), so that the sum is
+    their row-weighted mean."""
     out: dict[str, torch.Tensor | float] = {}
     for name, value in metrics.items():
         if name.endswith(_SUMMED_SUFFIXES):
-            out[name] = value
+            out[name] = value * scale
         else:
             out[name] = value * (micro.replay_share if name.startswith("replay/") else micro.rl_share)
     return out

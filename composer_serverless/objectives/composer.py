@@ -53,6 +53,7 @@ from composer_serverless.losses.logprobs import completion_logprobs
 from composer_serverless.losses.replay import ReplaySettings
 from composer_serverless.losses.sdpo import SDPOSettings
 from composer_serverless.objectives import inputs
+from composer_serverless.objectives.engines import make_engine
 from composer_serverless.objectives.harvest_schedule import (
     HarvesterWatch,
     Taken,
@@ -61,9 +62,10 @@ from composer_serverless.objectives.harvest_schedule import (
     read_taken,
 )
 from composer_serverless.objectives.hints import HintBuilder
+from composer_serverless.objectives.lm import Ranks
 from composer_serverless.objectives.pairs import ReplayPairs
 from composer_serverless.objectives.rewards import RewardSet, code_root, mean
-from composer_serverless.objectives.rollout import RolloutSettings, generate, rollout
+from composer_serverless.objectives.rollout import RolloutSettings, generate, rollout, whole_weights
 from composer_serverless.objectives.shares import EvalPart, share
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
@@ -178,9 +180,11 @@ class ComposerObjective:
         rank: int,
         adapters: Any = None,
         run: ObjectStore | None = None,
+        node: Ranks | None = None,
     ) -> None:
         composer = inputs.composer_table(config)
         replicas = config.diloco.replicas
+        self._node = node if node is not None and node.size > 1 else None
         self._run = run
         self._rank = rank
         self._replicas = replicas
@@ -208,7 +212,7 @@ class ComposerObjective:
         self._micro_batch_size = config.train.micro_batch_size
         self._rollout = RolloutSettings(
             group_size=composer.rollout.group_size,
-            prompts_per_step=composer.rollout.prompts_per_step,
+            prompts_per_step=composer.rollout.prompts_per_step // self._ranks,
             max_new_tokens=composer.rollout.max_new_tokens,
             temperature=composer.rollout.temperature,
             scale_rewards=composer.grpo.scale_rewards,
@@ -218,6 +222,9 @@ class ComposerObjective:
             overlong_penalty=composer.rollout.overlong_penalty,
             render=functools.partial(
                 render_prompt, tokenizer, as_chat=composer.chat_template, system=composer.system_prompt
+            ),
+            engine=make_engine(
+                composer.rollout.engine, next(model.parameters()).device, composer.rollout.engine_memory
             ),
         )
         for record in [train[0], *[r for r in train if r.conversational][:1]]:
@@ -254,8 +261,21 @@ class ComposerObjective:
             len(self._heldout),
         )
 
+    @property
+    def _ranks(self) -> int:
+        return 1 if self._node is None else self._node.size
+
+    def _share(self, rows: int) -> slice:
+        """This rank's equal share of ``rows`` rows of the replica's (all of them on one rank)."""
+        local = 0 if self._node is None else self._node.local_rank
+        size = rows // self._ranks
+        return slice(local * size, (local + 1) * size)
+
     def _draw(self, count: int) -> list[PromptRecord]:
-        return [self._prompts[i] for i in self._cycle.take(count)]
+        """``count`` prompts: this rank's share of the replica's next ``count * ranks`` (every rank draws them
+        all, in the same order)."""
+        drawn = [self._prompts[i] for i in self._cycle.take(count * self._ranks)]
+        return drawn[self._share(len(drawn))]
 
     def _with_reference(self, rl: RLBatch) -> RLBatch:
         if self._reference is None:
@@ -275,7 +295,16 @@ class ComposerObjective:
     def losses(self, model: nn.Module) -> Iterator[tuple[torch.Tensor, dict[str, float | torch.Tensor]]]:
         """Rollouts generated in one batch, trained on in micro-batches (``losses.micro``); the rollout's
         metrics come with the first."""
-        rolled = rollout(model, self._tokenizer, self._draw, self._rewards, self._hints, self._rollout)
+        with whole_weights(model):  # one gathering of a sharded model, not one per generated token
+            rolled = rollout(
+                model,
+                self._tokenizer,
+                self._draw,
+                self._rewards,
+                self._hints,
+                self._rollout,
+                always_hint=self._node is not None,
+            )
         if self._record:
             for record, text, reward in zip(
                 rolled.records, rolled.samples.texts, rolled.scored.totals, strict=True
@@ -292,11 +321,17 @@ class ComposerObjective:
                         },
                     )
         replay = None if self._pairs is None else self._pairs.next(next(model.parameters()).device)
+        if replay is not None and self._node is not None:
+            replay = micro.rows_of(replay, self._share(replay.prompt_ids.size(0)))
         batch = LossBatch(rl=self._with_reference(rolled.rl), hint=rolled.hint, replay=replay)
+        scale = 1.0
+        if self._node is not None:
+            batch, scale = micro.across_ranks(batch, self._node.sum), float(self._node.size)
         extra: dict[str, float | torch.Tensor] = dict(rolled.metrics)
         for part in micro.split(batch, self._micro_batch_size):
             loss, metrics = three_channel_loss(model, part.batch, self._settings)
-            yield loss, {**micro.weighted(part, metrics), **extra}
+            # FSDP averages the ranks' gradients: each rank's share of the replica's loss, times G.
+            yield loss * scale, {**micro.weighted(part, metrics, scale), **extra}
             extra = {}
 
     def evaluate_part(self, model: nn.Module, part: int, parts: int) -> EvalPart:

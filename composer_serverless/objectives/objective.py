@@ -99,6 +99,6 @@ def make_objective(
     the run's store, for what an objective keeps there between rounds (recorded rollouts, harvested pairs).
     ``node``: the replica's ranks (None: one).
     """
-    if config.train.objective == "composer":  # one rank per replica (RunConfig refuses more)
-        return ComposerObjective(config, model, tokenizer, rank, adapters, run)
+    if config.train.objective == "composer":
+        return ComposerObjective(config, model, tokenizer, rank, adapters, run, node)
     return LMObjective(config, tokenizer, rank, node)

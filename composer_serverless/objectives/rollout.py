@@ -1,11 +1,12 @@
 """Rollouts: sample G completions per prompt from the replica's current model, score them, and build the GRPO
 batch and the SDPO teacher batch from the result.
 
-Sampling is pure: `generate` at the configured temperature with top-k, top-p and repetition penalties switched
-off whatever the model's `generation_config` says, because the GRPO and SDPO log-probabilities are those of
-`softmax(logits / temperature)` and a truncated sampler would make every ratio a lie. Prompts are left-padded
-and completions right-padded, the layout of `losses.compose`; a completion's mask covers its tokens up to and
-including the first EOS. The model samples in eval mode without gradient and goes back to the mode it was in.
+Sampling is pure: the configured engine (`engines`) samples at the configured temperature with top-k, top-p
+and repetition penalties switched off whatever the model's `generation_config` says, because the GRPO and SDPO
+log-probabilities are those of `softmax(logits / temperature)` and a truncated sampler would make every ratio
+a lie. Prompts are left-padded and completions right-padded, the layout of `losses.compose`; a completion's
+mask covers its tokens up to and including the first EOS. The model samples in eval mode without gradient and
+goes back to the mode it was in.
 
 Every inner step samples afresh and takes one gradient step on the result, so the batch is exactly on-policy
 and `old_logps` is left to the loss (ratio 1), which saves a forward pass.
@@ -13,38 +14,57 @@ and `old_logps` is left to the loss (ratio 1), which saves a forward pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from composer_serverless.accelerator.clock import PhaseClock
 from composer_serverless.data.chat import Rendered
 from composer_serverless.data.records import Prompt, PromptRecord
 from composer_serverless.losses.batches import HintBatch, RLBatch
 from composer_serverless.losses.grpo import ScaleRewards, dynamic_sampling_keep, group_advantages
+from composer_serverless.objectives.engines import (
+    GenerateEngine,
+    Request,
+    RolloutEngine,
+    completion_tensors,
+)
 from composer_serverless.objectives.hints import HintBuilder
 from composer_serverless.objectives.rewards import RewardSet, Scored, mean
 
 
-def encode_prompts(
-    tokenizer: Any, prompts: Sequence[str | Rendered], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, P) left-padded token ids and mask. A plain string gets the tokenizer's special tokens (a BOS, say)
-    as usual; a prompt a chat template rendered already holds them and gets none added (no second BOS)."""
+def prompt_token_ids(tokenizer: Any, prompts: Sequence[str | Rendered]) -> list[list[int]]:
+    """Each prompt's token ids. A plain string gets the tokenizer's special tokens (a BOS, say) as usual; a
+    prompt a chat template rendered already holds them and gets none added (no second BOS)."""
     rendered = [p if isinstance(p, Rendered) else Rendered(p, templated=False) for p in prompts]
     encoded = [tokenizer(r.text, add_special_tokens=not r.templated)["input_ids"] for r in rendered]
     empty = [r.text for r, ids in zip(rendered, encoded, strict=True) if not ids]
     if empty:
         raise ValueError(f"prompt {empty[0]!r} encodes to no tokens")
+    return encoded
+
+
+def left_pad(
+    encoded: Sequence[Sequence[int]], pad: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) left-padded token ids and mask, P the longest prompt's length."""
     width = max(len(ids) for ids in encoded)
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(row)) + row for row in encoded], device=device)
+    ids = torch.tensor([[pad] * (width - len(row)) + list(row) for row in encoded], device=device)
     mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in encoded], device=device)
     return ids, mask
+
+
+def encode_prompts(
+    tokenizer: Any, prompts: Sequence[str | Rendered], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) left-padded token ids and mask of ``prompts`` (``prompt_token_ids``)."""
+    return left_pad(prompt_token_ids(tokenizer, prompts), tokenizer.pad_token_id, device)
 
 
 def eos_token_ids(model: nn.Module, tokenizer: Any) -> list[int]:
@@ -57,14 +77,33 @@ def eos_token_ids(model: nn.Module, tokenizer: Any) -> list[int]:
     return ids
 
 
-def completion_mask(completion_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
-    """(B, C) long: 1 on the tokens up to and including the first EOS of each row, 0 after it.
+@contextlib.contextmanager
+def whole_weights(model: nn.Module) -> Iterator[None]:
+    """A model sharded with FSDP2 holds its whole weights for the block: gathered once from every rank, kept
+    through every forward pass, freed at the end. Generating from the shards would gather each layer from every
+    rank for every token, with the ranks in lockstep until the longest completion of any of them ends; gathered,
+    each rank generates its own share alone, with any engine. Costs one whole copy of the weights in the
+    compute dtype on each rank while it lasts. Any other model: nothing to do."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        yield
+        return
+    layers = sharded[1:]  # modules() lists the root first; it keeps its own setting (never resharded)
+    for module in layers:
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        for module in sharded:  # the same order on every rank: these are collectives
+            module.unshard()
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
+        for module in layers:
+            module.set_reshard_after_forward(True, recurse=False)
 
-    Found from the EOS position rather than from padding, so it is right when the pad token is the EOS token.
-    """
-    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_ids), device=completion_ids.device))
-    ended_before = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
-    return (~ended_before).long()
+
+REFERENCE: RolloutEngine = GenerateEngine("reference", static=False)
+"""Plain ``generate``: what greedy evaluation and every engine's tests are held to."""
 
 
 @dataclass(frozen=True)
@@ -131,55 +170,27 @@ def generate(
     max_new_tokens: int,
     temperature: float | None,
     repeats: int = 1,
+    engine: RolloutEngine = REFERENCE,
 ) -> Samples:
-    """Complete each prompt ``repeats`` times (rows of one prompt consecutive), without gradient.
+    """Complete each prompt ``repeats`` times (rows of one prompt consecutive) with ``engine``, without
+    gradient.
 
     Args:
         temperature: sample from ``softmax(logits / temperature)``; None decodes greedily.
     """
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
-    prompt_ids = prompt_ids.repeat_interleave(repeats, dim=0)
-    prompt_mask = prompt_mask.repeat_interleave(repeats, dim=0)
+    encoded = prompt_token_ids(tokenizer, prompts)
     eos = eos_token_ids(model, tokenizer)
-    # The reference engine on every device: a dynamic cache and no compilation, whatever the checkpoint's
-    # generation config asks (a static cache there would make transformers compile itself with CUDA graphs on
-    # a GPU only, a path no CPU run takes).
-    sampling: dict[str, Any] = {
-        "do_sample": False,
-        "repetition_penalty": 1.0,
-        "cache_implementation": "dynamic",
-        "disable_compile": True,
-    }
-    if temperature is not None:
-        sampling.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=prompt_ids,
-                attention_mask=prompt_mask,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=eos,
-                pad_token_id=tokenizer.pad_token_id,
-                **sampling,
-            )
-    finally:
-        model.train(was_training)
-    completion_ids = out[:, prompt_ids.size(1) :]
-    mask = completion_mask(completion_ids, eos)
-    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=device)) & mask.bool()
-    # The tokens, read to the host in one transfer (a row at a time would wait once per row): 1 where a
-    # token is the completion's, 2 where it is also text (not the EOS).
-    kind = mask + (mask.bool() & ~is_eos).to(mask.dtype)
-    ids, kinds = torch.stack([completion_ids, kind.to(completion_ids.dtype)]).tolist()
+    pad = tokenizer.pad_token_id
+    rows = engine.complete(model, Request(encoded, repeats, max_new_tokens, temperature, eos, pad))
+    prompt_ids, prompt_mask = left_pad([ids for ids in encoded for _ in range(repeats)], pad, device)
+    completion_ids, mask = completion_tensors(rows, pad, device)
+    ended = [bool(row) and row[-1] in eos for row in rows]
     texts = tokenizer.batch_decode(
-        [[t for t, k in zip(row, ks, strict=True) if k == 2] for row, ks in zip(ids, kinds, strict=True)],
-        skip_special_tokens=True,
+        [row[:-1] if end else row for row, end in zip(rows, ended, strict=True)], skip_special_tokens=True
     )
-    token_ids = [[t for t, k in zip(row, ks, strict=True) if k] for row, ks in zip(ids, kinds, strict=True)]
-    return Samples(prompt_ids, prompt_mask, completion_ids, mask, texts, ~is_eos.any(dim=1), token_ids)
+    truncated = torch.tensor([not end for end in ended], device=device)
+    return Samples(prompt_ids, prompt_mask, completion_ids, mask, texts, truncated, [list(r) for r in rows])
 
 
 @dataclass(frozen=True)
@@ -197,6 +208,7 @@ class RolloutSettings:
     overlong_penalty: float = 1.0
     # How a record's prompt becomes the model's input (rendered with the chat template, or as it is).
     render: Callable[[Prompt], Rendered] = lambda prompt: Rendered(str(prompt), templated=False)
+    engine: RolloutEngine = REFERENCE
 
 
 def overlong_punishment(
@@ -288,6 +300,7 @@ def _draw(
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
         repeats=settings.group_size,
+        engine=settings.engine,
     )
     clock.lap("generate")  # generate read its tokens back, so the device is done with them
     rows = [r for r in records for _ in range(settings.group_size)]
@@ -335,6 +348,8 @@ def rollout(
     rewards: RewardSet,
     hints: HintBuilder | None,
     settings: RolloutSettings,
+    *,
+    always_hint: bool = False,
 ) -> Rollout:
     """Draw prompts, sample G completions each, score them and build the GRPO and SDPO batches.
 
@@ -346,6 +361,8 @@ def rollout(
     Args:
         draw: returns the next ``n`` prompt records of this replica's shard.
         hints: builds the SDPO teacher prompts; None when the SDPO channel is off.
+        always_hint: build the teacher batch even when no row has a hint (its distill mask all zero): a
+            sharded replica's ranks decide together whether the teacher passes run (``micro.across_ranks``).
     """
     g = settings.group_size
     first = _draw(model, tokenizer, draw, rewards, settings)
@@ -369,7 +386,8 @@ def rollout(
         teacher = hints.group_hints(
             batch.records, samples.texts, batch.scored.totals, batch.scored.feedback, g
         )
-        hint = _hint_batch(tokenizer, [settings.render(r.prompt) for r in batch.records], teacher, rl)
+        student = [settings.render(r.prompt) for r in batch.records]
+        hint = _hint_batch(tokenizer, student, teacher, rl, always=always_hint)
     metrics = _metrics(_concat_scored([d.scored for d in draws]), samples, hint, g)
     # Throughput of everything generated this step: the tokens up to each EOS, and the device's time.
     metrics["rollout/tokens"] = sum(d.samples.completion_mask.sum() for d in draws).float()
@@ -381,12 +399,17 @@ def rollout(
 
 
 def _hint_batch(
-    tokenizer: Any, student: Sequence[Rendered], teacher: Sequence[Rendered | None], rl: RLBatch
+    tokenizer: Any,
+    student: Sequence[Rendered],
+    teacher: Sequence[Rendered | None],
+    rl: RLBatch,
+    *,
+    always: bool,
 ) -> HintBatch | None:
     """The teacher's sequences `[hinted prompt, completion]`; rows without a hint keep the student's prompt
-    and are not distilled."""
+    and are not distilled. None when no row has a hint, unless ``always``."""
     flags = [p is not None for p in teacher]
-    if not any(flags):
+    if not any(flags) and not always:
         return None
     hinted = torch.tensor(flags, device=rl.completion_ids.device)
     prompts = [t if t is not None else s for t, s in zip(teacher, student, strict=True)]

@@ -10,14 +10,17 @@ exactly the l-th shard of a replica with the same number of ranks.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
+
+from composer_serverless.losses.logprobs import BACKBONE_FORWARD
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -40,6 +43,14 @@ def shard_model(
     for layer in decoder_layers(model) or []:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    # The composer losses run the backbone without the head (``logprobs.hidden_states``), then the head in
+    # chunks: as a forward of the root, so FSDP gathers the root's parameters and reduces their gradients.
+    setattr(model, BACKBONE_FORWARD, types.MethodType(_backbone_forward, model))
+    register_fsdp_forward_method(model, BACKBONE_FORWARD)
+
+
+def _backbone_forward(model: nn.Module, **inputs: Any) -> Any:
+    return model.base_model(**inputs)
 
 
 def reshard(model: nn.Module) -> None:

@@ -157,11 +157,11 @@ def test_prompts_are_rendered_with_the_chat_template_when_asked(raw, model, toke
         "{% for m in messages %}T:{{ m['content'] }}.{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
     )
     seen: list[str] = []
-    encode = rollout.encode_prompts
+    encode = rollout.prompt_token_ids
     monkeypatch.setattr(
         rollout,
-        "encode_prompts",
-        lambda tok, prompts, device: seen.extend(p.text for p in prompts) or encode(tok, prompts, device),
+        "prompt_token_ids",
+        lambda tok, prompts: seen.extend(p.text for p in prompts) or encode(tok, prompts),
     )
     objective = make_objective(validate_config(raw(chat_template=True)), tokenizer, 0, model=model)
     step_loss(objective, model)
@@ -178,7 +178,7 @@ def test_the_chat_switch_needs_a_chat_template(raw, model, tokenizer):
 
 
 def test_a_step_on_the_accelerator_waits_for_it_a_few_times_whatever_the_batch(raw, tokenizer):
-    """Outside ``generate``, a composer step makes the host wait for the device a fixed few times (counted by
+    """Outside the rollout engine, a composer step makes the host wait for the device a fixed few times (counted by
     the simulated accelerator), not once per row or metric: 117 times at 64 rows before this was fixed."""
     counts = []
     for prompts in (2, 8):
@@ -189,7 +189,8 @@ def test_a_step_on_the_accelerator_waits_for_it_a_few_times_whatever_the_batch(r
             model = tiny_model(tokenizer).to("cuda")
             objective = make_objective(config, tokenizer, 0, model=model)
             generating: Counter[str] = Counter()
-            generate = model.generate
+            # auto's engine on the device is the paged one: transformers' generate_batch.
+            generate = model.generate_batch
 
             def counted(*args, generate=generate, generating=generating, sim=sim, **kwargs):
                 before = Counter(sim.host_syncs)
@@ -198,11 +199,13 @@ def test_a_step_on_the_accelerator_waits_for_it_a_few_times_whatever_the_batch(r
                 finally:
                     generating.update(sim.host_syncs - before)
 
-            model.generate = counted
+            model.generate_batch = counted
             before = Counter(sim.host_syncs)
             loss, metrics = step_loss(objective, model)
             loss.backward()
             _read_step(loss, metrics)
             counts.append(sum((sim.host_syncs - before - generating).values()))
         assert sum(generating.values()) > 0  # generate itself ran on the device, and was told apart
-    assert counts[0] == counts[1] <= 16, counts
+    # Four times the rows, about as many waits: transformers' SDPA mask asks once or twice more or less,
+    # whether or not a batch holds padding (the rollouts decide).
+    assert counts[1] <= counts[0] + 2 and max(counts) <= 16, counts

@@ -100,7 +100,10 @@ def test_lm_with_fragments_overlap_and_checkpoints_ends_where_the_cpu_run_does(
 
 def test_composer_in_bf16_over_float32_masters_ends_where_the_cpu_run_does(tmp_path: Path) -> None:
     """All three channels (rollouts sampled on the device, rewards on the host, SDPO hints, DPO pairs), bf16
-    compute over float32 masters."""
+    compute over float32 masters. Both runs sample with the paged engine, ``auto``'s choice on a GPU, so the
+    device's rollouts are held to the same engine's on the CPU."""
+    settings = composer(group_size=4, prompts_per_step=2, max_new_tokens=4, pairs_per_step=2)
+    settings["rollout"]["engine"] = "paged"
     runs = _both(
         tmp_path,
         {
@@ -111,7 +114,7 @@ def test_composer_in_bf16_over_float32_masters_ends_where_the_cpu_run_does(tmp_p
             "train": {"objective": "composer", "lr": 1e-3},
             "diloco": {"replicas": 2, "min_replicas": 2, "sync_every": 2, "rounds": 2},
             "eval": {"sequences": 7},
-            "composer": composer(group_size=4, prompts_per_step=2, max_new_tokens=4, pairs_per_step=2),
+            "composer": settings,
             "executor": {"threads_per_replica": 1},
         },
     )

@@ -13,7 +13,6 @@ from composer_serverless.objectives.hints import HintBuilder
 from composer_serverless.objectives.rewards import RewardSet
 from composer_serverless.objectives.rollout import (
     RolloutSettings,
-    completion_mask,
     encode_prompts,
     generate,
     overlong_punishment,
@@ -28,13 +27,6 @@ def test_prompts_are_left_padded(tokenizer):
     assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
     assert ids[0, :2].tolist() == [tokenizer.pad_token_id] * 2
     assert tokenizer.decode(ids[0, 2:]) == "ab"
-
-
-def test_completion_mask_ends_at_the_first_eos_even_when_pad_is_eos():
-    eos = 7
-    ids = torch.tensor([[3, 4, 7, 7, 7], [7, 7, 7, 7, 7], [1, 2, 3, 4, 5]])
-    assert completion_mask(ids, [eos]).tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
-    assert completion_mask(ids, [5, eos])[2].tolist() == [1, 1, 1, 1, 1]
 
 
 def test_samples_have_the_loss_layout_and_the_model_keeps_its_mode(model, tokenizer):
