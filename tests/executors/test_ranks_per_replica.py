@@ -56,13 +56,28 @@ def test_the_plan_of_every_backend_shows_the_ranks_of_a_replica(
 
 
 def test_gpus_that_would_sit_idle_cannot_be_planned() -> None:
-    """Sampling under FSDP is not built: a composer run on several GPUs per replica is refused, not billed
-    for GPUs it would leave idle; so is a batch that does not split evenly over the GPUs."""
+    """A composer run on several GPUs per replica needs shares that split evenly over them and nothing that
+    would make one rank pass through the model more often than another; a batch must split evenly too. Each
+    refusal names the setting and the fix before anything is billed."""
     composer = REPO / "deploy" / "configs" / "local-composer.toml"
-    with pytest.raises(ConfigError, match="one process per replica.*gives 2"):
+    off = ["composer.rollout.dynamic_sampling=false"]
+    with pytest.raises(ConfigError, match=r"dynamic_sampling is not supported with 2 ranks.*gpu_count"):
         load_config(composer, ["store=s3://bucket/runs", "executor.gpu_count=2"], "modal")
-    with pytest.raises(ConfigError, match="one process per replica.*gives 2"):
-        load_config(composer, ["executor.ranks_per_replica=2"])
+    assert load_config(composer, ["executor.ranks_per_replica=2", *off]).ranks_per_replica == 2
+    with pytest.raises(ConfigError, match=r"prompts_per_step \(8\) must be a multiple of the 3 ranks"):
+        load_config(composer, ["executor.ranks_per_replica=3", *off])
+    with pytest.raises(ConfigError, match=r"pairs_per_step \(6\) must be a multiple of the 4 ranks"):
+        load_config(composer, ["executor.ranks_per_replica=4", "composer.replay.pairs_per_step=6", *off])
+    with pytest.raises(ConfigError, match=r"kl > 0 without model.lora .* not supported with 2 ranks"):
+        load_config(composer, ["executor.ranks_per_replica=2", "composer.grpo.kl=0.1", *off])
+    assert (
+        load_config(
+            composer, ["executor.ranks_per_replica=2", "composer.grpo.kl=0.1", "model.lora.r=8", *off]
+        ).ranks_per_replica
+        == 2
+    )
+    with pytest.raises(ConfigError, match=r"composer.record_rollouts is not supported with 2 ranks"):
+        load_config(composer, ["executor.ranks_per_replica=2", "composer.record_rollouts=true", *off])
     with pytest.raises(ConfigError, match=r"batch_size \(8\) must be a multiple of the 3 ranks"):
         _config({"type": "local", "ranks_per_replica": 3})
 
