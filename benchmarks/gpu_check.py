@@ -10,6 +10,11 @@ GPU 0 when there is one GPU):
                   loaded as a checkpoint), bf16 over float32 masters, 2 replicas
   composer-bf16   the composer objective at that shape in bf16 over masters, 8 prompts x 8 completions x
                   256 new tokens, 1 replica
+  composer-bf16-reference
+                  composer-bf16 with the reference rollout engine (plain generate): the generation share of a
+                  step before the fast engines, beside composer-bf16's with the default (auto)
+  rollout-speed   benchmarks/rollout_speed.py at the Qwen2.5-0.5B shape, 8 prompts x 8 completions x 256 new
+                  tokens: every engine's tokens per second, time to first token and peak memory
   composer-1.5b   the same at the Qwen2.5-1.5B shape without gradient checkpointing, trained in micro-batches
                   of 16 completions (it ran out of an 80 GB card in one batch of 64)
   lora-1.5b       LoRA (r = 16) at the Qwen2.5-1.5B shape, bf16 base, lm on chat records, 2 replicas
@@ -49,6 +54,8 @@ LINES = (
     "demo",
     "lm-chat",
     "composer-bf16",
+    "composer-bf16-reference",
+    "rollout-speed",
     "composer-1.5b",
     "lora-1.5b",
     "kill-resume",
@@ -141,6 +148,32 @@ class Check:
 
     def composer_bf16(self) -> dict[str, Any]:
         return self._composer("composer-bf16", "qwen2.5-0.5b", QWEN_05B)
+
+    def composer_bf16_reference(self) -> dict[str, Any]:
+        return self._composer(
+            "composer-bf16-reference", "qwen2.5-0.5b", QWEN_05B, "composer.rollout.engine=reference"
+        )
+
+    def rollout_speed(self) -> dict[str, Any]:
+        out = self.work / "rollout-speed.json"
+        shape, tokens = ("qwen2.5-0.5b", "256") if self.cuda else ("tiny", "8")
+        argv = [
+            sys.executable,
+            str(REPO / "benchmarks" / "rollout_speed.py"),
+            *("--device", "cuda" if self.cuda else "cpu", "--shape", shape, "--out", str(out)),
+            *("--prompts", "8", "--group", "8", "--max-new-tokens", tokens, "--calls", "2"),
+        ]
+        done = subprocess.run(argv, env=self.env, capture_output=True, text=True)
+        if done.returncode:
+            return {"ok": False, "error": done.stderr[-2000:]}
+        measured = json.loads(out.read_text())
+        return {
+            "shape": shape,
+            "speedup_vs_reference": measured["speedup_vs_reference"],
+            "tokens_per_s": {name: round(e["tokens_per_s"]) for name, e in measured["engines"].items()},
+            "first_token_s": {name: round(e["first_token_s"], 3) for name, e in measured["engines"].items()},
+            "peak_gb": {name: round(e["peak_bytes"] / 1e9, 2) for name, e in measured["engines"].items()},
+        }
 
     def composer_1_5b(self) -> dict[str, Any]:  # the line "composer-1.5b"
         sets = ["model.gradient_checkpointing=false", "train.micro_batch_size=16"]
@@ -473,6 +506,9 @@ def _extra(row: dict[str, Any]) -> str:
         return f"killed after round {row['killed_after_round']}; final digest = uninterrupted run's: {row['final_digest_equals_uninterrupted']}"
     if "speedup_vs_sequential" in row:
         return f"speedup vs sequential {row['speedup_vs_sequential']:.2f}, time / probe bound {row.get('time_ratio_to_probe_bound', '-')}"
+    if "speedup_vs_reference" in row:
+        ratios = ", ".join(f"{name} {x:.2f}x" for name, x in row["speedup_vs_reference"].items())
+        return f"tokens/s vs reference: {ratios}; tokens/s {row['tokens_per_s']}"
     if row.get("line") == "export":
         return f"loaded {row.get('params')} params, {row.get('dtypes')}, finite {row.get('finite')}"
     return ""

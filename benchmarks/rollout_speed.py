@@ -13,6 +13,10 @@ warm up (a static cache compiles its decoder on CUDA here), then ``--calls`` tim
 - ``peak_bytes``: on CUDA ``max_memory_allocated`` during the measured calls minus the allocation before them;
   on a CPU the resident set's high-water mark minus the resident size before them.
 
+With ``--ranks G``, a replica of G FSDP ranks (gloo on a CPU) also completes G times the workload, each rank its
+own share, twice: from the whole weights gathered once (what the composer objective does) and from the shards
+(``generate(synced_gpus=True)``: each layer gathered from every rank for every token, the ranks in lockstep).
+
 Random weights rarely sample the EOS, so nearly every row runs to ``max_new_tokens``: the paged engine's gain
 from rows that end early does not show here, only its shared prefill and its scheduling.
 """
@@ -44,6 +48,17 @@ SHAPES = {
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
+    },
+    # A Qwen2-style 8 x 512 model with a 32k vocabulary (25M parameters): large enough on a CPU for the
+    # gathering of weights across ranks to cost something, small enough to run there in minutes.
+    "small": {
+        "vocab_size": 32000,
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
     },
     # Qwen2.5-0.5B's shape (494M parameters), the issue's anchor.
     "qwen2.5-0.5b": {
@@ -112,6 +127,104 @@ def _worker(spec: dict) -> dict:
     }
 
 
+def _sharded_worker(local_rank: int, spec: dict, rendezvous: str, out: str) -> None:
+    """One of ``spec["ranks"]`` ranks of a replica sharded with FSDP2 (gloo on a CPU, NCCL on CUDA), each
+    completing its own prompts: with the whole weights gathered once (``rollout.whole_weights``, what the
+    composer objective does) and from the shards (``generate(synced_gpus=True)``: every layer gathered for
+    every token, the ranks in lockstep)."""
+    import torch.distributed as dist
+
+    from composer_serverless.objectives.rollout import whole_weights
+    from composer_serverless.replicas.shards import shard_model
+
+    ranks = spec["ranks"]
+    device = torch.device("cuda", local_rank) if spec["device"] == "cuda" else torch.device("cpu")
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=local_rank, world_size=ranks)
+    model = _model(spec["shape"], device)
+    shard_model(model, ranks, device)
+    engine = make_engine(spec["engine"], device, memory_share=0.5)
+    generator = torch.Generator().manual_seed(1 + local_rank)  # each rank its own prompts
+    prompts = torch.randint(
+        3, model.config.vocab_size, (spec["prompts"], spec["prompt_len"]), generator=generator
+    )
+    request = Request(prompts.tolist(), spec["group"], spec["max_new_tokens"], spec["temperature"], [EOS], 0)
+
+    def gathered() -> int:
+        with whole_weights(model):
+            return sum(len(r) for r in engine.complete(model, request))
+
+    def sharded() -> int:
+        ids = prompts.to(device).repeat_interleave(spec["group"], dim=0)
+        with torch.no_grad():
+            generated = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=spec["max_new_tokens"],
+                do_sample=True,
+                temperature=spec["temperature"],
+                top_k=0,
+                top_p=1.0,
+                eos_token_id=[EOS],
+                pad_token_id=0,
+                synced_gpus=True,
+                cache_implementation="dynamic",
+                disable_compile=True,
+            )
+        rows = generated[:, ids.size(1) :].tolist()
+        return sum(len(r[: r.index(EOS) + 1] if EOS in r else r) for r in rows)
+
+    results = {}
+    for mode, run in (("gathered", gathered), ("sharded", sharded)):
+        run()  # warm-up
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            baseline = torch.cuda.memory_allocated()
+        else:
+            reset_hwm()
+            baseline = rss_bytes()
+        start = time.perf_counter()
+        tokens = run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()  # the replica's rollouts are done when its slowest rank is
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
+        total = torch.tensor([float(tokens), float(peak - baseline)])
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        results[mode] = {
+            "tokens": int(total[0]),
+            "seconds": seconds,
+            "tokens_per_s": float(total[0]) / seconds,
+            "peak_bytes_per_rank": float(total[1]) / ranks,
+        }
+    if local_rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measure_sharded(spec: dict) -> dict:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "sharded.json"
+        mp.start_processes(
+            _sharded_worker,
+            args=(spec, str(Path(tmp) / "rendezvous"), str(out)),
+            nprocs=spec["ranks"],
+            join=True,
+            start_method="spawn",
+        )
+        return json.loads(out.read_text())
+
+
 def _measure(spec: dict) -> dict:
     done = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
@@ -137,6 +250,16 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--calls", type=int, default=2, help="measured calls after one warm-up call")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=0,
+        help="also measure a replica of this many FSDP ranks generating from gathered weights and from the "
+        "shards, each rank its own --prompts (0: not)",
+    )
+    parser.add_argument(
+        "--sharded-engine", default="reference", help="the engine the gathered mode runs with --ranks"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -164,6 +287,10 @@ def main() -> None:
         print(f"{name} ...", file=sys.stderr, flush=True)
         results[name] = _measure({**spec, "engine": name})
         print(f"{name}: {results[name]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
+    sharded = None
+    if args.ranks > 1:
+        print(f"{args.ranks} FSDP ranks, gathered and sharded ...", file=sys.stderr, flush=True)
+        sharded = _measure_sharded({**spec, "ranks": args.ranks, "engine": args.sharded_engine})
     reference = results.get("reference")
     report = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
@@ -177,6 +304,13 @@ def main() -> None:
         if reference
         else {},
     }
+    if sharded is not None:
+        report["fsdp_generation"] = {
+            "ranks": args.ranks,
+            "engine": args.sharded_engine,
+            **sharded,
+            "gathered_vs_sharded": sharded["gathered"]["tokens_per_s"] / sharded["sharded"]["tokens_per_s"],
+        }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["speedup_vs_reference"], indent=2))

@@ -96,7 +96,7 @@ class RolloutConfig(StrictModel):
         "auto",
         description="how completions are generated: reference (generate, dynamic cache), static (static cache, "
         "compiled with CUDA graphs on a GPU), paged (continuous batching, one prefill per prompt); auto: paged "
-        "on a GPU, static on a CPU (docs/RESULTS.md, rollout speed)",
+        "on a GPU, reference on a CPU (docs/RESULTS.md, rollout speed)",
     )
     engine_memory: float = Field(
         0.5,

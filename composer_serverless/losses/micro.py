@@ -10,6 +10,9 @@ batch's, each micro-batch is normalised by the whole step's counts, not its own:
 * row-normalised channels (GRPO's ``grpo`` and ``dr_grpo``, replay) take the step's sequence or pair count
   (``num_sequences``, ``num_pairs``), so a micro-batch's mean over its rows weighs its share of them.
 
+A sharded replica's ranks are one step's parts too: ``across_ranks`` gives a rank's share the replica's counts
+(one sum over the ranks), which ``split`` then keeps for its micro-batches.
+
 Metrics come back per micro-batch; ``weighted`` makes them parts that add up to the step's: a loss or a count
 is the sum of its micro-batches', any other metric (a clip ratio, a reward margin) their mean weighted by rows
 (pairs for ``replay/``).
@@ -20,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 
@@ -70,7 +72,12 @@ def split(batch: LossBatch, rows: int | None) -> list[MicroBatch]:
 
 
 def _with_counts(
-    batch: LossBatch, tokens: int | torch.Tensor, completions: int, pairs: int, *, distilled: Any = None
+    batch: LossBatch,
+    tokens: int | torch.Tensor,
+    completions: int,
+    pairs: int,
+    *,
+    distilled: int | None = None,
 ) -> LossBatch:
     """``batch`` carrying the step's counts where it does not carry them already (``across_ranks`` set the
     replica's): its scored ``tokens``, ``completions``, ``pairs``, and the ``distilled`` tokens (None: the

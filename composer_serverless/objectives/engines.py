@@ -104,7 +104,11 @@ def _generating(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def _left_padded(prompts: Sequence[Sequence[int]], width: int, pad: int, device: torch.device) -> Any:
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad: int, device: torch.device, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) left-padded token ids and mask, P ``width`` or the longest prompt's length."""
+    width = max(len(p) for p in prompts) if width is None else width
     ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     return ids, mask
@@ -127,7 +131,7 @@ class GenerateEngine:
         width = max(len(p) for p in request.prompts)
         if self.static:
             width = -(-width // PROMPT_BUCKET) * PROMPT_BUCKET
-        ids, mask = _left_padded(request.prompts, width, request.pad_id, device)
+        ids, mask = left_pad(request.prompts, request.pad_id, device, width)
         with _generating(model):
             out = model.generate(  # type: ignore[operator]
                 input_ids=ids.repeat_interleave(request.repeats, dim=0),
@@ -258,14 +262,16 @@ def make_engine(
 
 
 def auto_engine(device: torch.device) -> EngineName:
-    """``paged`` on a GPU, ``static`` on a CPU.
+    """``paged`` on a GPU, ``reference`` on a CPU.
 
-    On a CPU the static cache measured 1.05x (Qwen2.5-0.5B's shape) to 1.46x (a tiny model) the reference's
-    tokens per second and continuous batching 0.3x to 1x (docs/RESULTS.md, rollout speed). On a GPU the choice
-    follows the published anchors, not a measurement of ours: continuous batching shares each prompt's
-    prefill, drops finished rows and needs no compilation, which a sharded or autocast model would complicate;
-    ``benchmarks/rollout_speed.py --device cuda`` is what confirms or changes it."""
-    return "paged" if device.type == "cuda" else "static"
+    On a CPU no engine wins everywhere (docs/RESULTS.md, rollout speed): the static cache measured 1.05x
+    (Qwen2.5-0.5B's shape, 32 new tokens) to 1.46x (a tiny model, 128 new tokens) the reference's tokens per
+    second, but 0.52x on short rollouts (8 new tokens), where padding prompts to its bucket costs more than it
+    saves; continuous batching 0.05x to 0.98x. The short rollouts of a CPU's demos and tests decide. On a GPU
+    the choice follows the published anchors, not a measurement of ours: continuous batching shares each
+    prompt's prefill, drops finished rows and needs no compilation, which a sharded or autocast model would
+    complicate; ``benchmarks/rollout_speed.py --device cuda`` (``make gpu-check``) confirms or changes it."""
+    return "paged" if device.type == "cuda" else "reference"
 
 
 def completion_tensors(

@@ -34,6 +34,7 @@ from composer_serverless.objectives.engines import (
     Request,
     RolloutEngine,
     completion_tensors,
+    left_pad,
 )
 from composer_serverless.objectives.hints import HintBuilder
 from composer_serverless.objectives.rewards import RewardSet, Scored, mean
@@ -48,16 +49,6 @@ def prompt_token_ids(tokenizer: Any, prompts: Sequence[str | Rendered]) -> list[
     if empty:
         raise ValueError(f"prompt {empty[0]!r} encodes to no tokens")
     return encoded
-
-
-def left_pad(
-    encoded: Sequence[Sequence[int]], pad: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, P) left-padded token ids and mask, P the longest prompt's length."""
-    width = max(len(ids) for ids in encoded)
-    ids = torch.tensor([[pad] * (width - len(row)) + list(row) for row in encoded], device=device)
-    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in encoded], device=device)
-    return ids, mask
 
 
 def encode_prompts(

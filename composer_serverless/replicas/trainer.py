@@ -217,6 +217,10 @@ class Replica:
             self.objective: Objective = make_objective(
                 config, tokenizer, rank, model=model, adapters=adapters, node=node, run=run
             )
+        if node.size > 1:
+            # An objective that scored a reference just now left the root's whole parameters gathered (FSDP
+            # keeps them after a forward, for the backward): the optimizer and DiLoCo must see the shards.
+            reshard(model)
         self.inner = make_inner_optimizer(model, config.train)
         # Registered before DiLoCo's own hook, so it runs first: the inner gradients are spent once the step
         # is taken, and freeing them here keeps them from sitting in memory through the sync DiLoCo runs next.

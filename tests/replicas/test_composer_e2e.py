@@ -67,3 +67,29 @@ def test_status_of_the_finished_run_names_its_reward_without_the_training_stack(
     assert f"finished: held-out reward of the global model: {initial:.4f} -> {final:.4f}" in result.stdout
     assert summary["final_eval_loss"] is None and "held-out loss" not in result.stdout
     assert loaded == []
+
+
+def test_a_replica_of_two_ranks_runs_every_channel_through_the_launcher(tmp_path):
+    """ranks_per_replica = 2: the worker starts two FSDP ranks over gloo, which sample their shares from the
+    gathered weights, train, evaluate together and sync through the store, every round."""
+    config = validate_config(
+        {
+            "run_id": "composer-g2",
+            "store": str(tmp_path),
+            "model": {"tiny": TINY_CHARS},
+            "train": {"objective": "composer", "lr": 1e-3, "micro_batch_size": 4},
+            "diloco": {"replicas": 1, "min_replicas": 1, "sync_every": 2, "rounds": 2},
+            "eval": {"sequences": 4},
+            "composer": composer(group_size=4, prompts_per_step=4, max_new_tokens=4, pairs_per_step=4),
+            "executor": {"type": "local", "threads_per_replica": 1, "ranks_per_replica": 2},
+        }
+    )
+    summary = launch(config, "composer-g2", Console(file=io.StringIO()))
+    assert summary["rounds_committed"] == 2, summary
+    trained = [r for r in read_metrics(ObjectStore(str(tmp_path / "composer-g2")))[0] if r["round"] > 0]
+    assert [r["round"] for r in trained] == [1, 2]
+    for row in trained:
+        train = row["train"]
+        assert train["sdpo/loss"] > 0 and train["replay/loss"] > 0 and train["replay/pairs"] == 4
+        assert train["rollout/tokens"] > 0
+    assert summary["final_eval_reward"] is not None

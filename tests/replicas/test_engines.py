@@ -36,9 +36,9 @@ def test_a_completion_ends_at_its_first_eos_even_when_pad_is_eos():
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
 
 
-def test_auto_picks_paged_on_an_accelerator_and_static_on_a_cpu():
+def test_auto_picks_paged_on_an_accelerator_and_the_reference_on_a_cpu():
     assert make_engine("auto", torch.device("cuda"), 0.5) == PagedEngine(0.5)
-    assert make_engine("auto", torch.device("cpu"), 0.5) == GenerateEngine("static", static=True)
+    assert make_engine("auto", torch.device("cpu"), 0.5) == GenerateEngine("reference", static=False)
 
 
 @pytest.mark.parametrize("name", FAST)
@@ -52,6 +52,22 @@ def test_greedy_tokens_equal_the_references(model, tokenizer, name):
     assert len({tuple(r) for r in reference}) > 2, "a degenerate model would make this comparison vacuous"
     assert _engine(name).complete(model, request) == reference
     assert model.training, "the engine puts the model back in training mode"
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_an_engine_samples_from_the_weights_of_the_last_step(model, tokenizer, name):
+    """Weights changed in place (an optimizer step, a sync's copy) between two rollouts: the second one is the
+    reference's on the new weights, not a cached copy's."""
+    engine = _engine(name)
+    request = Request(
+        prompt_token_ids(tokenizer, PROMPTS), 1, 8, None, [tokenizer.eos_token_id], tokenizer.pad_token_id
+    )
+    before = engine.complete(model, request)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    after = engine.complete(model, request)
+    assert after == REFERENCE.complete(model, request) and after != before
 
 
 def test_the_paged_engine_on_the_simulated_accelerator_gives_the_cpus_tokens(model, tokenizer):
