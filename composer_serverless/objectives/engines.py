@@ -123,8 +123,11 @@ class GenerateEngine:
     only, a path no CPU run takes). True: a static cache at fixed widths, compiled decoding captured in CUDA
     graphs where a real GPU captures them."""
 
-    name: str
     static: bool
+
+    @property
+    def name(self) -> str:
+        return "static" if self.static else "reference"
 
     def complete(self, model: nn.Module, request: Request) -> list[list[int]]:
         device = next(model.parameters()).device
@@ -258,16 +261,16 @@ def make_engine(
     chosen = auto_engine(device) if name == "auto" else name
     if chosen == "paged":
         return PagedEngine(memory_share)
-    return GenerateEngine(chosen, static=chosen == "static")
+    return GenerateEngine(static=chosen == "static")
 
 
 def auto_engine(device: torch.device) -> EngineName:
     """``paged`` on a GPU, ``reference`` on a CPU.
 
-    On a CPU no engine wins everywhere (docs/RESULTS.md, rollout speed): the static cache measured 1.05x
+    On a CPU no engine wins everywhere (docs/RESULTS.md, section 14): the static cache measured 1.10x
     (Qwen2.5-0.5B's shape, 32 new tokens) to 1.46x (a tiny model, 128 new tokens) the reference's tokens per
     second, but 0.52x on short rollouts (8 new tokens), where padding prompts to its bucket costs more than it
-    saves; continuous batching 0.05x to 0.98x. The short rollouts of a CPU's demos and tests decide. On a GPU
+    saves; continuous batching 0.05x to 0.97x. The short rollouts of a CPU's demos and tests decide. On a GPU
     the choice follows the published anchors, not a measurement of ours: continuous batching shares each
     prompt's prefill, drops finished rows and needs no compilation, which a sharded or autocast model would
     complicate; ``benchmarks/rollout_speed.py --device cuda`` (``make gpu-check``) confirms or changes it."""

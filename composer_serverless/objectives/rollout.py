@@ -93,7 +93,7 @@ def whole_weights(model: nn.Module) -> Iterator[None]:
             module.set_reshard_after_forward(True, recurse=False)
 
 
-REFERENCE: RolloutEngine = GenerateEngine("reference", static=False)
+REFERENCE: RolloutEngine = GenerateEngine(static=False)
 """Plain ``generate``: what greedy evaluation and every engine's tests are held to."""
 
 

@@ -38,7 +38,7 @@ def test_a_completion_ends_at_its_first_eos_even_when_pad_is_eos():
 
 def test_auto_picks_paged_on_an_accelerator_and_the_reference_on_a_cpu():
     assert make_engine("auto", torch.device("cuda"), 0.5) == PagedEngine(0.5)
-    assert make_engine("auto", torch.device("cpu"), 0.5) == GenerateEngine("reference", static=False)
+    assert make_engine("auto", torch.device("cpu"), 0.5) == GenerateEngine(static=False)
 
 
 @pytest.mark.parametrize("name", FAST)
@@ -70,13 +70,15 @@ def test_an_engine_samples_from_the_weights_of_the_last_step(model, tokenizer, n
     assert after == REFERENCE.complete(model, request) and after != before
 
 
-def test_the_paged_engine_on_the_simulated_accelerator_gives_the_cpus_tokens(model, tokenizer):
+@pytest.mark.parametrize("name", ["auto", "static"])
+def test_a_fast_engine_on_the_simulated_accelerator_gives_the_cpus_tokens(model, tokenizer, name):
     """``auto`` on a GPU is the paged engine: its CUDA path (device memory sized from ``mem_get_info``, its
-    own stream, no CUDA graphs where none can be captured) gives the CPU's tokens, on the device."""
+    own stream, no CUDA graphs where none can be captured) gives the CPU's tokens, on the device; so does the
+    static cache's."""
     on_cpu = generate(model, tokenizer, PROMPTS, max_new_tokens=6, temperature=None)
     with simulated():
         model.to("cuda")
-        engine = make_engine("auto", torch.device("cuda"), 0.5)
+        engine = make_engine(name, torch.device("cuda"), 0.5)
         on_device = generate(model, tokenizer, PROMPTS, max_new_tokens=6, temperature=None, engine=engine)
         assert on_device.completion_ids.device.type == "cuda"
     assert on_device.texts == on_cpu.texts
