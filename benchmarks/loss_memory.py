@@ -23,16 +23,14 @@ import argparse
 import gc
 import json
 import math
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
-from process_memory import hwm_bytes, reset_hwm, rss_bytes
+from process_memory import MMAP_THRESHOLD, hwm_bytes, reset_hwm, rss_bytes, run_worker
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from composer_serverless.losses.batches import HintBatch, LossBatch, ReplayBatch, RLBatch
@@ -61,7 +59,6 @@ SIZES = {
     },
 }
 HINT_TOKENS = 32
-MMAP_THRESHOLD = 65536
 
 
 def _model(size: str, seq_len: int, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -173,19 +170,6 @@ def _worker(spec: dict) -> dict:
     }
 
 
-def _measure(spec: dict) -> dict:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode:
-        raise RuntimeError(f"worker {spec} failed:\n{done.stderr}")
-    return json.loads(done.stdout.splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="where to write the JSON")
@@ -223,7 +207,10 @@ def main() -> None:
             "top_k": args.top_k,
             "threads": args.threads,
         }
-        ce, composer = _measure({**spec, "loss": "ce"}), _measure({**spec, "loss": "composer"})
+        ce, composer = (
+            run_worker(__file__, {**spec, "loss": "ce"}),
+            run_worker(__file__, {**spec, "loss": "composer"}),
+        )
         results[size] = {
             "params": ce["params"],
             "vocab": ce["vocab"],

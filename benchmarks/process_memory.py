@@ -1,10 +1,19 @@
 """This process's resident memory, as the memory benchmarks read it (Linux ``/proc``): the current size, the
-high-water mark since the last reset, and the reset. Shared by ``loss_memory.py`` and ``replica_memory.py``,
-which run it from their own directory (a script's directory is first on its path)."""
+high-water mark since the last reset, and the reset; and a worker run in a process of its own. Shared by
+``loss_memory.py``, ``replica_memory.py`` and ``rollout_speed.py``, which run it from their own directory (a
+script's directory is first on its path)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
+
+MMAP_THRESHOLD = 64 * 1024
+"""glibc serves every allocation above this with mmap, so freed tensors leave the resident set at once instead of
+lingering in malloc's heap (``MALLOC_MMAP_THRESHOLD_`` of a worker)."""
 
 
 def rss_bytes() -> int:
@@ -21,3 +30,17 @@ def hwm_bytes() -> int:
 def reset_hwm() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def run_worker(script: str, spec: dict) -> dict:
+    """``script --worker SPEC`` in a fresh process (so peaks are not shared), with ``MMAP_THRESHOLD``: the JSON
+    of its last output line; its stderr in the error if it fails."""
+    done = subprocess.run(
+        [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(spec)],
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)},
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise RuntimeError(f"worker {spec} failed:\n{done.stderr}")
+    return json.loads(done.stdout.splitlines()[-1])

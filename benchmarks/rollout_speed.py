@@ -26,16 +26,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
-from process_memory import hwm_bytes, reset_hwm, rss_bytes
+from process_memory import hwm_bytes, reset_hwm, rss_bytes, run_worker
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from composer_serverless.objectives.engines import ENGINES, Request, make_engine
@@ -225,18 +223,6 @@ def _measure_sharded(spec: dict) -> dict:
         return json.loads(out.read_text())
 
 
-def _measure(spec: dict) -> dict:
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)},
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode:
-        raise RuntimeError(f"worker {spec} failed:\n{done.stderr}")
-    return json.loads(done.stdout.splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="where to write the JSON")
@@ -285,7 +271,7 @@ def main() -> None:
     results = {}
     for name in engines:
         print(f"{name} ...", file=sys.stderr, flush=True)
-        results[name] = _measure({**spec, "engine": name})
+        results[name] = run_worker(__file__, {**spec, "engine": name})
         print(f"{name}: {results[name]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
     sharded = None
     if args.ranks > 1:
