@@ -155,24 +155,21 @@ class Check:
         )
 
     def rollout_speed(self) -> dict[str, Any]:
-        out = self.work / "rollout-speed.json"
         shape, tokens = ("qwen2.5-0.5b", "256") if self.cuda else ("tiny", "8")
-        argv = [
-            sys.executable,
-            str(REPO / "benchmarks" / "rollout_speed.py"),
-            *("--device", "cuda" if self.cuda else "cpu", "--shape", shape, "--out", str(out)),
+        measured = self._benchmark(
+            "rollout_speed",
+            *("--device", "cuda" if self.cuda else "cpu", "--shape", shape),
             *("--prompts", "8", "--group", "8", "--max-new-tokens", tokens, "--calls", "2"),
-        ]
-        done = subprocess.run(argv, env=self.env, capture_output=True, text=True)
-        if done.returncode:
-            return {"ok": False, "error": done.stderr[-2000:]}
-        measured = json.loads(out.read_text())
+        )
+        if "error" in measured:
+            return measured
+        engines = measured["engines"]
         return {
             "shape": shape,
             "speedup_vs_reference": measured["speedup_vs_reference"],
-            "tokens_per_s": {name: round(e["tokens_per_s"]) for name, e in measured["engines"].items()},
-            "first_token_s": {name: round(e["first_token_s"], 3) for name, e in measured["engines"].items()},
-            "peak_gb": {name: round(e["peak_bytes"] / 1e9, 2) for name, e in measured["engines"].items()},
+            "tokens_per_s": {name: round(e["tokens_per_s"]) for name, e in engines.items()},
+            "first_token_s": {name: round(e["first_token_s"], 3) for name, e in engines.items()},
+            "peak_gb": {name: round(e["peak_bytes"] / 1e9, 2) for name, e in engines.items()},
         }
 
     def composer_1_5b(self) -> dict[str, Any]:  # the line "composer-1.5b"
@@ -261,20 +258,23 @@ class Check:
             return {
                 "skipped": f"needs {ALLREDUCE_CORES} cores for proxy, moto and 8 replicas; this machine has {cores}"
             }
-        out = self.work / "allreduce-link.json"
-        argv = [
-            sys.executable,
-            str(REPO / "benchmarks" / "allreduce.py"),
+        measured = self._benchmark(
+            "allreduce",
             *("--replicas", "8", "--mb", "256", "--store", "s3", "--latency-ms", "20", "--link-mbps", "50"),
-            *("--repeats", "3", "--out", str(out)),
-        ]
-        done = subprocess.run(argv, env=self.env, capture_output=True, text=True)
-        if done.returncode:
-            return {"ok": False, "error": done.stderr[-2000:]}
-        measured = json.loads(out.read_text())
+            *("--repeats", "3"),
+        )
         return {k: v for k, v in measured.items() if not isinstance(v, (dict, list))}
 
     # --- helpers ------------------------------------------------------------------------------------
+
+    def _benchmark(self, script: str, *argv: str) -> dict[str, Any]:
+        """``benchmarks/<script>.py *argv --out FILE``: the JSON it wrote, or ``ok`` false and its stderr."""
+        out = self.work / f"{script}.json"
+        command = [sys.executable, str(REPO / "benchmarks" / f"{script}.py"), *argv, "--out", str(out)]
+        done = subprocess.run(command, env=self.env, capture_output=True, text=True)
+        if done.returncode:
+            return {"ok": False, "error": done.stderr[-2000:]}
+        return json.loads(out.read_text())
 
     def _rounds(self, on_gpu: int, on_cpu: int) -> list[str]:
         return [f"diloco.rounds={on_gpu if self.cuda else on_cpu}"]
