@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from process_memory import MMAP_THRESHOLD, hwm_bytes, reset_hwm, rss_bytes, run_worker
+from process_memory import MMAP_THRESHOLD, peak, run_worker, start_peak
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from composer_serverless.losses.batches import HintBatch, LossBatch, ReplayBatch, RLBatch
@@ -146,23 +146,14 @@ def _worker(spec: dict) -> dict:
     step()
     optimizer.zero_grad(set_to_none=True)
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-    else:
-        # Reset first: the high-water mark then starts at the resident set read next or above it, so memory
-        # another thread frees in between cannot make the peak negative (as it did once in the suite).
-        reset_hwm()
-        baseline = rss_bytes()
+    baseline = start_peak(device)
     start = time.perf_counter()
     losses = [step() for _ in range(spec["steps"])]
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / spec["steps"]
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
     return {
-        "peak_bytes": peak - baseline,
+        "peak_bytes": peak(device) - baseline,
         "step_s": seconds,
         "loss": losses[-1],
         "params": sum(p.numel() for p in model.parameters()),

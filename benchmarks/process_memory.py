@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 MMAP_THRESHOLD = 64 * 1024
 """glibc serves every allocation above this with mmap, so freed tensors leave the resident set at once instead of
 lingering in malloc's heap (``MALLOC_MMAP_THRESHOLD_`` of a worker)."""
@@ -44,3 +46,20 @@ def run_worker(script: str, spec: dict) -> dict:
     if done.returncode:
         raise RuntimeError(f"worker {spec} failed:\n{done.stderr}")
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def start_peak(device: torch.device) -> int:
+    """Start measuring a peak on ``device`` (all its work done first); returns the baseline to subtract from
+    ``peak``. On a CPU the high-water mark is reset before the resident set is read, so memory freed in between
+    cannot make the peak negative (as it did once in the suite)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    reset_hwm()
+    return rss_bytes()
+
+
+def peak(device: torch.device) -> int:
+    """The peak since ``start_peak``: CUDA's most allocated bytes, or the process's high-water mark."""
+    return torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()

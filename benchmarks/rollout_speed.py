@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from process_memory import hwm_bytes, reset_hwm, rss_bytes, run_worker
+from process_memory import peak, run_worker, start_peak
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from composer_serverless.objectives.engines import ENGINES, Request, make_engine
@@ -104,23 +104,17 @@ def _worker(spec: dict) -> dict:
     timed(request)  # warm-up: compilation, the allocator's first blocks
     first_token_s, _ = timed(Request(prompts, spec["group"], 1, spec["temperature"], [EOS], 0))
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-    else:
-        reset_hwm()  # first, so the mark cannot fall below the baseline read next
-        baseline = rss_bytes()
+    baseline = start_peak(device)
     seconds, tokens = 0.0, 0
     for _ in range(spec["calls"]):
         s, t = timed(request)
         seconds, tokens = seconds + s, tokens + t
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
     return {
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
         "first_token_s": first_token_s,
-        "peak_bytes": peak - baseline,
+        "peak_bytes": peak(device) - baseline,
         "params": sum(p.numel() for p in model.parameters()),
     }
 
@@ -178,21 +172,14 @@ def _sharded_worker(local_rank: int, spec: dict, rendezvous: str, out: str) -> N
     for mode, run in (("gathered", gathered), ("sharded", sharded)):
         run()  # warm-up
         dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            baseline = torch.cuda.memory_allocated()
-        else:
-            reset_hwm()
-            baseline = rss_bytes()
+        baseline = start_peak(device)
         start = time.perf_counter()
         tokens = run()
         if device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()  # the replica's rollouts are done when its slowest rank is
         seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
-        total = torch.tensor([float(tokens), float(peak - baseline)])
+        total = torch.tensor([float(tokens), float(peak(device) - baseline)])
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         results[mode] = {
             "tokens": int(total[0]),
