@@ -118,6 +118,20 @@ class DiLoCoConfig(StrictModel):
         description="rounds between checkpoints (the global state and every replica's own state, where a "
         "resume starts; also the last round); they cost about 2/checkpoint_every of the fp32 exchange's bytes",
     )
+    keep_checkpoints: int = Field(
+        2,
+        ge=2,
+        le=1000,
+        description="checkpoints kept in the store (older ones are deleted): a resume, or a run that rolls "
+        "back by itself, falls back to the one before when the newest is damaged or missing",
+    )
+    outlier_norm_factor: float | None = Field(
+        10.0,
+        gt=1,
+        description="leave out of a round any pseudo-gradient whose norm is more than this many times the "
+        "median of the round's (with at least 3 contributions), as a non-finite one is: a replica whose update "
+        "blew up cannot end the run for everyone. Unset to average every finite contribution",
+    )
     verify_global: bool = Field(
         True, description="record a digest of the global parameters after every round"
     )

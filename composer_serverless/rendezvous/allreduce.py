@@ -26,7 +26,8 @@ nothing and reads all N reduced shards: it receives the participants' average ex
 replicas do (they contribute zeros and receive the average).
 
 A payload that fails its checksum (with a run key, its MAC), header or identity is logged and left out of
-the sum, never averaged.
+the sum, never averaged; so is one whose pseudo-gradient's norm lies far outside the others' (``robust.py``,
+with ``outlier_factor``).
 
 Each phase moves its objects ``store.transfers.concurrency`` at a time (``ObjectStore.map``): a cloud store
 gives each connection a fraction of its bandwidth, so a replica moving one shard at a time would be capped at
@@ -46,12 +47,15 @@ import torch
 
 from composer_serverless.rendezvous import layout, polling
 from composer_serverless.rendezvous.codec import (
+    NORM,
     Payload,
     PayloadError,
     accumulate,
     decode,
     encode_parts,
+    l2_norm,
     max_payload_bytes,
+    measure,
     read_header,
 )
 from composer_serverless.rendezvous.exchange import (
@@ -62,6 +66,7 @@ from composer_serverless.rendezvous.exchange import (
 )
 from composer_serverless.rendezvous.polling import poll_until
 from composer_serverless.rendezvous.replica_log import ReplicaLog
+from composer_serverless.rendezvous.robust import outliers
 from composer_serverless.rendezvous.sharding import (
     MAX_QUORUM_GENERATIONS,
     complete_ranks,
@@ -210,9 +215,13 @@ class _Exchange:
         """
         order = [(self.rank + i) % self.n for i in range(1, self.n + 1)]
 
+        # The whole pseudo-gradient's norm, in every input's header: each shard's owner compares whole
+        # contributions (``robust.py``), and sees only its shard of each.
+        whole = repr(l2_norm(self.values))
+
         def upload(shard: int) -> None:
             start, end = self.bounds[shard]
-            identity = self._input_identity(self.rank, shard)
+            identity = {**self._input_identity(self.rank, shard), NORM: whole}
             parts = encode_parts(self.values[start:end], identity, self.settings.codec, self.key)
             if self.store.create(layout.sync_input(self.rank, shard, self.local), parts):
                 self._count(up=sum(len(p) for p in parts))
@@ -341,34 +350,43 @@ class _Exchange:
     # --- phase 3: reduce ---------------------------------------------------------------------------
 
     def _reduce(self, shard: int, participants: list[int]) -> None:
-        """Sum the participants' inputs of ``shard`` in rank order, publish the average, keep its decoding."""
+        """Sum the participants' inputs of ``shard`` in rank order, publish the average, keep its decoding.
+
+        Every input is checked and measured first; one that fails a check, or whose pseudo-gradient's norm
+        lies far outside the others' (``robust.outliers``), is left out with a log line naming it. Then the
+        rest is summed: the checks are not repeated, the buffers are the ones just checked."""
         start, end = self.bounds[shard]
         total = self.workspace.floats("total", end - start).zero_()
-        summed = []
         missing = [
             peer
             for peer in participants
             if not (peer == self.rank and shard in self.mine) and (peer, shard) not in self.fetched
         ]
         unreadable = self._fetch_inputs(missing, shard)
+        inputs: dict[int, Payload] = {}
+        norms: dict[int, float] = {}
         for peer in participants:
             try:
                 if peer in unreadable:
                     raise unreadable[peer]
                 payload, verify = self._input(peer, shard)
                 identity = self._input_identity(peer, shard)
-                accumulate(total, payload, identity, self.settings.codec, verify=verify, key=self.key)
+                norms[peer] = measure(
+                    payload, identity, self.settings.codec, end - start, verify=verify, key=self.key
+                ).whole
             except (PayloadError, FileNotFoundError) as e:  # a quorum may name an input that is not there
-                self.log.warning(
-                    "rejected %s/%s: %s",
-                    self.store.url,
-                    layout.sync_input(peer, shard, self.local),
-                    e,
-                )
+                self._left_out(peer, shard, str(e))
                 continue
-            summed.append(peer)
-        if not summed:
+            inputs[peer] = payload
+        for peer, why in outliers(norms, self.settings.outlier_factor).items():
+            self._left_out(peer, shard, why)
+            del inputs[peer]
+        if not inputs:
             raise ExchangeError(f"{self.store.url}: no valid input for shard {shard}")
+        for peer, payload in inputs.items():
+            identity = self._input_identity(peer, shard)
+            accumulate(total, payload, identity, self.settings.codec, verify=False, key=self.key)
+        summed = list(inputs)
         identity = {**self._reduced_identity(shard), "summed": ",".join(map(str, summed))}
         parts = encode_parts(total.div_(len(summed)), identity, self.settings.codec, self.key)
         if self.store.create(layout.sync_output(shard, self.local), parts):
@@ -377,6 +395,15 @@ class _Exchange:
             self.result.summed[shard] = summed
         else:
             self._place(shard, self._fetch(layout.sync_output(shard, self.local), shard))
+
+    def _left_out(self, peer: int, shard: int, why: str) -> None:
+        self.log.warning(
+            "rejected %s/%s (replica %d): %s",
+            self.store.url,
+            layout.sync_input(peer, shard, self.local),
+            peer,
+            why,
+        )
 
     def _input(self, peer: int, shard: int) -> tuple[Payload, bool]:
         """The payload of ``peer``'s input for ``shard``, and whether it must be verified (it came from the

@@ -27,6 +27,11 @@ Codecs (the decoded values are always fp32, and every sum over them is fp32):
 * ``bf16``: round-to-nearest-even to bfloat16; half the bytes.
 * ``int8``: blockwise absmax: each block of ``INT8_BLOCK`` values is scaled by its largest magnitude / 127
   and rounded to int8; the fp32 scales travel as a second tensor. About a quarter of the bytes.
+
+An input (one shard of a replica's pseudo-gradient) may state the L2 norm of the whole pseudo-gradient it is
+a shard of (``NORM``): a shard's owner sees only its shard, and a robust average compares whole contributions
+(``robust.py``). ``measure`` holds the claim to the shard's own values: a shard cannot be larger than the
+whole it is part of.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import math
 import struct
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -50,6 +56,11 @@ SCALES = "scales"
 INT8_BLOCK = 256
 # The header field that holds the data section's checksum, and the checksum: xxh3-128, hex.
 CHECKSUM = "xxh3_128"
+# The header field of an input that states its whole pseudo-gradient's L2 norm (``repr`` of a float).
+NORM = "norm"
+# How far a shard's decoded norm may exceed the norm its header states for the whole: a lossy codec's rounding
+# can enlarge a shard a little (int8 by a few per cent in the worst block), nothing honest by a quarter.
+NORM_SLACK = 1.25
 
 
 def checksum(parts: Iterable[bytes | bytearray | memoryview]) -> str:
@@ -237,10 +248,66 @@ def accumulate(
     total.add_(_checked_values(data, expect, codec, total.numel(), verify, key))
 
 
+def l2_norm(values: torch.Tensor) -> float:
+    """The L2 norm of fp32 ``values``, computed in fp32 (one fast pass) unless that overflows, as values near
+    1e19 do: then in fp64, which holds the norm of any finite fp32 values. NaN or Inf if any value is."""
+    norm = float(torch.linalg.vector_norm(values))
+    return norm if math.isfinite(norm) else float(torch.linalg.vector_norm(values, dtype=torch.float64))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A checked input's size: the norm of its own values, and the norm of the whole pseudo-gradient its
+    header states (its own norm when it states none, which is the least the whole can be)."""
+
+    norm: float
+    whole: float
+
+
+def measure(
+    data: Payload,
+    expect: dict[str, str],
+    codec: CodecName,
+    numel: int,
+    *,
+    verify: bool = True,
+    key: RunKey | None = None,
+) -> Measured:
+    """Check a payload as ``decode`` does and measure it (one more pass over its values).
+
+    Raises:
+        PayloadError: as ``decode``; or its ``NORM`` is not a finite non-negative number, or is smaller than
+            the norm of its own values (beyond ``NORM_SLACK``): a shard cannot outweigh its whole.
+    """
+    values, metadata = _checked(data, expect, codec, numel, verify, key)
+    norm = l2_norm(values)
+    if NORM not in metadata:
+        return Measured(norm, norm)
+    try:
+        whole = float(metadata[NORM])
+    except ValueError:
+        whole = math.nan
+    if not (math.isfinite(whole) and whole >= 0):
+        raise PayloadError(f"payload states a norm of {metadata[NORM]!r}, not a finite non-negative number")
+    if norm > whole * NORM_SLACK and norm - whole > 1e-30:
+        raise PayloadError(
+            f"payload values have norm {norm:.4g}, more than the norm {whole:.4g} its header states for the "
+            "whole pseudo-gradient they are part of"
+        )
+    return Measured(norm, whole)
+
+
 def _checked_values(
     data: Payload, expect: dict[str, str], codec: CodecName, numel: int, verify: bool, key: RunKey | None
 ) -> torch.Tensor:
     """The payload's values after every check: a view of ``data`` (fp32, bf16) or their dequantization."""
+    return _checked(data, expect, codec, numel, verify, key)[0]
+
+
+def _checked(
+    data: Payload, expect: dict[str, str], codec: CodecName, numel: int, verify: bool, key: RunKey | None
+) -> tuple[torch.Tensor, dict[str, str]]:
+    """The payload's values after every check, and its header's metadata."""
     header, body = _header_and_body(data)
     metadata = header["__metadata__"]
     assert isinstance(metadata, dict)
@@ -271,7 +338,7 @@ def _checked_values(
     # makes every parameter it touches NaN, on every replica, for good.
     if not _finite(values):
         raise PayloadError("payload holds non-finite values (NaN or Inf)")
-    return values
+    return values, metadata
 
 
 def _finite(values: torch.Tensor) -> bool:

@@ -22,9 +22,10 @@ class StaleRoundError(ExchangeError):
 @dataclass(frozen=True)
 class ExchangeSettings:
     """What every replica of a run agrees on for its exchanges, and which local rank of its replica this
-    exchange is for: with G ranks per replica, local rank l averages its part of the model with the l-th
-    ranks of the others, and a replica takes part only once all G of its parts have arrived. With ``key`` (the
-    run key) every payload is written with a MAC and read only with a valid one."""
+        exchange is for: with G ranks per replica, local rank l averages its part of the model with the l-th
+        ranks of the others, and a replica takes part only once all G of its parts have arrived. With ``key`` (the
+        run key) every payload is written with a MAC and read only with a valid one. With ``outlier_factor`` a
+    contribution whose norm is more than that many times the median of the round's is left out."""
 
     replicas: int
     min_replicas: int
@@ -33,6 +34,8 @@ class ExchangeSettings:
     local_rank: int = 0
     local_ranks: int = 1
     key: RunKey | None = None
+    # A contribution whose norm exceeds this many times the median of the round's is left out (robust.py).
+    outlier_factor: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.replicas:

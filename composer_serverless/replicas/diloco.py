@@ -159,6 +159,7 @@ def exchange_settings(
         local_rank=local_rank,
         local_ranks=local_ranks,
         key=key,
+        outlier_factor=config.outlier_norm_factor,
     )
 
 

@@ -23,8 +23,9 @@ from composer_serverless.rendezvous.allreduce import (
     ExchangeSettings,
     allreduce,
 )
-from composer_serverless.rendezvous.codec import CODECS, decode, encode, read_header
+from composer_serverless.rendezvous.codec import CODECS, NORM, decode, encode, l2_norm, read_header
 from composer_serverless.rendezvous.deadline import GraceSettings, grace_s
+from composer_serverless.rendezvous.robust import outliers
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.sharding import complete_ranks, shard_bounds, substitute_for
 from composer_serverless.rendezvous.store import ObjectStore
@@ -442,3 +443,54 @@ def test_without_a_key_a_keyed_reader_and_writer_are_not_needed(tmp_path: Path) 
     assert torch.equal(results[0].average, expected_average(values, [0, 1], "fp32", 2))
     metadata = read_header(ObjectStore(url).child(PREFIX).get(layout.sync_output(0)))[0]["__metadata__"]
     assert "xxh3_128" in metadata and "blake3_mac" not in metadata
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_a_contribution_far_larger_than_the_others_is_left_out_of_every_shard(
+    tmp_path: Path, codec: str
+) -> None:
+    """Four replicas; replica 3's whole pseudo-gradient blew up to 1e30 per value (finite, its checksum
+    valid). With the robust average every shard averages replicas 0-2 only, on every replica; without it
+    the blow-up is averaged in."""
+    values = tensors(4)
+    values[3] = torch.full((NUMEL,), 1e30)
+    robust = ExchangeSettings(4, 4, codec, 60, outlier_factor=10.0)
+    results = exchange(f"file://{tmp_path}/robust", values, robust, grace=10)
+    expected = expected_average({r: values[r] for r in range(3)}, [0, 1, 2], codec, 4)
+    for result in results.values():
+        assert result.participants == [0, 1, 2, 3] and result.contributors == [0, 1, 2]
+        assert torch.equal(result.average, expected)
+    plain = exchange(f"file://{tmp_path}/plain", values, ExchangeSettings(4, 4, codec, 60), grace=10)
+    assert plain[0].contributors == [0, 1, 2, 3] and float(plain[0].average.abs().max()) > 1e29
+
+
+def test_a_shard_larger_than_the_whole_it_claims_to_be_part_of_is_left_out(tmp_path: Path) -> None:
+    """Replica 2's input of shard 0 holds 1e30 values under a valid checksum and states a norm as small as
+    the others': its own values contradict it, so it is rejected whatever the median says (and with two
+    replicas, too few for a median, as well)."""
+    url = f"file://{tmp_path}/run"
+    values = tensors(3)
+    store = ObjectStore(url).child(PREFIX)
+    bounds = shard_bounds(NUMEL, 3)
+    for s, (start, end) in enumerate(bounds):
+        identity = {**IDENTITY, "local": "0", "rank": "2", "shard": str(s), NORM: repr(l2_norm(values[2]))}
+        shard = torch.full((end - start,), 1e30) if s == 0 else values[2][start:end]
+        store.create(layout.sync_input(2, s), encode(shard, identity, "fp32"))
+    results = exchange(url, {0: values[0], 1: values[1]}, ExchangeSettings(3, 3, "fp32", 60), grace=0.05)
+    start, end = bounds[0]
+    without = expected_average(values, [0, 1], "fp32", 3)
+    full = expected_average(values, [0, 1, 2], "fp32", 3)
+    for result in results.values():
+        assert torch.equal(result.average[start:end], without[start:end])
+        assert torch.equal(result.average[end:], full[end:])
+        assert result.contributors == [0, 1]
+
+
+def test_outliers_are_judged_against_the_median() -> None:
+    """Hand-computed: the median of (1, 2, 3, 40) is 2.5, so with factor 10 only 40 (> 25) is out; with
+    fewer than three contributions there is no majority and nothing is left out; None turns it off."""
+    assert list(outliers({0: 1.0, 1: 2.0, 2: 3.0, 3: 40.0}, 10.0)) == [3]
+    assert outliers({0: 1.0, 1: 2.0, 2: 3.0, 3: 24.0}, 10.0) == {}
+    assert outliers({0: 1.0, 1: 1e30}, 10.0) == {}
+    assert outliers({0: 1.0, 1: 1.0, 2: 1e30}, None) == {}
+    assert "more than 10 times the median 1" in outliers({0: 1.0, 1: 1.0, 2: 1e30}, 10.0)[2]
