@@ -200,13 +200,14 @@ def write_global(
     return write_snapshot(store, layout.global_state(round_index, local), tree, key)
 
 
-def advance(store: ObjectStore, round_index: int, *, checkpoint: bool) -> None:
+def advance(store: ObjectStore, round_index: int, *, checkpoint: bool, keep: int = 2) -> None:
     """Point LATEST (and, for a checkpoint, CHECKPOINT) at the state of ``round_index``, every part of which
-    is written; then drop older states, but the newest checkpoint, which a resume may need."""
-    latest.advance(store, round_index, checkpoint=checkpoint)
-    keep_from, kept = latest.latest_round(store) - KEEP_STATES + 1, latest.checkpoint_round(store)
+    is written; then drop older states, but the ``keep`` newest checkpoints: a resume starts from the newest,
+    and from the one before when the newest is damaged."""
+    latest.advance(store, round_index, checkpoint=checkpoint, keep=keep)
+    keep_from, kept = latest.latest_round(store) - KEEP_STATES + 1, latest.kept_checkpoints(store)
     for name in store.list(layout.STATE):
-        if name.isdigit() and int(name) < keep_from and int(name) != kept:
+        if name.isdigit() and int(name) < keep_from and int(name) not in kept:
             store.delete(f"{layout.STATE}/{name}")
 
 
@@ -237,8 +238,8 @@ def save_replica(
     key: RunKey | None = None,
 ) -> int:
     """Save local rank ``local`` of replica ``rank``: its own state after ``round_index``; with ``prune`` (one
-    rank of the replica, once all have saved), drop the replica's states older than the newest checkpoint,
-    which no resume can need. Returns the bytes written."""
+    rank of the replica, once all have saved), drop the replica's states older than the oldest checkpoint
+    kept, which no resume can need. Returns the bytes written."""
     written = write_snapshot(store, layout.replica_state(rank, round_index, local), tree, key)
     if prune:
         prune_replica(store, rank, round_index)
@@ -246,7 +247,8 @@ def save_replica(
 
 
 def prune_replica(store: ObjectStore, rank: int, round_index: int) -> None:
-    keep_from = min(round_index, latest.checkpoint_round(store))
+    kept = latest.kept_checkpoints(store)  # none readable: keep everything rather than guess
+    keep_from = min(round_index, kept[-1]) if kept else 0
     _prune_numbered(store, layout.replica_states(rank), keep_from=keep_from)
 
 

@@ -29,13 +29,32 @@ def checkpoint_round(store: ObjectStore) -> int:
     return _round(store, layout.CHECKPOINT)
 
 
-def advance(store: ObjectStore, round_index: int, *, checkpoint: bool) -> None:
-    """Point LATEST (and with ``checkpoint`` CHECKPOINT) at ``round_index``, whose state is written; never
-    backwards. A publisher slower than the next round's leaves them alone: a reader then sees a slightly
-    older, still complete, state."""
-    for key, moves in ((layout.LATEST, True), (layout.CHECKPOINT, checkpoint)):
-        if moves and _round(store, key) < round_index:
-            store.put(key, json.dumps({"round": round_index}).encode())
+def kept_checkpoints(store: ObjectStore) -> list[int]:
+    """The checkpoints the run keeps, newest first: the one CHECKPOINT names and those before it that it lists
+    (``advance``'s ``keep``); empty before the first."""
+    newest = checkpoint_round(store)
+    if newest == 0:
+        return []
+    try:
+        listed = json.loads(store.get(layout.CHECKPOINT)).get("kept", [])
+    except (FileNotFoundError, ValueError, AttributeError):
+        listed = []
+    older = {k for k in listed if isinstance(k, int) and not isinstance(k, bool) and 0 < k < newest}
+    return [newest, *sorted(older, reverse=True)]
+
+
+def advance(store: ObjectStore, round_index: int, *, checkpoint: bool, keep: int = 2) -> None:
+    """Point LATEST (and with ``checkpoint`` CHECKPOINT, which lists the ``keep`` newest checkpoints) at
+    ``round_index``, whose state is written; never backwards. A publisher slower than the next round's leaves
+    them alone: a reader then sees a slightly older, still complete, state."""
+    if _round(store, layout.LATEST) < round_index:
+        store.put(layout.LATEST, json.dumps({"round": round_index}).encode())
+    if checkpoint and checkpoint_round(store) < round_index:
+        _point_checkpoint(store, [round_index, *kept_checkpoints(store)][:keep])
+
+
+def _point_checkpoint(store: ObjectStore, kept: list[int]) -> None:
+    store.put(layout.CHECKPOINT, json.dumps({"round": kept[0] if kept else 0, "kept": kept}).encode())
 
 
 def newest_round(store: ObjectStore) -> int:
@@ -85,13 +104,15 @@ def roll_back(store: ObjectStore, local_ranks: int = 1) -> RollBack:
 
     The state CHECKPOINT names is used if every part of it (``local_ranks``) is whole (its manifest readable
     and every file of the size it lists). Otherwise, and when the pointer itself is unreadable, the newest
-    whole state is: a state between checkpoints has no replica states beside it, so the replicas resume it
-    with fresh inner optimizers rather than not at all. Nothing is deleted before that choice is made.
+    whole state is: an older kept checkpoint (``advance``'s ``keep``), or a state between checkpoints, which
+    has no replica states beside it, so the replicas resume it with their older own states, or fresh inner
+    optimizers, rather than not at all. Nothing is deleted before that choice is made.
 
     Raises:
         NoIntactState: the run has global states and not one of them is whole.
     """
     rounds = sorted((int(n) for n in store.list(layout.STATE) if n.isdigit()), reverse=True)
+    kept = kept_checkpoints(store)
     pointed = checkpoint_round(store)
     skipped: list[str] = []
     chosen = 0
@@ -110,10 +131,11 @@ def roll_back(store: ObjectStore, local_ranks: int = 1) -> RollBack:
             if name.isdigit() and int(name) > chosen:
                 store.delete(f"{prefix}/{name}")
     store.delete(layout.HEAL)
-    for key in (layout.LATEST, layout.CHECKPOINT):
-        if _round(store, key) != chosen:
-            store.put(key, json.dumps({"round": chosen}).encode())
-    return RollBack(chosen, chosen == pointed, tuple(skipped))
+    if _round(store, layout.LATEST) != chosen:
+        store.put(layout.LATEST, json.dumps({"round": chosen}).encode())
+    if pointed != chosen:
+        _point_checkpoint(store, [chosen, *(k for k in kept if k < chosen)] if chosen else [])
+    return RollBack(chosen, chosen in kept, tuple(skipped))
 
 
 def _incomplete(store: ObjectStore, round_index: int, local_ranks: int) -> str | None:

@@ -383,7 +383,12 @@ class Replica:
                 )
                 node.barrier()  # LATEST names a state only once every rank's part of it is written
                 if node.lead:
-                    checkpoint.advance(self.run_store, round_index, checkpoint=is_checkpoint)
+                    checkpoint.advance(
+                        self.run_store,
+                        round_index,
+                        checkpoint=is_checkpoint,
+                        keep=self.config.diloco.keep_checkpoints,
+                    )
             if last:
                 self._upload_final(params)
             if node.lead:

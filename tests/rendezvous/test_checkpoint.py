@@ -90,7 +90,7 @@ def test_snapshots_are_checked_against_their_manifest(store: ObjectStore) -> Non
         checkpoint.read_snapshot(store, "absent")
 
 
-def test_latest_moves_forward_only_and_old_states_are_pruned_but_the_checkpoint(store: ObjectStore) -> None:
+def test_latest_moves_forward_only_and_old_states_are_pruned_but_the_checkpoints(store: ObjectStore) -> None:
     assert latest.latest_round(store) == 0 and latest.checkpoint_round(store) == 0
     for k in range(1, 7):
         store.put(f"rounds/{k}/0/quorum.json", b'{"participants": [0]}')
@@ -102,8 +102,10 @@ def test_latest_moves_forward_only_and_old_states_are_pruned_but_the_checkpoint(
     checkpoint.write_global(store, 3, {"step": 3})  # a slow publisher of an older round
     checkpoint.advance(store, 3, checkpoint=True)
     assert (latest.latest_round(store), latest.checkpoint_round(store)) == (6, 3)
-    # The newest checkpoint (3, rewritten late) and the last two states are kept; exchanges: the last two.
-    assert sorted(store.list("state")) == ["3", "5", "6", "CHECKPOINT", "LATEST"]
+    # The two newest checkpoints (3, rewritten late, and 2) and the last two states are kept; exchanges: the
+    # last two.
+    assert sorted(store.list("state")) == ["2", "3", "5", "6", "CHECKPOINT", "LATEST"]
+    assert latest.kept_checkpoints(store) == [3, 2]
     assert sorted(store.list("rounds")) == ["5", "6"]
     assert checkpoint.load_global(store, 6) == {"step": 6}
 
@@ -129,7 +131,7 @@ def test_a_resume_rolls_the_run_back_to_its_checkpoint(store: ObjectStore) -> No
     store.put("heal/1.json", b'{"rank": 1, "round": 5}')
     assert latest.roll_back(store) == latest.RollBack(4)
     assert latest.latest_round(store) == 4 and latest.newest_round(store) == 4
-    assert sorted(store.list("state")) == ["4", "CHECKPOINT", "LATEST"]
+    assert sorted(store.list("state")) == ["2", "4", "CHECKPOINT", "LATEST"]  # checkpoints 4 and 2 kept
     assert "5" not in store.list("evals") and store.list("heal") == []
 
 
@@ -243,3 +245,33 @@ def test_a_resume_with_no_intact_state_says_so_and_deletes_nothing(store: Object
     with pytest.raises(latest.NoIntactState, match=r"state/2: part 0 has no manifest.*state/3: part 0"):
         latest.roll_back(store)
     assert sorted(store.list("state")) == ["2", "3", "CHECKPOINT", "LATEST"]
+
+
+@pytest.mark.parametrize(("keep", "kept"), [(2, [6, 4]), (3, [6, 4, 2])])
+def test_the_last_k_checkpoints_are_kept_with_every_replica_state_beside_them(
+    store: ObjectStore, keep: int, kept: list[int]
+) -> None:
+    """A checkpoint every other round of 7, keeping ``keep``: their global states, the newest two states, and
+    each replica's own states from the oldest kept checkpoint on survive; everything older is pruned."""
+    for k in range(1, 8):
+        checkpoint.write_global(store, k, {"step": k})
+        checkpoint.advance(store, k, checkpoint=k % 2 == 0, keep=keep)
+        if k % 2 == 0:
+            checkpoint.save_replica(store, 0, k, {"round": k})
+    assert latest.kept_checkpoints(store) == kept
+    assert sorted(int(n) for n in store.list("state") if n.isdigit()) == sorted({*kept, 6, 7})
+    assert sorted(int(n) for n in store.list("replicas/0")) == sorted(kept)
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_one_before(store: ObjectStore) -> None:
+    """A state published only at checkpoints (every other round), as a run with no replica behind does:
+    checkpoints 4 and 6 kept; 6's tensors truncated: the resume takes checkpoint 4, and the checkpoint
+    pointer then lists what is left."""
+    for k in range(2, 7, 2):
+        checkpoint.write_global(store, k, {"step": k})
+        checkpoint.advance(store, k, checkpoint=True)
+    store.put("state/6/0/tensors.safetensors", b"abc")
+    back = latest.roll_back(store)
+    assert back.round == 4 and back.checkpoint and "state/6: tensors.safetensors" in back.skipped[0]
+    assert latest.latest_round(store) == 4 and latest.kept_checkpoints(store) == [4]
+    assert checkpoint.load_global(store, 4) == {"step": 4}
