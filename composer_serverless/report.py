@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from composer_serverless.config import RunConfig
-from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous import layout, recovery
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 
@@ -79,6 +79,9 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
     checkpoints (global and own states, and global states published for a replica that fell behind) wrote.
     ``sync_blocked_fraction`` is the time replicas spent waiting for an exchange in ``work.wait()`` over the
     time their rounds took; rows of rounds a replica skipped by loading a published state carry neither.
+    ``rollbacks`` are those the run made by itself when every replica was lost at once (``recovery.py``): the
+    round the replicas waited for, the checkpoint they went back to, and the completed rounds they redid
+    (``rounds_redone`` in all).
     """
     metrics = read_metrics(run)
     trained = {rank: [r for r in rows if r["round"] > 0] for rank, rows in metrics.items()}
@@ -91,6 +94,7 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
                 digests.setdefault(row["round"], set()).add(row["global_sha256"])
     blocked = sum(r.get("blocked_s", 0.0) for rows in trained.values() for r in rows)
     busy = sum(r.get("round_s", 0.0) for rows in trained.values() for r in rows)
+    rolled = recovery.rollbacks(run)
     return {
         "run_id": config.run_id,
         "run_url": run.url,
@@ -119,6 +123,8 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
             r.get("checkpoint_bytes_up", 0) for rows in trained.values() for r in rows
         ),
         "sync_blocked_fraction": blocked / busy if busy else None,
+        "rollbacks": [{"waited_for": r.waited_for, "to": r.to, "redone": r.redone} for r in rolled],
+        "rounds_redone": sum(r.redone for r in rolled),
         "wall_s": round(wall_s, 2),
     }
 

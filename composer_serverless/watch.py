@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressC
 from composer_serverless.config import RunConfig
 from composer_serverless.executors.base import BackendError
 from composer_serverless.harvest.live import LiveHarvester
-from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous import layout, recovery
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
 from composer_serverless.report import eval_headline, outcome, write_report
 from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor, Terminated
@@ -286,6 +286,7 @@ class ReplicaView:
             for h in run.supervisor.handles
         }
         self._reported: set[int] = set()
+        self._rollbacks = 0
 
     def __enter__(self) -> ReplicaView:
         self._progress.__enter__()
@@ -309,6 +310,15 @@ class ReplicaView:
         self._print_new_rounds(run)
 
     def _print_new_rounds(self, run: Followed) -> None:
+        for back in recovery.rollbacks(run.supervisor.run)[self._rollbacks :]:
+            self._rollbacks += 1
+            self._reported = {k for k in self._reported if k <= back.to}  # redone rounds are evaluated again
+            redone = f"; rounds {back.to + 1}-{back.waited_for - 1} are redone" if back.redone else ""
+            self.console.print(
+                f"[yellow]every replica was lost while round {back.waited_for} was in progress: the replicas "
+                f"rolled the run back to round {back.to}{redone}[/]",
+                highlight=False,
+            )
         # The evaluator of a round is its lowest-rank participant, so any replica's metrics may carry it.
         metrics = read_metrics(run.supervisor.run)
         rows = sorted((r for rank_rows in metrics.values() for r in rank_rows), key=lambda r: r["round"])

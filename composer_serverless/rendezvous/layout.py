@@ -52,6 +52,12 @@ CHECKPOINT = f"{STATE}/CHECKPOINT"
 """The newest checkpoint: a global state published with every replica's own state, where a resume starts."""
 HEAL = "heal"
 """Requests for the global state of a round, from replicas that fell behind (``heal/{rank}.json``)."""
+ROLLBACKS = f"{STATE}/ROLLBACKS"
+"""Every time the run rolled itself back to a checkpoint (no live replica held the round the others waited
+for): from which round, to which, and the states passed over. Its length is the run's rollback epoch."""
+RECOVERY = "recovery"
+"""Rollback claims (``recovery/{epoch}-{generation}.json``), created once: one replica rolls the run back
+for all that found it stranded; kept, so that a late one never rolls it back a second time."""
 INITIAL_WEIGHTS = f"{STATE}/initial.json"
 REPLICAS = "replicas"
 FINAL = "final"
@@ -99,6 +105,12 @@ def heartbeat(rank: int) -> str:
 def heal_request(rank: int) -> str:
     """Replica ``rank``'s request that the global state of a round be published (it fell behind)."""
     return f"{HEAL}/{rank}.json"
+
+
+def rollback_claim(epoch: int, generation: int) -> str:
+    """The claim to roll the run back from rollback epoch ``epoch``; generation g+1 is claimed only when the
+    replica holding generation g did not finish in time (it died while rolling back)."""
+    return f"{RECOVERY}/{epoch}-{generation}.json"
 
 
 def metrics_dir(rank: int) -> str:
@@ -242,8 +254,16 @@ def describe() -> list[tuple[str, str]]:
         (INITIAL_WEIGHTS, "sha256 of the initial weights, created once"),
         (f"{global_state(k, local)}/", "global params + outer optimizer state + manifest, per local rank"),
         (LATEST, "the newest complete state"),
-        (CHECKPOINT, "the newest checkpoint (every checkpoint_every rounds): where a resume starts"),
+        (
+            CHECKPOINT,
+            "the newest checkpoint (every checkpoint_every rounds), and the older ones kept: where a resume starts",
+        ),
         (heal_request(rank), "a lagging replica's request that the round it waits for be published"),
+        (ROLLBACKS, "the rollbacks the run made by itself: from which round, to which"),
+        (
+            rollback_claim(placeholder("epoch"), placeholder("g")),
+            "a replica's claim to roll the run back, created once",
+        ),
         (
             f"{replica_state(rank, k, local)}/",
             "inner optimizer, schedule, RNG, data position, per local rank",

@@ -4,22 +4,28 @@ round in progress to be published, so that a replica that fell behind rejoins in
 A lag does not shrink by itself (every replica trains at the same pace), so a replica that is late for a
 round's quorum would otherwise take the average without contributing, every round, for the rest of the run.
 Global states are published only every ``checkpoint_every`` rounds (they cost bytes), so a replica that needs
-one asks for it: it writes a heal request, and the next round's publisher publishes its state.
+one asks for it: it writes a heal request, and the next round's publisher publishes its state. When nobody
+is left to publish it (every replica died at once), the wait ends at once and the run rolls back
+(``recovery.py``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous import layout, recovery
 from composer_serverless.rendezvous.latest import fixed_participants, latest_round, newest_round
 from composer_serverless.rendezvous.polling import poll_until
 from composer_serverless.rendezvous.store import ObjectStore
 
 # Longest pause between polls of the store while waiting for a round to be published.
 WAIT_POLL_CAP_S = 0.25
+# How often a waiting replica looks at who may still hold the round (a listing and a read per replica).
+HOLDERS_CHECK_S = 2.0
 
 
 def left_out_of(store: ObjectStore, round_index: int, rank: int, replicas: int) -> bool:
@@ -34,24 +40,59 @@ def behind(store: ObjectStore, upcoming: int) -> int:
     return max(upcoming, newest_round(store))
 
 
-def wait_for_round(
-    store: ObjectStore, round_index: int, rank: int, timeout_s: float, on_wait: Callable[[], None]
-) -> int | None:
-    """Ask for ``round_index`` to be published (a heal request) and wait (at most ``timeout_s``) until it is,
-    calling ``on_wait`` at every poll; the latest published round then, or None if it did not come in time."""
-    store.put(layout.heal_request(rank), json.dumps({"rank": rank, "round": round_index}).encode())
+@dataclass(frozen=True)
+class Waited:
+    """How a wait for a round ended: ``published`` (the latest round then), ``stranded`` (no live replica
+    holds it: the run must roll back), ``rolled_back`` (another replica rolled the run back meanwhile), or
+    ``timed_out`` with the replicas that might still have published it."""
 
-    def published() -> int | None:
+    published: int | None = None
+    stranded: bool = False
+    rolled_back: bool = False
+    holders: tuple[int, ...] = ()
+
+    @property
+    def timed_out(self) -> bool:
+        return self.published is None and not self.stranded and not self.rolled_back
+
+
+def wait_for_round(
+    store: ObjectStore,
+    round_index: int,
+    rank: int,
+    replicas: int,
+    epoch: int,
+    timeout_s: float,
+    on_wait: Callable[[], None],
+) -> Waited:
+    """Ask for ``round_index`` to be published (a heal request) and wait, at most ``timeout_s``, until it is,
+    until the run is found stranded (no replica but this one may hold it, ``recovery.holders``, looked at
+    every ``HOLDERS_CHECK_S``), or until the run's rollback epoch moves past ``epoch``; ``on_wait`` is called
+    at every poll."""
+    store.put(layout.heal_request(rank), json.dumps({"rank": rank, "round": round_index}).encode())
+    holders: list[int] = list(range(replicas))
+    looked_at = -math.inf
+
+    def settled() -> Waited | None:
+        nonlocal holders, looked_at
         latest = latest_round(store)
         if latest >= round_index:
-            return latest
+            return Waited(published=latest)
+        if recovery.epoch(store) != epoch:
+            return Waited(rolled_back=True)
+        if time.monotonic() - looked_at >= HOLDERS_CHECK_S:
+            looked_at = time.monotonic()
+            holders = recovery.holders(store, rank, replicas)
+            if not holders:
+                return Waited(stranded=True)
         on_wait()
         return None
 
     try:
-        return poll_until(published, time.monotonic() + timeout_s, first_s=0.01, cap_s=WAIT_POLL_CAP_S)
+        waited = poll_until(settled, time.monotonic() + timeout_s, first_s=0.01, cap_s=WAIT_POLL_CAP_S)
     finally:
         store.delete(layout.heal_request(rank))
+    return waited or Waited(holders=tuple(holders))
 
 
 def heal_requested(store: ObjectStore, round_index: int) -> bool:

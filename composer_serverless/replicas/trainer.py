@@ -11,7 +11,11 @@ Around DiLoCo the replica keeps the run going through failures:
 * Right after every sync, the one moment DiLoCo holds no exchange in flight, it compares itself with the
   store (``catchup.py``): a replica that is a whole round behind (restarted, or failing) loads LATEST; one
   that arrived after the quorum was fixed waits for the round in progress to be published and joins the
-  next one in step with the others.
+  next one in step with the others. When no live replica holds that round (every replica died at once), the
+  replicas roll the run back to its newest intact checkpoint by themselves (``recovery.py``) and redo the
+  rounds after it, as ``launch --resume`` would.
+* A step whose loss is not finite is discarded: the replica restores the global parameters of its last sync
+  and goes on; only ``MAX_NONFINITE_STEPS`` of them without a committed round in between stop it.
 
 A replica of G ranks (``node.py``) runs this on every rank, with the model sharded by FSDP2 (``shards.py``):
 each rank trains on its share of the batch and syncs its shards, and what the replica decides from the store
@@ -36,7 +40,7 @@ from composer_serverless.accelerator.clock import PhaseClock
 from composer_serverless.accelerator.device import replica_device
 from composer_serverless.config import RunConfig
 from composer_serverless.objectives.objective import Metrics, Objective, add_parts, make_objective
-from composer_serverless.rendezvous import checkpoint, layout, runkey
+from composer_serverless.rendezvous import checkpoint, layout, recovery, runkey
 from composer_serverless.rendezvous.exchange import StaleRoundError
 from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutcome
@@ -58,10 +62,15 @@ from composer_serverless.replicas.diloco import (
     transfer_settings,
 )
 from composer_serverless.replicas.node import SOLO, Node
-from composer_serverless.replicas.shards import full_state_dict, reshard, shard_model
+from composer_serverless.replicas.shards import full_state_dict, local, reshard, shard_model
 from composer_serverless.replicas.weights import check_initial_weights, digest, load_run_model, swapped_in
 
 logger = logging.getLogger(__name__)
+
+
+# Inner steps with a non-finite loss a replica discards (restoring the global parameters of its last sync)
+# between two committed rounds before it stops: once is a bad batch or a spike, again and again is divergence.
+MAX_NONFINITE_STEPS = 3
 
 
 class SyncError(RuntimeError):
@@ -240,6 +249,8 @@ class Replica:
             agree=node.all_true,
         )
         self.meter = _RoundMeter(self.manager, self.device)
+        self.epoch = 0  # the run's rollback epoch this replica's state is from (recovery.py)
+        self.nonfinite = 0  # steps discarded since the last committed round
 
     @property
     def completed_rounds(self) -> int:
@@ -272,7 +283,9 @@ class Replica:
         failures = 0
         self.meter.reset()
         while self.manager.current_step() < last_step:
-            self.meter.losses.append(self._inner_step())
+            loss = self._inner_step()
+            if loss is not None:
+                self.meter.losses.append(loss)
             if self.manager.syncs_attempted == seen:
                 continue
             # DiLoCo just finished a sync: nothing is in flight, so this is where the replica may change state.
@@ -295,7 +308,8 @@ class Replica:
     def _compute(self) -> contextlib.AbstractContextManager[object]:
         return precision.compute(self.config.model, self.device, sharded=self.node.size > 1)
 
-    def _inner_step(self) -> torch.Tensor:
+    def _inner_step(self) -> torch.Tensor | None:
+        """One inner step; None if its loss was not finite and it was discarded (``_discard_step``)."""
         clock = self.meter.clock
         clock.start()
         parts = self.objective.losses(self.model)
@@ -312,6 +326,11 @@ class Replica:
             loss = part[0].detach() if loss is None else loss + part[0].detach()
             metrics = add_parts(metrics, part[1])
         assert loss is not None, "an objective yields at least one micro-batch"
+        # Read before the optimizer step, so a non-finite loss never reaches the parameters or the optimizer.
+        value, row = _read_step(loss, metrics)
+        if not self.node.all_true(math.isfinite(value)):  # every rank of the replica discards it, or none
+            self._discard_step(value)
+            return None
         if self.config.train.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
         self.inner.step()  # DiLoCo's hooks run the fragment syncs inside this call; ours frees the gradients
@@ -319,15 +338,7 @@ class Replica:
         clock.lap("optimizer")
         self.meter.steps += 1
         dl = self.config.diloco
-        value, row = _read_step(loss, metrics)
         self.meter.metrics.append(row)
-        if not math.isfinite(value):
-            raise DivergedError(
-                f"replica {self.rank}: the training loss is {value} in round {self.completed_rounds + 1}, "
-                f"step {self.meter.steps}: training diverged. Lower train.lr (now {self.config.train.lr}) or "
-                f"diloco.outer_lr (now {dl.outer_lr}), or set train.grad_clip; the run's published states "
-                "before this point are intact"
-            )
         self.reporter.beat(
             state="training",
             round=self.completed_rounds + 1,
@@ -338,10 +349,44 @@ class Replica:
         )
         return loss.detach()
 
+    def _discard_step(self, value: float) -> None:
+        """Drop a step whose loss is ``value`` (not finite) and put the parameters back where the last sync left
+        them: whatever drove the loss there (a spike, a bad batch) is not carried on. The inner optimizer never
+        saw the step. The step does not count: the round still runs its H steps, on later batches.
+
+        Raises:
+            DivergedError: this is the ``MAX_NONFINITE_STEPS``-th such step since the last committed round.
+        """
+        self.inner.zero_grad(set_to_none=True)
+        self.nonfinite += 1
+        dl = self.config.diloco
+        where = f"in round {self.completed_rounds + 1}, step {self.meter.steps + 1}"
+        if self.nonfinite >= MAX_NONFINITE_STEPS:
+            raise DivergedError(
+                f"replica {self.rank}: the training loss is {value} {where} ({self.nonfinite} non-finite losses "
+                f"since the last committed round): training diverged. Lower train.lr (now "
+                f"{self.config.train.lr}) or diloco.outer_lr (now {dl.outer_lr}), or set train.grad_clip; the "
+                "run's published states before this point are intact"
+            )
+        params = global_parameters(self.manager, self.names)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in params:
+                    local(p).copy_(params[name], non_blocking=False)
+        self.log.warning(
+            "the training loss is %s %s: step discarded, parameters restored to the last sync's global ones "
+            "(%d of %d such steps before the replica stops)",
+            value,
+            where,
+            self.nonfinite,
+            MAX_NONFINITE_STEPS - 1,
+        )
+
     def _finish_round(self, outcome: SyncOutcome) -> None:
         """Record the round; its participants evaluate it together and the lowest-rank one publishes it."""
         round_index = self.completed_rounds
         node = self.node
+        self.nonfinite = 0
         # Whose pseudo-gradients the round averaged: a participant whose input was rejected is not one.
         averaged = [p for p in outcome.participants if p not in outcome.rejected]
         row = {**self.meter.row(self.schedule.get_last_lr()[0]), "participants": averaged}
@@ -506,16 +551,22 @@ class Replica:
     def _align(self, *, late: bool) -> bool:
         """Catch up with the store if this replica is behind it; True if it loaded a published state.
 
-        A replica a whole round (or more) behind LATEST loads it. At a round boundary, a replica that arrived
-        after the quorum of its last sync (``late``), whose next round already has a quorum without it, or
-        that finds the run rounds ahead of it (restarted from an older checkpoint), is behind by more than the
-        straggler grace and would stay so: it asks for the round in progress to be published, waits for it,
-        and starts the next one with everyone else. The lead looks and waits; its ranks follow its answers.
+        A replica a whole round (or more) behind LATEST loads it; one whose state predates a rollback of the
+        run (``recovery.py``) restores from where the run now stands. At a round boundary, a replica that
+        arrived after the quorum of its last sync (``late``), whose next round already has a quorum without
+        it, or that finds the run rounds ahead of it (restarted from an older checkpoint), is behind by more
+        than the straggler grace and would stay so: it asks for the round in progress to be published, waits
+        for it, and starts the next one with everyone else; if no live replica holds that round, the run
+        rolls back. The lead looks and waits; its ranks follow its answers.
         """
         dl = self.config.diloco
         node = self.node
         step = self.manager.current_step()
-        latest = node.broadcast(latest_round(self.run_store) if node.lead else 0)
+        looked = [latest_round(self.run_store), recovery.epoch(self.run_store)] if node.lead else [0, 0]
+        latest, epoch = node.broadcast_ints(looked)
+        if epoch != self.epoch:
+            self._rolled_back()
+            return True
         if latest * dl.fragments > step:
             self._jump(latest)
             return True
@@ -534,23 +585,77 @@ class Replica:
         target = node.broadcast(target)
         if target < 0:
             return False
-        reached: int | None = None
+        waited = catchup.Waited()
         if node.lead:
-            self.log.info("behind the run: waiting for round %d to be published", target)
-
-            def waiting() -> None:
-                self.reporter.beat(
-                    state="waiting", round=target, rounds=dl.rounds, step=0, steps=dl.sync_every
-                )
-
-            reached = catchup.wait_for_round(self.run_store, target, self.rank, dl.sync_timeout_s, waiting)
-            if reached is None:
-                self.log.warning("round %d was not published in time; training it and healing", target)
-        reached = node.broadcast(-1 if reached is None else reached)
-        if reached < 0:
+            waited = self._wait_for(target)
+        published, stranded, rolled_back = node.broadcast_ints(
+            [-1 if waited.published is None else waited.published, waited.stranded, waited.rolled_back]
+        )
+        if stranded:
+            if node.lead:
+                self._roll_back(target)
+            self._rolled_back()
+            return True
+        if rolled_back:
+            self._rolled_back()
+            return True
+        if published < 0:
             return False
-        self._jump(reached)
+        self._jump(published)
         return True
+
+    def _wait_for(self, target: int) -> catchup.Waited:
+        """The lead's wait for round ``target`` to be published (``catchup.wait_for_round``), in the log and
+        the heartbeat."""
+        dl = self.config.diloco
+        self.log.info("behind the run: waiting for round %d to be published", target)
+
+        def waiting() -> None:
+            self.reporter.beat(state="waiting", round=target, rounds=dl.rounds, step=0, steps=dl.sync_every)
+
+        waited = catchup.wait_for_round(
+            self.run_store, target, self.rank, dl.replicas, self.epoch, dl.sync_timeout_s, waiting
+        )
+        if waited.timed_out:
+            self.log.warning(
+                "round %d was not published within diloco.sync_timeout_s (%.0f s) though replicas %s may hold "
+                "it; training on and asking again at the next round",
+                target,
+                dl.sync_timeout_s,
+                waited.holders,
+            )
+        return waited
+
+    def _roll_back(self, target: int) -> None:
+        """Roll the run back (the lead, for its replica): no live replica holds round ``target``."""
+        self.log.warning(
+            "no live replica holds round %d, which every replica waits for: rolling the run back to its newest "
+            "intact checkpoint",
+            target,
+        )
+        done = recovery.roll_back(
+            self.run_store, self.epoch, target, self.rank, self.config.ranks_per_replica
+        )
+        if done is not None:
+            self.log.warning(
+                "rolled the run back to round %d; rounds %d-%d are redone%s",
+                done.to,
+                done.to + 1,
+                target,
+                f" (passed over: {'; '.join(done.skipped)})" if done.skipped else "",
+            )
+
+    def _rolled_back(self) -> None:
+        """Continue from where the run stands after a rollback, as a restarted replica does."""
+        was = self.completed_rounds
+        restored = self._restore()
+        if self.node.lead:
+            self.log.warning(
+                "the run was rolled back (epoch %d): continuing from round %d (was at round %d)",
+                self.epoch,
+                restored,
+                was,
+            )
 
     def _jump(self, round_index: int) -> None:
         """Continue from the published global state of ``round_index``, keeping this replica's own state."""
@@ -584,9 +689,13 @@ class Replica:
         )
 
     def _restore(self) -> int:
-        """Continue from the store's latest state and this replica's own; returns the round (0 if fresh)."""
+        """Continue from the store's latest state and this replica's own; returns the round (0 if fresh).
+
+        The rollback epoch is read first: a rollback that lands while this replica restores (it moves LATEST,
+        then the epoch) is seen at the next sync, and the replica restores again."""
         node = self.node
-        latest = node.broadcast(latest_round(self.run_store) if node.lead else 0)
+        looked = [recovery.epoch(self.run_store), latest_round(self.run_store)] if node.lead else [0, 0]
+        self.epoch, latest = node.broadcast_ints(looked)
         if latest == 0:
             return 0
         published = state.load_global(self.run_store, latest, node, fall_back=True, key=self.key)

@@ -1,30 +1,33 @@
-"""A replica whose training diverges stops with a message that says so and how to fix it, and the run never
-reports success: one NaN averaged in would otherwise turn every parameter of every replica into NaN."""
+"""A step whose loss is not finite is discarded and the replica goes on from the global parameters of its last
+sync; a replica whose loss keeps being non-finite stops with a message that says so and how to fix it, and
+the run never reports success: one NaN averaged in would otherwise turn every parameter of every replica into
+NaN."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from rich.console import Console
+from safetensors.torch import load_file
 
 from composer_serverless.config import validate_config
 from composer_serverless.launcher import create_run
 from composer_serverless.objectives import lm as objective
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.rendezvous.telemetry import read_heartbeats
-from composer_serverless.replicas.trainer import DivergedError, run_replica
+from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
+from composer_serverless.replicas.trainer import MAX_NONFINITE_STEPS, DivergedError, run_replica
 
 
-def test_a_non_finite_loss_stops_the_replica_with_the_fix(
-    tmp_path: Path, tiny_model_dir: Path, monkeypatch
-) -> None:
+def _run(tmp_path: Path, model_dir: Path) -> ObjectStore:
     config = validate_config(
         {
             "run_id": "diverges",
             "store": str(tmp_path),
-            "model": {"path": str(tiny_model_dir)},
+            "model": {"path": str(model_dir)},
             "data": {"seq_len": 16, "batch_size": 2},
             "train": {"lr": 0.5},
             "diloco": {"replicas": 1, "sync_every": 2, "rounds": 3},
@@ -32,18 +35,50 @@ def test_a_non_finite_loss_stops_the_replica_with_the_fix(
         }
     )
     run, _ = create_run(config, "test", Console(quiet=True))
+    return run
+
+
+def _nan_at(monkeypatch, poisoned: Callable[[int], bool]) -> None:
+    """The objective's loss times NaN at every call ``poisoned(call)`` holds for (calls count from 1)."""
     real_losses = objective.LMObjective.losses
-    steps = 0
+    calls = 0
 
     def diverging(self, model):
-        nonlocal steps
-        steps += 1
+        nonlocal calls
+        calls += 1
         for loss, metrics in real_losses(self, model):
-            yield (loss * float("nan") if steps == 3 else loss), metrics
+            yield (loss * float("nan") if poisoned(calls) else loss), metrics
 
     monkeypatch.setattr(objective.LMObjective, "losses", diverging)
+
+
+def test_a_non_finite_loss_once_is_discarded_and_the_run_completes(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch, caplog
+) -> None:
+    """The third step's loss is NaN: it is discarded (the round still runs its 2 steps, on later batches),
+    the parameters go back to the global ones of the last sync, and all 3 rounds complete with a finite
+    model."""
+    run = _run(tmp_path, tiny_model_dir)
+    _nan_at(monkeypatch, lambda call: call == 3)
+    run_replica(ObjectStore(run.url), 0)
+    assert "the training loss is nan in round 2, step 1: step discarded" in caplog.text
+    rows = read_metrics(run)[0]
+    assert [row["round"] for row in rows if "train_loss" in row] == [1, 2, 3]
+    assert all(row["steps"] == 2 for row in rows if "train_loss" in row)
+    assert read_heartbeats(run)[0]["state"] == "done"
+    final = load_file(run.local_dir(layout.FINAL) / "model.safetensors")
+    assert all(bool(torch.isfinite(t).all()) for t in final.values())
+
+
+def test_a_loss_that_stays_non_finite_stops_the_replica_with_the_fix(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch
+) -> None:
+    run = _run(tmp_path, tiny_model_dir)
+    _nan_at(monkeypatch, lambda call: call >= 3)
     with pytest.raises(
-        DivergedError, match=r"training loss is nan in round 2, step 1: training diverged"
+        DivergedError,
+        match=rf"training loss is nan in round 2, step 1 \({MAX_NONFINITE_STEPS} non-finite losses since the "
+        r"last committed round\): training diverged",
     ) as e:
         run_replica(ObjectStore(run.url), 0)
     assert "Lower train.lr (now 0.5)" in str(e.value)

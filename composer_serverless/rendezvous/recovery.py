@@ -1,0 +1,167 @@
+"""A run that rolls itself back when the round its replicas wait for can no longer be published.
+
+A replica that restarts finds the run rounds ahead of it and waits for the round in progress to be published
+(``catchup.py``): a live replica that holds it publishes it at the end of the round. When every replica died
+at once (a zone's spot capacity reclaimed, a bad driver) nobody holds it: every restarted replica waits for
+the others. ``stranded`` sees that from the store alone: no replica but the asking one may still publish it
+(each other one is waiting too, or starting, or has failed or finished). The replicas then do what
+``launch --resume`` does, without anyone's help: the newest intact checkpoint becomes the latest state again
+(``latest.roll_back``) and they redo the rounds after it.
+
+One replica rolls the run back for all: each one that finds the run stranded claims the rollback of the
+epoch it saw (``layout.rollback_claim``, create-if-absent); the winner rolls back and records it in
+``layout.ROLLBACKS`` (whose length is the epoch), the others wait for the epoch to move. Claims are kept, so a
+replica that looks late never rolls the run back a second time, past rounds the others have already redone.
+A claimant that dies mid-rollback leaves the others waiting ``CLAIM_TIMEOUT_S``, after which the next
+generation's claim takes over (rolling back is idempotent until a replica trains again, and none does until
+the epoch moves).
+
+Every replica compares the epoch it restored from with the store's at each sync (``epoch``): one that
+restored just before a rollback (it was starting) restores again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from composer_serverless.rendezvous import latest, layout
+from composer_serverless.rendezvous.polling import poll_until
+from composer_serverless.rendezvous.store import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+# Heartbeat states in which a replica holds no round the others could need: it has not loaded one yet, or it
+# has stopped. A replica that waits for a round says so with its heal request.
+NOT_HOLDING = frozenset({"starting", "failed", "done"})
+# How long the replicas that lost the claim wait for the winner's rollback before the next one takes over:
+# rolling back is a few listings and deletes.
+CLAIM_TIMEOUT_S = 120.0
+MAX_CLAIM_GENERATIONS = 8
+
+
+class RecoveryError(RuntimeError):
+    """The run could not be rolled back: every claimant died mid-rollback, or no state can be resumed."""
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """One rollback of the run: the round the replicas waited for, the round they restart after, and which
+    states were passed over as damaged."""
+
+    waited_for: int
+    to: int
+    by: int
+    skipped: tuple[str, ...] = ()
+
+    @property
+    def redone(self) -> int:
+        """Rounds that had been completed and are trained again: those after ``to`` before ``waited_for``."""
+        return max(0, self.waited_for - 1 - self.to)
+
+
+def rollbacks(store: ObjectStore) -> list[Rollback]:
+    """The rollbacks the run made by itself, oldest first."""
+    try:
+        raw = json.loads(store.get(layout.ROLLBACKS))
+    except FileNotFoundError:
+        return []
+    except ValueError:
+        logger.warning("%s is not JSON; reading it as no rollbacks", store.url_of(layout.ROLLBACKS))
+        return []
+    return [
+        Rollback(int(r["waited_for"]), int(r["to"]), int(r["by"]), tuple(r.get("skipped", ())))
+        for r in raw.get("rollbacks", [])
+    ]
+
+
+def epoch(store: ObjectStore) -> int:
+    """How many times the run rolled itself back: a replica that restored at another epoch restores again."""
+    return len(rollbacks(store))
+
+
+def holders(store: ObjectStore, rank: int, replicas: int) -> list[int]:
+    """The replicas other than ``rank`` that may still hold the run's round in progress: not waiting for a
+    round themselves (a heal request), nor starting, failed or done by their heartbeat. A replica killed
+    outright keeps its last heartbeat ("training") until it is started again, so it counts until then."""
+    waiting = {_rank_of(name) for name in store.list(layout.HEAL)}
+    found = []
+    for other in range(replicas):
+        if other == rank or other in waiting:
+            continue
+        beat = _heartbeat(store, other)
+        if beat is not None and beat.get("state") not in NOT_HOLDING:
+            found.append(other)
+    return found
+
+
+def roll_back(
+    store: ObjectStore, seen: int, waited_for: int, rank: int, local_ranks: int = 1
+) -> Rollback | None:
+    """Roll the run back from epoch ``seen`` to its newest intact checkpoint, once for every replica that found
+    it stranded waiting for ``waited_for``: the rollback this replica made, or None if another one made it.
+
+    Raises:
+        RecoveryError: every claimant died mid-rollback, or no state of the run can be resumed.
+    """
+    for generation in range(MAX_CLAIM_GENERATIONS):
+        claim = json.dumps({"rank": rank, "waited_for": waited_for, "time": time.time()}).encode()
+        if store.create(layout.rollback_claim(seen, generation), claim):
+            if epoch(store) != seen:  # the previous claimant finished after all, just now
+                return None
+            return _roll_back(store, waited_for, rank, local_ranks)
+        moved = poll_until(
+            lambda: True if epoch(store) != seen else None, time.monotonic() + CLAIM_TIMEOUT_S, cap_s=1.0
+        )
+        if moved:
+            return None
+        logger.warning(
+            "replica %d: the rollback claimed as %s did not finish in %.0f s; claiming the next",
+            rank,
+            store.url_of(layout.rollback_claim(seen, generation)),
+            CLAIM_TIMEOUT_S,
+        )
+    raise RecoveryError(
+        f"{store.url}: {MAX_CLAIM_GENERATIONS} replicas claimed the rollback of epoch {seen} and none finished it"
+        f"\n  fix: composer-serverless cancel {store.url}, then launch --resume {store.url}"
+    )
+
+
+def _roll_back(store: ObjectStore, waited_for: int, rank: int, local_ranks: int) -> Rollback:
+    try:
+        back = latest.roll_back(store, local_ranks)
+    except latest.NoIntactState as e:
+        raise RecoveryError(
+            f"every replica waits for round {waited_for}, which no live replica holds, and the run cannot roll "
+            f"back: {e}\n  fix: launch a new run (the model can start from a checkpoint's weights)"
+        ) from e
+    done = Rollback(waited_for, back.round, rank, back.skipped)
+    record = [_as_json(r) for r in rollbacks(store)] + [_as_json(done)]
+    store.put(layout.ROLLBACKS, json.dumps({"rollbacks": record}, indent=1).encode())
+    return done
+
+
+def _as_json(rollback: Rollback) -> dict[str, Any]:
+    return {
+        "waited_for": rollback.waited_for,
+        "to": rollback.to,
+        "by": rollback.by,
+        "skipped": list(rollback.skipped),
+        "redone": rollback.redone,
+    }
+
+
+def _heartbeat(store: ObjectStore, rank: int) -> dict[str, Any] | None:
+    try:
+        beat = json.loads(store.get(layout.heartbeat(rank)))
+    except (FileNotFoundError, ValueError):
+        return None
+    return beat if isinstance(beat, dict) else None
+
+
+def _rank_of(name: str) -> int | None:
+    stem = name.removesuffix(".json")
+    return int(stem) if stem.isdigit() else None

@@ -1,0 +1,95 @@
+"""Every replica of a run lost at once: the launcher starts them again and they roll the run back to its newest
+intact checkpoint by themselves (``rendezvous/recovery.py``), redo the rounds after it and finish, on a local
+directory and on a real S3 server (moto). Without the rollback every restarted replica would wait, paid for,
+for a round nobody holds."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from rich.console import Console
+
+from composer_serverless.config import validate_config
+from composer_serverless.executors.base import LaunchRecord
+from composer_serverless.launcher import launch
+from composer_serverless.rendezvous import layout, recovery
+from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.telemetry import read_heartbeats
+
+pytestmark = pytest.mark.slow
+
+ROUNDS, KILL_IN, REPLICAS = 6, 4, 2
+WAIT_S = 300
+
+
+def _kill_all_in(run: ObjectStore, round_index: int, killed: list[int]) -> None:
+    """SIGKILL every replica process together once all of them train ``round_index``."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        beats = read_heartbeats(run) if run.exists(layout.MEMBERS) else {}
+        training = [
+            b for b in beats.values() if b.get("state") == "training" and b.get("round") == round_index
+        ]
+        if len(training) == REPLICAS:
+            handles = LaunchRecord.from_json(run.get(layout.LAUNCH_RECORD)).current()
+            for handle in handles:
+                os.kill(int(handle.backend_id), signal.SIGKILL)
+                killed.append(int(handle.backend_id))
+            return
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("where", ["directory", "s3"])
+def test_every_replica_killed_at_once_rolls_back_by_itself_and_finishes(
+    tmp_path: Path, tiny_model_dir: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    """No checkpoint yet (``checkpoint_every`` 10) when both replicas are killed in round 4: the restarted
+    replicas find nobody holding round 4, roll the run back to its start, and the launcher's own restarts
+    finish all rounds; the report names the rollback and the redone rounds."""
+    store = str(tmp_path / "runs") if where == "directory" else request.getfixturevalue("s3_url")
+    config = validate_config(
+        {
+            "run_id": "correlated",
+            "store": store,
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"seq_len": 16, "batch_size": 2},
+            "train": {"lr": 1e-2},
+            # Both replicas in every round (min_replicas 2): what the run does does not depend on timing.
+            "diloco": {"replicas": REPLICAS, "min_replicas": REPLICAS, "sync_every": 2, "rounds": ROUNDS},
+            "eval": {"sequences": 2},
+            "executor": {"threads_per_replica": 1, "max_restarts": 1},
+        }
+    )
+    assert config.diloco.checkpoint_every > KILL_IN
+    run = ObjectStore(store).child("correlated")
+    killed: list[int] = []
+    killer = threading.Thread(target=_kill_all_in, args=(run, KILL_IN, killed), daemon=True)
+    killer.start()
+    output = io.StringIO()
+    summary = launch(config, "correlated.toml", Console(file=output, width=200))
+    killer.join(timeout=5)
+    assert len(killed) == REPLICAS and not any(psutil.pid_exists(p) and _running(p) for p in killed)
+    assert summary is not None and summary["rounds_committed"] == ROUNDS, output.getvalue()
+    assert summary["replicas_bit_identical"]
+    (back,) = recovery.rollbacks(run)
+    # Killed while training round 4 (its quorum not yet fixed: they waited for round 3), or in its sync.
+    assert back.to == 0 and back.waited_for in (KILL_IN - 1, KILL_IN)
+    assert summary["rollbacks"] == [{"waited_for": back.waited_for, "to": 0, "redone": back.redone}]
+    assert summary["rounds_redone"] == back.redone == back.waited_for - 1
+    assert "rolled the run back to round 0" in output.getvalue()
+    record = LaunchRecord.from_json(run.get(layout.LAUNCH_RECORD))
+    assert sorted(h.attempt for h in record.handles) == [1, 1, 2, 2]  # each started again once
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
