@@ -74,6 +74,11 @@ def _main(
     )
     # httpx logs every request at INFO; the harvest's own lines say what matters (retries, give-ups).
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # huggingface_hub gives its loggers a handler of their own (when it is imported, maybe later than this), so
+    # its lines printed twice, there and through ours; and it narrates each retry of its own, which our
+    # backoff sums up (executors/retrying.py).
+    logging.getLogger("huggingface_hub").propagate = False
+    logging.getLogger("huggingface_hub.utils._http").setLevel(logging.ERROR)
 
 
 @contextlib.contextmanager

@@ -294,6 +294,7 @@ class HFJobsExecutor:
                     if index >= given:
                         given += 1
                         yield line
+                backoff.succeeded()
                 return
             except Exception as e:
                 refusal = classify(e, what, namespace, self._api.endpoint, job=job_id)

@@ -6,6 +6,10 @@ transient ones (rate limits, server errors, the network) with jittered exponenti
 server's ``Retry-After``, for up to a budget of seconds, and raises the rest at once: a rejected token or a
 missing credit does not get better by asking again. The budget is a deadline, not a count, so a client that
 retries inside each attempt (``huggingface_hub`` does for listings) does not multiply the wait.
+
+A spell of retries is summarised, not narrated: one line when it starts (what failed, for how long it will be
+retried) and one when it ends well (after how many retries and seconds); one that outlasts its budget ends in
+the ``BackendError``, which says the same. A minute of 429s is two lines, not one per attempt.
 """
 
 from __future__ import annotations
@@ -64,7 +68,9 @@ class Backoff:
     def __init__(self, budget_s: float, what: str, sleep: Callable[[float], None] = time.sleep) -> None:
         self.budget_s = budget_s
         self.what = what
-        self._deadline = time.monotonic() + budget_s
+        self.retries = 0
+        self._started = time.monotonic()
+        self._deadline = self._started + budget_s
         self._delay = FIRST_DELAY_S
         self._sleep = sleep
 
@@ -83,12 +89,29 @@ class Backoff:
             wait = self._delay * random.uniform(0.5, 1.0)
         if time.monotonic() + wait > self._deadline:
             raise BackendError(
-                f"{refusal.message}\n  (still failing after retrying for {self.budget_s:g} s while {self.what})",
+                f"{refusal.message}\n  (still failing after {self.retries} retries in {self._elapsed_s():.0f} s "
+                f"while {self.what}; the budget is {self.budget_s:g} s)",
                 1,
             ) from None
-        logger.warning("%s: %s; retrying in %.1f s", self.what, refusal.message.splitlines()[0], wait)
+        if self.retries == 0:
+            logger.warning(
+                "%s: %s; retrying for up to %g s", self.what, refusal.message.splitlines()[0], self.budget_s
+            )
+        else:
+            logger.debug("%s: retry %d in %.1f s", self.what, self.retries + 1, wait)
+        self.retries += 1
         self._sleep(wait)
         self._delay = min(MAX_DELAY_S, self._delay * 2)
+
+    def succeeded(self) -> None:
+        """The call went through: close a spell of retries with its one line."""
+        if self.retries:
+            logger.warning(
+                "%s: went through after %d retries in %.0f s", self.what, self.retries, self._elapsed_s()
+            )
+
+    def _elapsed_s(self) -> float:
+        return time.monotonic() - self._started
 
 
 def call(
@@ -108,9 +131,12 @@ def call(
     backoff = Backoff(budget_s, what, sleep)
     while True:
         try:
-            return fn()
+            result = fn()
         except Exception as e:
             refusal = classify(e)
             if refusal is None:
                 raise
             backoff.wait(refusal)
+        else:
+            backoff.succeeded()
+            return result

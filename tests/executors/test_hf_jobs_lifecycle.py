@@ -316,7 +316,7 @@ def _cli_calls(env: dict[str, str], *argvs: list[str]) -> list[dict]:
     return json.loads(result.stdout)
 
 
-def _existing_run(store: str, fake_hf, past_deadline: bool = False) -> str:
+def _existing_run(store: str, fake_hf, past_deadline: bool = False, api_retry_s: float = 3) -> str:
     """A launched run whose one job waits for hardware (``past_deadline``: for longer than its scheduling
     deadline): run.json and launch.json in the store, the job in the fake, written directly (no replica
     process). A job the run starts from here on is given up after 1 s without hardware."""
@@ -324,7 +324,7 @@ def _existing_run(store: str, fake_hf, past_deadline: bool = False) -> str:
 
     run_url = f"{store}/hf-existing"
     config = _one_replica_config(
-        "hf-existing", store, api_retry_s=3, scheduling_deadline_s=1, status_poll_s=0.5
+        "hf-existing", store, api_retry_s=api_retry_s, scheduling_deadline_s=1, status_poll_s=0.5
     )
     plan = HFJobsExecutor().plan(config, run_url)
     fake_hf.hold = lambda spec: True
@@ -337,3 +337,22 @@ def _existing_run(store: str, fake_hf, past_deadline: bool = False) -> str:
     run.put("run.json", config.resolved_json().encode())
     run.put("launch.json", LaunchRecord(plan, (handle,), created_at=time.time()).to_json())
     return run_url
+
+
+def test_a_spell_of_429s_prints_two_lines_not_one_per_retry(s3_store, fake_hf, hf_env):
+    """The real CLI's `status` while the Hub rate-limits the job listing for 12 requests (about 20 s, with
+    huggingface_hub's own retries inside each of ours): one line when the spell starts, one when it ends, and
+    the answer; never a line per retry, nor a line twice (huggingface_hub's loggers have a handler of their
+    own). A 30-request spell, 57 s, printed the same two lines (docs/RESULTS.md)."""
+    existing = _existing_run(s3_store[0], fake_hf, api_retry_s=120)
+    fake_hf.refuse("GET", "/api/jobs", 429, times=12, headers={"Retry-After": "1"})
+    status = cli("status", existing, env=hf_env)
+    assert status.returncode == 0, status.stderr
+    lines = status.stderr.splitlines()
+    assert len(lines) == 2, status.stderr
+    assert (
+        "the Hub is rate-limiting this token (HTTP 429)" in lines[0]
+        and "retrying for up to 120 s" in lines[0]
+    )
+    assert "went through after" in lines[1]
+    assert "Waiting for hardware" in status.stdout

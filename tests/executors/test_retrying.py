@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timezone
 from email.utils import format_datetime
 
@@ -73,7 +74,9 @@ def test_a_wait_the_budget_cannot_cover_is_not_taken_and_exits_1() -> None:
     """A retry sooner than the server asked would only be refused again: give up with the message."""
     slept: list[float] = []
     fn = Flaky(TimeoutError("30"))
-    with pytest.raises(BackendError, match="still failing after retrying for 10 s while asking") as e:
+    with pytest.raises(
+        BackendError, match=r"still failing after 0 retries in 0 s while asking; the budget is 10 s"
+    ) as e:
         call(fn, _classify, budget_s=10, what="asking", sleep=slept.append)
     assert e.value.exit_code == 1 and slept == [] and fn.calls == 1
 
@@ -81,3 +84,16 @@ def test_a_wait_the_budget_cannot_cover_is_not_taken_and_exits_1() -> None:
 def test_an_error_that_is_not_the_apis_propagates_unchanged() -> None:
     with pytest.raises(KeyError):
         call(Flaky(KeyError("x")), _classify, budget_s=60, what="asking", sleep=lambda s: None)
+
+
+def test_a_spell_of_retries_is_two_lines_of_log_whatever_its_length(caplog) -> None:
+    """Forty rate-limited answers, then one that goes through: one line when the spell starts, one when it
+    ends, none per attempt (a minute of 429s used to print a line per retry, each twice)."""
+    caplog.set_level(logging.DEBUG, logger="composer_serverless.executors.retrying")
+    fn = Flaky(*[TimeoutError("1")] * 40)
+    assert call(fn, _classify, budget_s=60, what="listing", sleep=lambda s: None) == "ok"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [
+        "listing: slow down; retrying for up to 60 s",
+        "listing: went through after 40 retries in 0 s",
+    ]
