@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from composer_serverless.accelerator.clock import PhaseClock
-from composer_serverless.accelerator.device import replica_device
+from composer_serverless.accelerator.device import replica_device, synchronize
 from composer_serverless.config import RunConfig
 from composer_serverless.objectives.objective import Metrics, Objective, add_parts, make_objective
 from composer_serverless.rendezvous import checkpoint, layout, recovery, runkey
@@ -368,11 +368,12 @@ class Replica:
                 f"{self.config.train.lr}) or diloco.outer_lr (now {dl.outer_lr}), or set train.grad_clip; the "
                 "run's published states before this point are intact"
             )
+        synchronize(self.device)  # DiLoCo may still be filling its host copy of the global parameters
         params = global_parameters(self.manager, self.names)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 if name in params:
-                    local(p).copy_(params[name], non_blocking=False)
+                    local(p).copy_(params[name])
         self.log.warning(
             "the training loss is %s %s: step discarded, parameters restored to the last sync's global ones "
             "(%d of %d such steps before the replica stops)",

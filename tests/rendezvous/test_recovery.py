@@ -1,0 +1,99 @@
+"""The store side of a run that rolls itself back: who may still hold a round, and one rollback per epoch
+whoever and however many find the run stranded."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from composer_serverless.rendezvous import checkpoint, latest, layout, recovery
+from composer_serverless.rendezvous.store import ObjectStore
+
+
+@pytest.fixture
+def store(tmp_path) -> ObjectStore:
+    return ObjectStore(f"file://{tmp_path}/run")
+
+
+def _beat(store: ObjectStore, rank: int, state: str, round_index: int = 4) -> None:
+    store.put(
+        layout.heartbeat(rank), json.dumps({"rank": rank, "state": state, "round": round_index}).encode()
+    )
+
+
+def test_a_replica_holds_the_round_unless_it_waits_starts_failed_or_finished(store: ObjectStore) -> None:
+    """Rank 0 asks. Rank 1 was killed while training (its last heartbeat says so): it may hold the round
+    until it is started again. Rank 2 waits (a heal request), 3 is starting, 4 failed, 5 is done, 6 never
+    beat."""
+    _beat(store, 1, "training")
+    _beat(store, 2, "waiting")
+    store.put(layout.heal_request(2), b'{"rank": 2, "round": 4}')
+    _beat(store, 3, "starting")
+    _beat(store, 4, "failed")
+    _beat(store, 5, "done")
+    assert recovery.holders(store, 0, 7) == [1]
+    _beat(store, 1, "starting")  # started again: it holds nothing
+    assert recovery.holders(store, 0, 7) == []
+    _beat(store, 3, "waiting for the harvest")  # a replica at a round's end waits with its state: it holds it
+    assert recovery.holders(store, 0, 7) == [3]
+
+
+def _published_checkpoints(store: ObjectStore) -> None:
+    for k in (2, 4):
+        checkpoint.write_global(store, k, {"step": k})
+        checkpoint.advance(store, k, checkpoint=True)
+    store.put("rounds/6/0/quorum.json", b'{"participants": [0, 1, 2]}')
+
+
+def test_many_stranded_replicas_roll_the_run_back_once(store: ObjectStore) -> None:
+    """Three replicas find the run stranded at once: one claim wins, the run goes back to checkpoint 4 once,
+    and the epoch moves to 1 for all."""
+    _published_checkpoints(store)
+    done: dict[int, recovery.Rollback | None] = {}
+    barrier = threading.Barrier(3)
+
+    def stranded(rank: int) -> None:
+        barrier.wait()
+        done[rank] = recovery.roll_back(ObjectStore(store.url), 0, 6, rank)
+
+    threads = [threading.Thread(target=stranded, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    made = [r for r in done.values() if r is not None]
+    assert len(done) == 3 and len(made) == 1
+    assert made[0].waited_for == 6 and made[0].to == 4 and made[0].redone == 1
+    assert recovery.epoch(store) == 1 and recovery.rollbacks(store) == made
+    assert latest.newest_round(store) == 0 and latest.latest_round(store) == 4
+
+
+def test_a_late_replica_never_rolls_the_run_back_a_second_time(store: ObjectStore) -> None:
+    """After the rollback of epoch 0 the run moves on (round 5 has a quorum); a replica that found it
+    stranded back then and asks only now is told the rollback was made, and nothing is deleted."""
+    _published_checkpoints(store)
+    assert recovery.roll_back(store, 0, 6, rank=0) is not None
+    store.put("rounds/5/0/quorum.json", b'{"participants": [0, 1]}')
+    assert recovery.roll_back(store, 0, 6, rank=2) is None
+    assert latest.newest_round(store) == 5 and recovery.epoch(store) == 1
+
+
+def test_a_claimant_that_died_mid_rollback_is_taken_over(store: ObjectStore, monkeypatch) -> None:
+    """Rank 1 claimed the rollback of epoch 0 and died before making it: rank 0 waits the claim's timeout,
+    then claims the next generation and rolls back."""
+    monkeypatch.setattr(recovery, "CLAIM_TIMEOUT_S", 0.2)
+    _published_checkpoints(store)
+    store.create(layout.rollback_claim(0, 0), b'{"rank": 1}')
+    done = recovery.roll_back(store, 0, 6, rank=0)
+    assert done is not None and done.by == 0 and store.exists(layout.rollback_claim(0, 1))
+    assert recovery.epoch(store) == 1
+
+
+def test_a_run_with_nothing_intact_cannot_roll_back_and_says_what_to_do(store: ObjectStore) -> None:
+    _published_checkpoints(store)
+    for k in (2, 4):
+        store.delete(f"state/{k}/0/manifest.json")
+    with pytest.raises(recovery.RecoveryError, match=r"(?s)cannot roll back.*fix: launch a new run"):
+        recovery.roll_back(store, 0, 6, rank=0)
