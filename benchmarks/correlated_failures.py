@@ -1,7 +1,7 @@
 """Correlated failures: every replica lost at once, and a poisoned contribution, against an undisturbed run.
 
     python benchmarks/correlated_failures.py --out bench-out/correlated          # 8 rounds of the demo's steps
-    python benchmarks/correlated_failures.py --out bench-out/correlated --rounds 6
+    python benchmarks/correlated_failures.py --out bench-out/correlated --rounds 12
 
 Launches of one config and seed (the demo's model, data and optimizers; 4 replicas, every round averaging all
 4 so that a run's result does not depend on the machine's timing), each through ``launcher.launch`` with
@@ -11,7 +11,9 @@ local replica processes and the supervisor's own restarts:
 2. ``kill_all``: every replica SIGKILLed together as soon as all of them train round 4 (``checkpoint_every``
    10: no checkpoint yet). The launcher starts them again; they find nobody holding the round they wait
    for and roll the run back by themselves (``rendezvous/recovery.py``).
-3. ``kill_all_checkpointed``: the same with ``checkpoint_every`` 2: the rollback goes to round 2's checkpoint.
+3. ``kill_all_checkpointed``: ``checkpoint_every`` 3, every replica killed in round 6: the rollback goes to
+   round 3's checkpoint. (A kill in the round right after a checkpoint needs no rollback: the restarted
+   replicas load the checkpoint and redo that round from the exchange objects still in the store.)
 4. ``kill_all_s3``: ``kill_all`` on a real S3 server (moto, on loopback).
 5. ``poisoned``: replica 1's input of shard 0 in round 3 replaced, before replica 1 writes it, by one of
    the right size holding 1e30 in every value with a valid checksum (as a replica whose own update blew up
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -51,6 +54,7 @@ from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
 
 KILL_IN = 4
+CHECKPOINTED_KILL_IN, CHECKPOINT_EVERY = 6, 3
 POISONED_ROUND, POISONED_RANK = 3, 1
 POLL_S = 0.02
 WAIT_S = 900.0
@@ -118,6 +122,7 @@ def s3_store() -> Iterator[str]:
     import boto3
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server's line per request
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()
@@ -195,6 +200,9 @@ def run(base: RunConfig, budget: Budget, seed: int, out: Path, command: str) -> 
     def kill(run: ObjectStore, events: list[dict[str, Any]]) -> None:
         kill_all_in(run, KILL_IN, n, events)
 
+    def kill_later(run: ObjectStore, events: list[dict[str, Any]]) -> None:
+        kill_all_in(run, CHECKPOINTED_KILL_IN, n, events)
+
     def poisoned(run: ObjectStore, events: list[dict[str, Any]]) -> None:
         poison(run, POISONED_ROUND, POISONED_RANK, n, events)
 
@@ -202,7 +210,7 @@ def run(base: RunConfig, budget: Budget, seed: int, out: Path, command: str) -> 
     plans: list[tuple[str, str | None, dict[str, Any], Any]] = [
         ("clean", file_store, {}, None),
         ("kill_all", file_store, {}, kill),
-        ("kill_all_checkpointed", file_store, {"checkpoint_every": 2}, kill),
+        ("kill_all_checkpointed", file_store, {"checkpoint_every": CHECKPOINT_EVERY}, kill_later),
         ("kill_all_s3", None, {}, kill),
         ("poisoned", file_store, {}, poisoned),
     ]
@@ -245,7 +253,11 @@ def run(base: RunConfig, budget: Budget, seed: int, out: Path, command: str) -> 
         "rounds": budget.rounds,
         "sync_every": base.diloco.sync_every,
         "seed": seed,
-        "kill_in_round": KILL_IN,
+        "kill_in_round": {
+            "kill_all": KILL_IN,
+            "kill_all_s3": KILL_IN,
+            "kill_all_checkpointed": CHECKPOINTED_KILL_IN,
+        },
         "checks": checks,
         "wall_s": round(time.monotonic() - started, 1),
         "runs": results,
@@ -261,14 +273,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--config", default="deploy/configs/local-demo.toml", help="model, data, optimizers, H"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=8, help="outer rounds of every run (at least 6)")
+    parser.add_argument("--rounds", type=int, default=8, help="outer rounds of every run (at least 8)")
     args = parser.parse_args(argv)
     if (args.out / "runs").is_dir() and any((args.out / "runs").iterdir()):
         parser.error(
             f"--out {args.out} already holds runs from an earlier invocation; choose a new directory"
         )
-    if args.rounds < 6:
-        parser.error("--rounds must be at least 6: the kills land in round 4 and must leave rounds to redo")
+    if args.rounds < 8:
+        parser.error(
+            "--rounds must be at least 8: the kills land in rounds 4 and 6 and must leave rounds after"
+        )
     try:
         args.base = load_config(args.config)
     except ConfigError as e:

@@ -25,7 +25,7 @@ from composer_serverless.rendezvous.telemetry import read_heartbeats
 
 pytestmark = pytest.mark.slow
 
-ROUNDS, KILL_IN, REPLICAS = 6, 4, 2
+ROUNDS, KILL_IN, REPLICAS = 8, 4, 2
 WAIT_S = 300
 
 

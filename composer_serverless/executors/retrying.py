@@ -89,7 +89,7 @@ class Backoff:
             wait = self._delay * random.uniform(0.5, 1.0)
         if time.monotonic() + wait > self._deadline:
             raise BackendError(
-                f"{refusal.message}\n  (still failing after {self.retries} retries in {self._elapsed_s():.0f} s "
+                f"{refusal.message}\n  (still failing after {_retries(self.retries)} in {self._elapsed_s():.0f} s "
                 f"while {self.what}; the budget is {self.budget_s:g} s)",
                 1,
             ) from None
@@ -107,11 +107,15 @@ class Backoff:
         """The call went through: close a spell of retries with its one line."""
         if self.retries:
             logger.warning(
-                "%s: went through after %d retries in %.0f s", self.what, self.retries, self._elapsed_s()
+                "%s: went through after %s in %.0f s", self.what, _retries(self.retries), self._elapsed_s()
             )
 
     def _elapsed_s(self) -> float:
         return time.monotonic() - self._started
+
+
+def _retries(count: int) -> str:
+    return f"{count} retr{'y' if count == 1 else 'ies'}"
 
 
 def call(
