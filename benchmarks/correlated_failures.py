@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from faults import Budget, run_config
 from rich.console import Console
 
 from composer_serverless.config import ConfigError, RunConfig, load_config, validate_config
@@ -53,6 +52,8 @@ from composer_serverless.rendezvous.sharding import shard_bounds
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
 
+REPLICAS = 4
+MAX_RESTARTS = 2
 KILL_IN = 4
 CHECKPOINTED_KILL_IN, CHECKPOINT_EVERY = 6, 3
 POISONED_ROUND, POISONED_RANK = 3, 1
@@ -147,12 +148,14 @@ def s3_store() -> Iterator[str]:
         server.stop()
 
 
-def configured(
-    base: RunConfig, budget: Budget, seed: int, run_id: str, out: Path, **diloco: Any
-) -> RunConfig:
-    """``faults.run_config`` with every round averaging all replicas and the given ``diloco`` settings."""
-    raw = run_config(base, budget, seed, run_id, out).model_dump()
-    raw["diloco"].update(min_replicas=budget.replicas, **diloco)
+def configured(base: RunConfig, rounds: int, seed: int, run_id: str, store: str, **diloco: Any) -> RunConfig:
+    """``base`` (its model, data, optimizers and H) with ``REPLICAS`` local replicas the launcher starts again
+    when they die, every round averaging all of them, evaluated every round; ``diloco`` on top."""
+    raw = base.model_dump()
+    raw.update(run_id=run_id, store=store, seed=seed)
+    raw["diloco"].update(replicas=REPLICAS, min_replicas=REPLICAS, rounds=rounds, **diloco)
+    raw["eval"].update(every_rounds=1)
+    raw["executor"] = {"type": "local", "max_restarts": MAX_RESTARTS}
     return validate_config(raw, source=run_id)
 
 
@@ -192,10 +195,10 @@ def run_once(
     }
 
 
-def run(base: RunConfig, budget: Budget, seed: int, out: Path, command: str) -> dict[str, Any]:
+def run(base: RunConfig, rounds: int, seed: int, out: Path, command: str) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    n = budget.replicas
+    n = REPLICAS
 
     def kill(run: ObjectStore, events: list[dict[str, Any]]) -> None:
         kill_all_in(run, KILL_IN, n, events)
@@ -218,13 +221,12 @@ def run(base: RunConfig, budget: Budget, seed: int, out: Path, command: str) -> 
     for name, store, diloco, disturb in plans:
         with contextlib.ExitStack() as stack:
             where = store if store is not None else stack.enter_context(s3_store())
-            config = configured(base, budget, seed, f"{name.replace('_', '-')}-s{seed}", out, **diloco)
-            config = validate_config({**config.model_dump(), "store": where}, source=name)
+            config = configured(base, rounds, seed, f"{name.replace('_', '-')}-s{seed}", where, **diloco)
             results[name] = run_once(config, out, disturb)
         row = results[name]
         print(
             f"[{time.monotonic() - started:6.0f}s] {name:22s} eval loss {row['final_eval_loss']:.4f}  rounds "
-            f"{row['rounds_committed']}/{budget.rounds}  rollbacks {row['rollbacks']}  left out "
+            f"{row['rounds_committed']}/{rounds}  rollbacks {row['rollbacks']}  left out "
             f"{row['left_out']}  ({row['wall_s']:.0f}s)",
             flush=True,
         )
@@ -235,7 +237,7 @@ def run(base: RunConfig, budget: Budget, seed: int, out: Path, command: str) -> 
     checks = {
         f"{name}_completes_within_{limit:.0%}_of_clean": {
             "value": results[name]["vs_clean"],
-            "met": results[name]["rounds_committed"] == budget.rounds and results[name]["vs_clean"] <= limit,
+            "met": results[name]["rounds_committed"] == rounds and results[name]["vs_clean"] <= limit,
         }
         for name, limit in limits.items()
     }
@@ -250,7 +252,7 @@ def run(base: RunConfig, budget: Budget, seed: int, out: Path, command: str) -> 
     result = {
         "command": command,
         "replicas": n,
-        "rounds": budget.rounds,
+        "rounds": rounds,
         "sync_every": base.diloco.sync_every,
         "seed": seed,
         "kill_in_round": {
@@ -297,11 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    budget = Budget(rounds=args.rounds, seq_len=128, batch_size=8)
     command = " ".join(
         ["python", "benchmarks/correlated_failures.py", *(sys.argv[1:] if argv is None else argv)]
     )
-    result = run(args.base, budget, args.seed, args.out, command)
+    result = run(args.base, args.rounds, args.seed, args.out, command)
     for name, check in result["checks"].items():
         print(f"{'met' if check['met'] else 'NOT met':8s} {name}: {check['value']}")
     print(f"wrote {args.out / 'results.json'} in {result['wall_s']:.0f}s")

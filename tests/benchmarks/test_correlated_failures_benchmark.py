@@ -37,11 +37,11 @@ def test_bad_arguments_fail_up_front(tmp_path: Path, capsys, argv: list[str], me
 def test_every_run_averages_every_replica_in_every_round(tmp_path: Path) -> None:
     """Timing must not decide a run's result: min_replicas = N, and the scenario's own settings on top."""
     base = load_config("deploy/configs/local-demo.toml")
-    budget = bench.Budget(rounds=8, seq_len=128, batch_size=8)
-    config = bench.configured(base, budget, 0, "x", tmp_path, checkpoint_every=2)
+    config = bench.configured(base, 8, 0, "x", f"file://{tmp_path}/runs", checkpoint_every=2)
     assert config.diloco.min_replicas == config.diloco.replicas == 4
     assert config.diloco.checkpoint_every == 2 and config.diloco.rounds == 8
-    assert config.executor.max_restarts >= 1
+    assert config.executor.max_restarts >= 1 and config.eval.every_rounds == 1
+    assert (config.data.seq_len, config.data.batch_size) == (base.data.seq_len, base.data.batch_size)
 
 
 def test_the_poisoned_input_is_one_the_exchange_leaves_out(tmp_path: Path, tiny_model_dir: Path) -> None:
