@@ -86,6 +86,7 @@ def test_every_replica_killed_at_once_rolls_back_by_itself_and_finishes(
     assert "rolled the run back to round 0" in output.getvalue()
     record = LaunchRecord.from_json(run.get(layout.LAUNCH_RECORD))
     assert sorted(h.attempt for h in record.handles) == [1, 1, 2, 2]  # each started again once
+    assert not any(_running(int(h.backend_id)) for h in record.handles)  # nothing left running
 
 
 def _running(pid: int) -> bool:

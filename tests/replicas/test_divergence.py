@@ -5,6 +5,7 @@ NaN."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
+from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import validate_config
 from composer_serverless.launcher import create_run
 from composer_serverless.objectives import lm as objective
@@ -57,17 +59,26 @@ def test_a_non_finite_loss_once_is_discarded_and_the_run_completes(
 ) -> None:
     """The third step's loss is NaN: it is discarded (the round still runs its 2 steps, on later batches),
     the parameters go back to the global ones of the last sync, and all 3 rounds complete with a finite
-    model."""
-    run = _run(tmp_path, tiny_model_dir)
-    _nan_at(monkeypatch, lambda call: call == 3)
-    run_replica(ObjectStore(run.url), 0)
-    assert "the training loss is nan in round 2, step 1: step discarded" in caplog.text
-    rows = read_metrics(run)[0]
-    assert [row["round"] for row in rows if "train_loss" in row] == [1, 2, 3]
-    assert all(row["steps"] == 2 for row in rows if "train_loss" in row)
-    assert read_heartbeats(run)[0]["state"] == "done"
-    final = load_file(run.local_dir(layout.FINAL) / "model.safetensors")
-    assert all(bool(torch.isfinite(t).all()) for t in final.values())
+    model; on the simulated accelerator (the restore copies host memory DiLoCo fills asynchronously onto the
+    device) it ends bit for bit where the CPU run does."""
+    finals = {}
+    for place in ("cpu", "accelerator"):
+        run = _run(tmp_path / place, tiny_model_dir)
+        _nan_at(monkeypatch, lambda call: call == 3)
+        with simulated() if place == "accelerator" else contextlib.nullcontext():
+            run_replica(ObjectStore(run.url), 0)
+        rows = read_metrics(run)[0]
+        assert [row["round"] for row in rows if "train_loss" in row] == [1, 2, 3]
+        assert all(row["steps"] == 2 for row in rows if "train_loss" in row)
+        # Peak device memory is counted on the (simulated) accelerator only: the run really was there.
+        trained = [row for row in rows if "train_loss" in row]
+        assert all((row["device_peak_bytes"] or 0) > 0 for row in trained) == (place == "accelerator")
+        assert read_heartbeats(run)[0]["state"] == "done"
+        finals[place] = load_file(run.local_dir(layout.FINAL) / "model.safetensors")
+        assert all(bool(torch.isfinite(t).all()) for t in finals[place].values())
+    assert caplog.text.count("the training loss is nan in round 2, step 1: step discarded") == 2
+    assert finals["cpu"].keys() == finals["accelerator"].keys()
+    assert all(torch.equal(finals["cpu"][k], finals["accelerator"][k]) for k in finals["cpu"])
 
 
 def test_a_loss_that_stays_non_finite_stops_the_replica_with_the_fix(
