@@ -66,16 +66,19 @@ class Rollback:
 def rollbacks(store: ObjectStore) -> list[Rollback]:
     """The rollbacks the run made by itself, oldest first."""
     try:
-        raw = json.loads(store.get(layout.ROLLBACKS))
+        raw = store.get(layout.ROLLBACKS)
     except FileNotFoundError:
         return []
-    except ValueError:
-        logger.warning("%s is not JSON; reading it as no rollbacks", store.url_of(layout.ROLLBACKS))
+    try:
+        return [
+            Rollback(int(r["waited_for"]), int(r["to"]), int(r["by"]), tuple(map(str, r.get("skipped", ()))))
+            for r in json.loads(raw)["rollbacks"]
+        ]
+    except (ValueError, KeyError, TypeError, AttributeError):  # garbage: the next rollback rewrites it
+        logger.warning(
+            "%s is not a rollback record (%r); reading it as none", store.url_of(layout.ROLLBACKS), raw[:80]
+        )
         return []
-    return [
-        Rollback(int(r["waited_for"]), int(r["to"]), int(r["by"]), tuple(r.get("skipped", ())))
-        for r in raw.get("rollbacks", [])
-    ]
 
 
 def epoch(store: ObjectStore) -> int:

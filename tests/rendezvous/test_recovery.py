@@ -97,3 +97,14 @@ def test_a_run_with_nothing_intact_cannot_roll_back_and_says_what_to_do(store: O
         store.delete(f"state/{k}/0/manifest.json")
     with pytest.raises(recovery.RecoveryError, match=r"(?s)cannot roll back.*fix: launch a new run"):
         recovery.roll_back(store, 0, 6, rank=0)
+
+
+@pytest.mark.parametrize("garbage", [b"\x00\xff", b"[]", b'{"rollbacks": [{"to": 1}]}', b'{"rollbacks": 3}'])
+def test_a_garbage_rollback_record_reads_as_none_and_the_next_rollback_rewrites_it(
+    store: ObjectStore, garbage: bytes
+) -> None:
+    store.put(layout.ROLLBACKS, garbage)
+    assert recovery.rollbacks(store) == [] and recovery.epoch(store) == 0
+    _published_checkpoints(store)
+    done = recovery.roll_back(store, 0, 6, rank=0)
+    assert recovery.rollbacks(store) == [done] and recovery.epoch(store) == 1
