@@ -288,12 +288,18 @@ def export(
     push_to_hub: Annotated[
         str | None, typer.Option("--push-to-hub", help="also upload it to this Hub repo")
     ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="the weights' dtype in OUT: float32 or bfloat16 (half the size); default: as trained"
+        ),
+    ] = None,
 ) -> None:
     """Copy the run's final model out of the store, and optionally push it to the Hugging Face Hub."""
     from composer_serverless import runs
 
     with _user_errors():
-        commit = runs.export(run, out, push_to_hub)
+        commit = runs.export(run, out, push_to_hub, dtype)
     console.print(f"final model copied to {out}" + (f"; pushed: {commit}" if commit else ""), markup=False)
 
 

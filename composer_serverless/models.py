@@ -233,9 +233,12 @@ def _with_lora(model: nn.Module, spec: ModelConfig) -> Any:
     return get_peft_model(model, config, autocast_adapter_dtype=spec.master_dtype == "float32")
 
 
-def merge_adapters(spec: ModelConfig, base: str | Path, adapters: Path, out: Path) -> None:
+def merge_adapters(
+    spec: ModelConfig, base: str | Path, adapters: Path, out: Path, dtype: str | None = None
+) -> None:
     """Save into ``out`` the base model with the LoRA ``adapters`` (a peft directory) merged into its weights,
-    and the tokenizer: a plain Hugging Face model that needs neither peft nor the adapters to load."""
+    and the tokenizer: a plain Hugging Face model that needs neither peft nor the adapters to load. The merge
+    is made in the run's dtype; the weights are saved in ``dtype`` (the run's when None)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -243,8 +246,18 @@ def merge_adapters(spec: ModelConfig, base: str | Path, adapters: Path, out: Pat
         str(base), config=hf_config(spec, base), dtype=DTYPES[spec.dtype], **_hub_options(spec)
     )
     merged = PeftModel.from_pretrained(base_model, str(adapters)).merge_and_unload(progressbar=False)
-    merged.save_pretrained(out)
+    merged.to(DTYPES[dtype or spec.dtype]).save_pretrained(out)
     AutoTokenizer.from_pretrained(str(adapters)).save_pretrained(out)
+
+
+def save_in_dtype(spec: ModelConfig, source: Path, out: Path, dtype: str) -> None:
+    """Save the Hugging Face model and tokenizer in ``source`` into ``out`` with the weights in ``dtype``
+    (``from_pretrained`` casts floating-point weights only, and records the dtype in the config)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    options = {"trust_remote_code": spec.trust_remote_code}
+    AutoModelForCausalLM.from_pretrained(str(source), dtype=DTYPES[dtype], **options).save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(source), **options).save_pretrained(out)
 
 
 def _hub_options(spec: ModelConfig) -> dict[str, Any]:

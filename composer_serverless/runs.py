@@ -12,13 +12,14 @@ import dataclasses
 import os
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from composer_serverless.config import ConfigError, RunConfig
+from composer_serverless.config import ConfigError, ModelConfig, RunConfig
 from composer_serverless.executors import make_executor
 from composer_serverless.executors.base import (
     LaunchRecord,
@@ -33,6 +34,8 @@ from composer_serverless.rendezvous.telemetry import read_heartbeats
 
 RUN_URL_HINT = "RUN is the URL `launch` printed, e.g. s3://bucket/runs/<run_id> or ./runs/<run_id>"
 STORE_HINT = "set store to a directory or an object store, e.g. --set store=s3://<bucket>/runs"
+# The dtypes an export can write the weights in: those a run can hold them in.
+EXPORT_DTYPES: tuple[str, ...] = get_args(ModelConfig.model_fields["dtype"].annotation)
 STORE_PROTOCOLS = frozenset({"file", "local", "memory", "s3", "gcs", "az", "abfs", "hf"})
 
 
@@ -198,10 +201,8 @@ def cancel(url: str) -> list[ReplicaStatus]:
     return _as_cancelled(run, run.executor.status(run.record.current()))
 
 
-def _export_merged(run: OpenRun, out: Path) -> None:
+def _export_merged(run: OpenRun, out: Path, dtype: str | None) -> None:
     """The base model with the run's final adapters merged in, into ``out``; the adapters in ``out/adapter``."""
-    import tempfile
-
     from composer_serverless.models import merge_adapters
 
     with tempfile.TemporaryDirectory(prefix="composer-serverless-export-") as scratch:
@@ -209,18 +210,32 @@ def _export_merged(run: OpenRun, out: Path) -> None:
         base = run.config.model.path
         if base is None:  # the tiny model the launcher built is in the run
             base = str(run.store.download_dir(layout.MODEL, Path(scratch) / "base"))
-        merge_adapters(run.config.model, base, adapters, out)
+        merge_adapters(run.config.model, base, adapters, out, dtype)
         shutil.copytree(adapters, out / "adapter")
 
 
-def export(url: str, out: Path, push_to_hub: str | None = None) -> str | None:
+def _export_cast(run: OpenRun, out: Path, dtype: str) -> None:
+    """The run's final model in ``out``, its weights in ``dtype``."""
+    from composer_serverless.models import save_in_dtype
+
+    with tempfile.TemporaryDirectory(prefix="composer-serverless-export-") as scratch:
+        save_in_dtype(run.config.model, run.store.download_dir(layout.FINAL, Path(scratch)), out, dtype)
+
+
+def export(url: str, out: Path, push_to_hub: str | None = None, dtype: str | None = None) -> str | None:
     """Copy the run's final model (``final/``, Hugging Face format) to ``out``; optionally push it to the Hub.
 
     A LoRA run's ``final/`` holds the adapters: ``out`` then gets the base model with the adapters merged in
-    (loadable by ``AutoModelForCausalLM`` alone) and the adapters themselves in ``out/adapter``.
+    (loadable by ``AutoModelForCausalLM`` alone) and the adapters themselves in ``out/adapter``. With
+    ``dtype`` (one of ``EXPORT_DTYPES``) the weights are saved in it: bfloat16 is half a float32 export.
 
     Returns the commit URL when pushed. Everything that can be wrong is checked before anything is written.
     """
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ConfigError(
+            f"--dtype {dtype!r} is not a dtype the weights can be exported in\n"
+            f"  fix: one of {', '.join(EXPORT_DTYPES)} (bfloat16: half the size of float32)"
+        )
     opened = open_run(url)
     store = opened.store
     if not store.list(layout.FINAL):
@@ -245,10 +260,12 @@ def export(url: str, out: Path, push_to_hub: str | None = None) -> str | None:
             raise ConfigError(
                 "--push-to-hub needs a Hugging Face token\n  fix: export HF_TOKEN=... or run `hf auth login`"
             )
-    if opened.config.model.lora is None:
-        store.download_dir(layout.FINAL, out)
+    if opened.config.model.lora is not None:
+        _export_merged(opened, out, dtype)
+    elif dtype is not None:
+        _export_cast(opened, out, dtype)
     else:
-        _export_merged(opened, out)
+        store.download_dir(layout.FINAL, out)
     if push_to_hub is None:
         return None
     from huggingface_hub import HfApi

@@ -87,3 +87,37 @@ def test_export_copies_the_final_model_and_pushes_it_to_the_hub(swept, tmp_path,
 
     again = CliRunner().invoke(app, ["export", str(store / "grid-c0"), str(out)])
     assert again.exit_code == 2 and "exists and is not empty" in again.output
+
+
+def test_export_in_bfloat16_is_half_the_size_and_matches_float32_within_bf16_rounding(swept, tmp_path):
+    """``export --dtype bfloat16`` writes bf16 safetensors (and the tokenizer) that load with
+    ``AutoModelForCausalLM``; their logits match the float32 export's within torch.testing's bf16 tolerance
+    (1.6e-2) of their scale. An unknown dtype exits 2 and writes nothing."""
+    import torch
+    from safetensors.torch import load_file
+
+    _, store = swept
+    run = str(store / "grid-c0")
+    outs = {dtype: tmp_path / dtype for dtype in ("float32", "bfloat16")}
+    for dtype, out in outs.items():
+        result = CliRunner().invoke(app, ["export", run, str(out), "--dtype", dtype])
+        assert result.exit_code == 0, result.output
+    weights = {dtype: load_file(out / "model.safetensors") for dtype, out in outs.items()}
+    assert {t.dtype for t in weights["bfloat16"].values()} == {torch.bfloat16}
+    assert {t.dtype for t in weights["float32"].values()} == {torch.float32}
+    sizes = {dtype: (out / "model.safetensors").stat().st_size for dtype, out in outs.items()}
+    assert sizes["bfloat16"] < 0.51 * sizes["float32"]
+    assert (outs["bfloat16"] / "tokenizer.json").exists()
+    tokens = torch.arange(1, 33).reshape(2, 16)
+    logits = {}
+    for dtype, out in outs.items():
+        model = AutoModelForCausalLM.from_pretrained(out).float().eval()
+        with torch.no_grad():
+            logits[dtype] = model(tokens).logits
+    scale = float(logits["float32"].abs().max())
+    assert float((logits["bfloat16"] - logits["float32"]).abs().max()) <= 1.6e-2 * scale
+    assert not torch.equal(logits["bfloat16"], logits["float32"])  # the weights really were rounded
+
+    wrong = CliRunner().invoke(app, ["export", run, str(tmp_path / "f16"), "--dtype", "float8"])
+    assert wrong.exit_code == 2 and "fix: one of float32, bfloat16" in " ".join(wrong.output.split())
+    assert not (tmp_path / "f16").exists()

@@ -111,6 +111,14 @@ def test_export_merges_the_adapters_into_a_plain_model_with_the_same_logits(
         assert not torch.allclose(
             merged_logits, base(input_ids=ids).logits, atol=1e-4
         )  # training did something
+    # In bfloat16: merged in the run's float32 first, then cast; the logits within torch.testing's bf16
+    # tolerance (1.6e-2) of their scale.
+    export(run.url, tmp_path / "merged-bf16", dtype="bfloat16")
+    half = AutoModelForCausalLM.from_pretrained(tmp_path / "merged-bf16")
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        half_logits = half.float()(input_ids=ids).logits
+    assert float((half_logits - merged_logits).abs().max()) <= 1.6e-2 * float(merged_logits.abs().max())
 
 
 def test_lora_adapters_are_the_only_trainable_weights_and_start_alike(tiny_model_dir) -> None:
