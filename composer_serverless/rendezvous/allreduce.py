@@ -354,7 +354,7 @@ class _Exchange:
 
         Every input is checked and measured first; one that fails a check, or whose pseudo-gradient's norm
         lies far outside the others' (``robust.outliers``), is left out with a log line naming it. Then the
-        rest is summed: the checks are not repeated, the buffers are the ones just checked."""
+        rest is summed from the buffers just checked, without hashing them again."""
         start, end = self.bounds[shard]
         total = self.workspace.floats("total", end - start).zero_()
         missing = [

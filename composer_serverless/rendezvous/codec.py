@@ -61,6 +61,7 @@ NORM = "norm"
 # How far a shard's decoded norm may exceed the norm its header states for the whole: a lossy codec's rounding
 # can enlarge a shard a little (int8 by a few per cent in the worst block), nothing honest by a quarter.
 NORM_SLACK = 1.25
+NON_FINITE = "payload holds non-finite values (NaN or Inf)"
 
 
 def checksum(parts: Iterable[bytes | bytearray | memoryview]) -> str:
@@ -279,8 +280,10 @@ def measure(
         PayloadError: as ``decode``; or its ``NORM`` is not a finite non-negative number, or is smaller than
             the norm of its own values (beyond ``NORM_SLACK``): a shard cannot outweigh its whole.
     """
-    values, metadata = _checked(data, expect, codec, numel, verify, key)
-    norm = l2_norm(values)
+    values, metadata = _checked(data, expect, codec, numel, verify, key, finite=False)
+    norm = l2_norm(values)  # NaN or Inf exactly when a value is: the finiteness check's pass, spared
+    if not math.isfinite(norm):
+        raise PayloadError(NON_FINITE)
     if NORM not in metadata:
         return Measured(norm, norm)
     try:
@@ -305,9 +308,17 @@ def _checked_values(
 
 
 def _checked(
-    data: Payload, expect: dict[str, str], codec: CodecName, numel: int, verify: bool, key: RunKey | None
+    data: Payload,
+    expect: dict[str, str],
+    codec: CodecName,
+    numel: int,
+    verify: bool,
+    key: RunKey | None,
+    *,
+    finite: bool = True,
 ) -> tuple[torch.Tensor, dict[str, str]]:
-    """The payload's values after every check, and its header's metadata."""
+    """The payload's values after every check (that they are finite only with ``finite``: a caller that
+    measures them anyway checks it there), and its header's metadata."""
     header, body = _header_and_body(data)
     metadata = header["__metadata__"]
     assert isinstance(metadata, dict)
@@ -336,8 +347,8 @@ def _checked(
         values = _view(body, _DTYPES[codec][1], 0, numel)
     # A checksum proves the bytes arrived as written, not that they are numbers: one NaN or Inf averaged in
     # makes every parameter it touches NaN, on every replica, for good.
-    if not _finite(values):
-        raise PayloadError("payload holds non-finite values (NaN or Inf)")
+    if finite and not _finite(values):
+        raise PayloadError(NON_FINITE)
     return values, metadata
 
 
