@@ -17,6 +17,7 @@ from composer_serverless.config.data import DataConfig
 from composer_serverless.config.executors import ExecutorConfig, HFJobsExecutorConfig, LocalExecutorConfig
 from composer_serverless.config.harvest import HarvestConfig
 from composer_serverless.config.model import ModelConfig
+from composer_serverless.config.outputs import OutputConfig, TrackingConfig
 
 RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 STORE_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/*")
@@ -241,6 +242,10 @@ class RunConfig(StrictModel):
     code: CodeConfig = Field(
         CodeConfig(), description="the user's code and packages shipped to every replica"
     )
+    tracking: TrackingConfig = Field(
+        TrackingConfig(), description="experiment trackers the launcher relays the run's metrics to"
+    )
+    output: OutputConfig = Field(OutputConfig(), description="the model pushed to the Hub when the run ends")
 
     @field_validator("store")
     @classmethod
