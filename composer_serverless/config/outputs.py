@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 from pydantic import Field, field_validator
 
 from composer_serverless.config.base import StrictModel
@@ -49,20 +48,11 @@ class OutputConfig(StrictModel):
     """The model pushed to the Hugging Face Hub when the run ends (by the launcher, with its HF_TOKEN)."""
 
     push_to_hub: str | None = Field(
-        None, description="Hub repo id (user/name) the final model is pushed to when the run succeeds"
+        None,
+        description="Hub repo id (user/name) the final model is pushed to when the run succeeds (checked with "
+        "huggingface_hub's own rule by the launcher, before the run starts: replicas never import it)",
     )
     private: bool = Field(True, description="create the Hub repo private")
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="the pushed weights' dtype; as trained when unset"
     )
-
-    @field_validator("push_to_hub")
-    @classmethod
-    def _valid_repo(cls, repo: str | None) -> str | None:
-        """huggingface_hub's own rule, checked here so a typo is told before the run starts, not after it ends."""
-        if repo is not None:
-            try:
-                validate_repo_id(repo)
-            except HFValidationError as e:
-                raise ValueError(f"{repo!r} is not a Hub repo id (user/name): {e}") from None
-        return repo
