@@ -173,7 +173,12 @@ def restore_own(
     device: torch.device,
 ) -> None:
     """Load a replica's own saved state: inner optimizer, data position and RNG; with ``schedule`` (the state
-    is of the round being resumed, not an older one), also the schedule and the local parameters."""
+    is of the round being resumed, not an older one), also the schedule's position and the local parameters.
+
+    The schedule keeps its own peak learning rate and function (``make_schedule``, from the run's config)
+    and takes only its position from the saved state: a resume may have changed train.lr, or the length a
+    cosine decays over, and the saved state carries the old ones. Unchanged, the learning rate is the saved
+    one to the bit (the same product LambdaLR computes)."""
     inner.load_state_dict(state["inner_optimizer"])
     reshard_optimizer_state(inner)
     objective.load_state_dict(state["objective"])
@@ -182,7 +187,14 @@ def restore_own(
     restore_rng_state(state["rng"], device)
     if schedule is None:
         return
-    schedule.load_state_dict(state["schedule"])
+    saved = state["schedule"]
+    peaks = list(schedule.base_lrs)
+    lrs = [
+        peak * factor(saved["last_epoch"]) for peak, factor in zip(peaks, schedule.lr_lambdas, strict=True)
+    ]
+    schedule.load_state_dict({**saved, "base_lrs": peaks, "_last_lr": lrs})
+    for group, peak, lr in zip(inner.param_groups, peaks, lrs, strict=True):
+        group["initial_lr"], group["lr"] = peak, lr
     current = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in state["local_parameters"].items():
