@@ -65,7 +65,7 @@ from composer_serverless.objectives.hints import HintBuilder
 from composer_serverless.objectives.lm import Ranks
 from composer_serverless.objectives.pairs import ReplayPairs
 from composer_serverless.objectives.rewards import RewardSet, code_root, mean
-from composer_serverless.objectives.rollout import RolloutSettings, generate, rollout, whole_weights
+from composer_serverless.objectives.rollout import Rollout, RolloutSettings, generate, rollout, whole_weights
 from composer_serverless.objectives.shares import EvalPart, share
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
@@ -197,6 +197,8 @@ class ComposerObjective:
         # The last round boundary whose decision this replica applied (the schedule's position).
         self._taken_through = 0
         self._recorded: dict[tuple[str, str], dict[str, Any]] = {}
+        self._completions: list[dict[str, Any]] = []
+        self._completions_kept = config.tracking.completions_per_round
         # The pair files in the replay set: the static file's URL, then each harvested file's key in the run.
         self._pair_files: list[str] = []
         self._harvested: list[dict[str, Any]] = []
@@ -320,6 +322,7 @@ class ComposerObjective:
                             "task": record.task,
                         },
                     )
+        self._sample_completions(rolled)
         replay = None if self._pairs is None else self._pairs.next(next(model.parameters()).device)
         if replay is not None and self._node is not None:
             replay = micro.rows_of(replay, self._share(replay.prompt_ids.size(0)))
@@ -364,6 +367,27 @@ class ComposerObjective:
             out.update({f"eval/task/{task}/{name}": mean(v) for task, v in sorted(by_task.items())})
         return out
 
+    def _sample_completions(self, rolled: Rollout) -> None:
+        """Keep the round's first completion of each prompt, up to ``tracking.completions_per_round``: the
+        completions table the trackers show (and the round's metrics row holds), chosen without randomness so
+        that watching a run never changes it."""
+        g = self._rollout.group_size
+        for i in range(0, len(rolled.records), g):
+            if len(self._completions) >= self._completions_kept:
+                return
+            self._completions.append(
+                {
+                    "prompt": _state_prompt(rolled.records[i]),
+                    "completion": rolled.samples.texts[i],
+                    "reward": rolled.scored.totals[i],
+                    **{
+                        f"reward/{name}": values[i]
+                        for name, values in rolled.scored.by_reward.items()
+                        if values[i] is not None
+                    },
+                }
+            )
+
     def round_ended(
         self,
         round_index: int,
@@ -375,6 +399,8 @@ class ComposerObjective:
         taken for the next rounds (``replay_files_new``), how long this replica waited for them and what was
         decided (``harvest_wait_s``, ``harvest``)."""
         fields: dict[str, Any] = {}
+        if self._completions:
+            fields["completions"], self._completions = self._completions, []
         if self._pairs is not None:
             fields["replay_files"] = list(self._pair_files)
         if self._record and self._run is not None:

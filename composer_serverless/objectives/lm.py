@@ -74,13 +74,16 @@ class LMObjective:
         trained = _targets(labels) if size == 1 else int(node.sum([_targets(labels)])[0])  # type: ignore[union-attr]
         # The model's own mean, when it is the step's: one micro-batch on one rank.
         count = None if step == rows and size == 1 else max(1, trained) / size
+        # The replica's trained tokens come with the first micro-batch (the step's metrics are the parts' sums).
+        tokens = {"lm/tokens": float(trained)}
         for start in range(0, rows, step):  # the same number of passes on every rank: FSDP's collectives
             part_ids, part_labels = ids[start : start + step], labels[start : start + step]
             out = model(input_ids=part_ids, labels=part_labels, use_cache=False, num_items_in_batch=count)
             if not trained:  # every token of the batch is masked: nothing to learn, and no NaN either
-                yield out.logits.sum() * 0.0, {}
+                yield out.logits.sum() * 0.0, tokens
             else:
-                yield out.loss, {"lm/loss": out.loss.detach()}
+                yield out.loss, {"lm/loss": out.loss.detach(), **tokens}
+            tokens = {}
 
     @torch.no_grad()
     def evaluate_part(self, model: torch.nn.Module, part: int, parts: int) -> EvalPart:

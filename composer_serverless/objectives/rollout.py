@@ -418,6 +418,7 @@ def _metrics(
     totals = torch.tensor(sampled.totals, dtype=torch.float32)
     metrics: dict[str, float | torch.Tensor] = {
         "rollout/reward_mean": float(totals.mean()),
+        "rollout/reward_std": float(totals.std(correction=0)),
         "rollout/frac_zero_std": float((~dynamic_sampling_keep(totals, g)).float().mean()),
         "rollout/completion_len": batch.completion_mask.sum(dim=1).float().mean(),
         "rollout/truncated": batch.truncated.float().mean(),
@@ -427,4 +428,6 @@ def _metrics(
         total, count = mean(values)
         if count:
             metrics[f"rollout/reward/{name}"] = total / count
+            present = torch.tensor([v for v in values if v is not None], dtype=torch.float64)
+            metrics[f"rollout/reward_std/{name}"] = float(present.std(correction=0))
     return metrics

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from composer_serverless.accelerator.clock import PhaseClock
 from composer_serverless.accelerator.device import replica_device, synchronize
 from composer_serverless.config import RunConfig
 from composer_serverless.objectives.objective import Metrics, Objective, add_parts, make_objective
@@ -47,7 +46,7 @@ from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutco
 from composer_serverless.rendezvous.replica_log import ReplicaLog
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.rendezvous.telemetry import Reporter, mean_metrics
+from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.replicas import catchup, evaluation, precision, state
 from composer_serverless.replicas.diloco import (
     exchange_settings,
@@ -61,6 +60,7 @@ from composer_serverless.replicas.diloco import (
     split_fragments,
     transfer_settings,
 )
+from composer_serverless.replicas.meter import RoundMeter, read_step
 from composer_serverless.replicas.node import SOLO, Node
 from composer_serverless.replicas.shards import full_state_dict, local, reshard, shard_model
 from composer_serverless.replicas.weights import check_initial_weights, digest, load_run_model, swapped_in
@@ -128,70 +128,6 @@ def _train(
         ).run()
 
 
-def _read_step(loss: torch.Tensor, metrics: dict[str, Any]) -> tuple[float, dict[str, float]]:
-    """The step's loss and metrics as floats, those on the device read in one transfer: each ``float()`` of
-    a device tensor would make the host wait for the device once more."""
-    on_device = {
-        name: v for name, v in metrics.items() if isinstance(v, torch.Tensor) and v.device == loss.device
-    }
-    values = torch.stack([loss.detach().float(), *(v.detach().float() for v in on_device.values())]).tolist()
-    read = dict(zip(on_device, values[1:], strict=True))
-    return values[0], {name: read[name] if name in read else float(v) for name, v in metrics.items()}
-
-
-class _RoundMeter:
-    """Train loss and metrics, time (per phase, on the device's clock), blocking, traffic and the device's
-    peak memory accumulated since the last round ended."""
-
-    def __init__(self, manager: ObjectStoreManager, device: torch.device) -> None:
-        self._manager = manager
-        self._device = device
-        self.clock = PhaseClock(device)
-        self.reset()
-
-    def reset(self) -> None:
-        self.losses: list[torch.Tensor] = []
-        self.metrics: list[dict[str, float]] = []
-        self.steps = 0
-        self._started = time.monotonic()
-        self._blocked = self._manager.blocked_s
-        self._up = self._manager.bytes_up
-        self._down = self._manager.bytes_down
-        self.clock.read()  # laps of the discarded steps
-        if self._device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self._device)
-
-    def row(self, lr: float) -> dict[str, Any]:
-        blocked = self._manager.blocked_s - self._blocked
-        return {
-            "train_loss": float(torch.stack(self.losses).float().mean()) if self.losses else None,
-            "train": mean_metrics(self.metrics),
-            "steps": self.steps,
-            "lr": lr,
-            "bytes_up": self._manager.bytes_up - self._up,
-            "bytes_down": self._manager.bytes_down - self._down,
-            "round_s": time.monotonic() - self._started,
-            "blocked_s": blocked,
-            "time_s": self._phases(blocked),
-            "device_peak_bytes": (
-                torch.cuda.max_memory_allocated(self._device) if self._device.type == "cuda" else None
-            ),
-            "time": time.time(),
-        }
-
-    def _phases(self, sync_s: float) -> dict[str, float]:
-        """The round's step time split: generation (composer), forward and backward, the optimizer, and the
-        syncs DiLoCo ran inside the optimizer's step (the time the training thread was held by them)."""
-        laps = self.clock.read()
-        generate = sum(m.get("rollout/generate_s", 0.0) for m in self.metrics)
-        return {
-            "generate": generate,
-            "forward_backward": max(0.0, laps.get("forward", 0.0) + laps.get("backward", 0.0) - generate),
-            "optimizer": max(0.0, laps.get("optimizer", 0.0) - sync_s),
-            "sync": sync_s,
-        }
-
-
 class Replica:
     """One replica's model, optimizers, data and DiLoCo, and the loop that runs them to the end of the run."""
 
@@ -248,7 +184,7 @@ class Replica:
             grace=grace_settings(dl),
             agree=node.all_true,
         )
-        self.meter = _RoundMeter(self.manager, self.device)
+        self.meter = RoundMeter(self.manager, self.device)
         self.epoch = 0  # the run's rollback epoch this replica's state is from (recovery.py)
         self.nonfinite = 0  # steps discarded since the last committed round
 
@@ -283,9 +219,7 @@ class Replica:
         failures = 0
         self.meter.reset()
         while self.manager.current_step() < last_step:
-            loss = self._inner_step()
-            if loss is not None:
-                self.meter.losses.append(loss)
+            self._inner_step()
             if self.manager.syncs_attempted == seen:
                 continue
             # DiLoCo just finished a sync: nothing is in flight, so this is where the replica may change state.
@@ -308,10 +242,11 @@ class Replica:
     def _compute(self) -> contextlib.AbstractContextManager[object]:
         return precision.compute(self.config.model, self.device, sharded=self.node.size > 1)
 
-    def _inner_step(self) -> torch.Tensor | None:
-        """One inner step; None if its loss was not finite and it was discarded (``_discard_step``)."""
-        clock = self.meter.clock
-        clock.start()
+    def _inner_step(self) -> None:
+        """One inner step, measured (``meter.py``); discarded if its loss is not finite (``_discard_step``)."""
+        meter = self.meter
+        clock = meter.clock
+        meter.start_step()
         parts = self.objective.losses(self.model)
         loss: torch.Tensor | None = None
         metrics: Metrics = {}
@@ -327,27 +262,41 @@ class Replica:
             metrics = add_parts(metrics, part[1])
         assert loss is not None, "an objective yields at least one micro-batch"
         # Read before the optimizer step, so a non-finite loss never reaches the parameters or the optimizer.
-        value, row = _read_step(loss, metrics)
+        value, row = read_step(loss, metrics)
         if not self.node.all_true(math.isfinite(value)):  # every rank of the replica discards it, or none
             self._discard_step(value)
-            return None
-        if self.config.train.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
+            return
+        grad_norm = self._grad_norm()
+        lr = self.schedule.get_last_lr()[0]
         self.inner.step()  # DiLoCo's hooks run the fragment syncs inside this call; ours frees the gradients
         self.schedule.step()
         clock.lap("optimizer")
-        self.meter.steps += 1
+        tokens_per_s = meter.end_step(loss.detach(), value, row, lr, grad_norm)
         dl = self.config.diloco
-        self.meter.metrics.append(row)
+        reward = row.get("rollout/reward_mean")
         self.reporter.beat(
             state="training",
             round=self.completed_rounds + 1,
             rounds=dl.rounds,
-            step=min(self.meter.steps, dl.sync_every),
+            step=min(meter.steps, dl.sync_every),
             steps=dl.sync_every,
             loss=value,
+            **({} if reward is None else {"reward": reward}),
+            **({} if tokens_per_s is None else {"tokens_per_s": tokens_per_s}),
         )
-        return loss.detach()
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The step's gradient norm over the whole replica (clipped to ``train.grad_clip`` when set), on the
+        device: read with the round's other figures, not now. A sharded model's norm is a DTensor whose
+        whole value every rank computes together."""
+        clip = self.config.train.grad_clip
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+        full_tensor = getattr(norm, "full_tensor", None)  # a DTensor (FSDP2 shards)
+        return full_tensor() if full_tensor is not None else norm
 
     def _discard_step(self, value: float) -> None:
         """Drop a step whose loss is ``value`` (not finite) and put the parameters back where the last sync left
