@@ -15,6 +15,7 @@ the watch ends, a detach included.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,14 @@ from typing import Any, Literal, Protocol
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
 from composer_serverless.config import RunConfig
 from composer_serverless.executors.base import BackendError
@@ -31,6 +39,9 @@ from composer_serverless.rendezvous import layout, recovery
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
 from composer_serverless.report import eval_headline, outcome, write_report
 from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor, Terminated
+from composer_serverless.tracking.relay import Relay
+
+logger = logging.getLogger(__name__)
 
 HEARTBEAT_POLL_S = 1.0
 # Why a live harvest stopped, as its last heartbeat tells the replicas waiting for it.
@@ -38,6 +49,8 @@ DETACHED = "the launcher detached from the run; `composer-serverless launch --re
 # Asking local processes how they are is free (a poll of each): a run that ends is noticed within a quarter of a
 # second, and the watch looks that often while only local runs are live.
 LOCAL_STATUS_POLL_S = 0.25
+# How often the watch relays new rounds to the run's trackers (tracking/relay.py).
+RELAY_EVERY_S = 10.0
 
 Choice = Literal["cancel", "detach"]
 
@@ -65,6 +78,8 @@ class Followed:
     summary: dict[str, Any] | None = None
     next_status: float = 0.0
     backend_trouble: bool = False
+    relay: Relay | None = None
+    next_relay: float = 0.0
 
     @property
     def url(self) -> str:
@@ -101,6 +116,9 @@ def follow(
     ]
     for harvester in harvesters:
         harvester.start()
+    for run in runs:
+        if run.config.tracking.report_to:
+            run.relay = Relay(run.supervisor.run, run.config)
     stopped = "the run ended"
     try:
         with view:
@@ -132,6 +150,8 @@ def follow(
     finally:
         for harvester in harvesters:  # a detached launcher harvests no more: it holds the teachers' keys
             harvester.stop(stopped)
+        for run in runs:  # what is ready reaches the trackers; the rest waits in the store for `status`
+            _relay(run, view.console, final=True)
     return True
 
 
@@ -193,10 +213,38 @@ def _watch(runs: list[Followed], view: View, fail_fast: bool) -> None:
         for run in _live(runs):
             _poll(run, view.console, fail_fast)
             view.show(run, read_heartbeats(run.supervisor.run))
+            _relay(run, view.console)
         live = _live(runs)
         if not live:
             return
         time.sleep(min([HEARTBEAT_POLL_S, *(status_poll_s(run.config) for run in live)]))
+
+
+def _relay(run: Followed, console: Console, *, final: bool = False) -> None:
+    """Relay the run's new rounds to its trackers, every ``RELAY_EVERY_S``; ``final``: now, as the watch
+    ends, closing the tracker runs. A tracker that fails is said once and relayed to no more by this watch:
+    the replicas do not need it, and the metrics wait in the store for the next relay (``status``)."""
+    relay = run.relay
+    if relay is None or not final and time.monotonic() < run.next_relay:
+        return
+    run.next_relay = time.monotonic() + RELAY_EVERY_S
+    try:
+        relay.catch_up(ended=run.state == "succeeded")
+        if final:
+            run.relay = None
+            relay.close()
+    except Exception as e:  # a tracker's client failing must never end the watch (or cancel the replicas)
+        run.relay = None
+        try:
+            relay.close()
+        except Exception:
+            logger.debug("closing the trackers after a failure failed too", exc_info=True)
+        console.print(
+            f"[yellow]{escape(run.label)}could not log to the trackers ({type(e).__name__}: "
+            f"{escape(str(e).splitlines()[0] if str(e) else '')}); the metrics stay in the store, and "
+            f"`composer-serverless status {escape(run.url)}` logs them later[/]",
+            highlight=False,
+        )
 
 
 def _poll(run: Followed, console: Console, fail_fast: bool) -> None:
@@ -259,7 +307,8 @@ def _steps_done(beat: dict[str, Any], sync_every: int) -> int:
 
 
 class ReplicaView:
-    """One run: a bar per replica (round, step, latest loss, state) and a line per evaluated round."""
+    """One run: a bar per replica (round, its latest reward for a composer run or loss, trained tokens per
+    second, state, time left) and a line per evaluated round."""
 
     def __init__(self, run: Followed, console: Console) -> None:
         dl = run.config.diloco
@@ -269,10 +318,13 @@ class ReplicaView:
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn(
-                "round {task.fields[round]}/{task.fields[rounds]}  loss {task.fields[loss]}  {task.fields[state]}"
+                "round {task.fields[round]}/{task.fields[rounds]}  {task.fields[figure]}  {task.fields[speed]}"
+                "  {task.fields[state]}"
             ),
+            TimeRemainingColumn(),
             console=console,
         )
+        self._figure = "reward" if run.config.train.objective == "composer" else "loss"
         self._tasks = {
             h.rank: self._progress.add_task(
                 "",
@@ -280,11 +332,13 @@ class ReplicaView:
                 rank=h.rank,
                 round=0,
                 rounds=dl.rounds,
-                loss="-",
+                figure=f"{self._figure} -",
+                speed="",
                 state="pending",
             )
             for h in run.supervisor.handles
         }
+        self._started: set[int] = set()
         self._reported: set[int] = set()
         self._rollbacks = 0
 
@@ -303,9 +357,16 @@ class ReplicaView:
                 "state": beat.get("state", backend) if backend == "running" else backend
             }
             if beat:
-                fields.update(completed=_steps_done(beat, sync_every), round=beat.get("round", 0))
-            if "loss" in beat:  # beats without one (starting, done) keep the last loss on screen
-                fields["loss"] = f"{beat['loss']:.3f}"
+                done = _steps_done(beat, sync_every)
+                if rank not in self._started:  # the steps done before this watch (a resume) set no pace
+                    self._started.add(rank)
+                    self._progress.reset(task, completed=done)
+                fields.update(completed=done, round=beat.get("round", 0))
+            # Beats without one (starting, done) keep the last figure on screen.
+            if self._figure in beat:
+                fields["figure"] = f"{self._figure} {beat[self._figure]:.3f}"
+            if "tokens_per_s" in beat:
+                fields["speed"] = f"{_si(beat['tokens_per_s'])} tok/s"
             self._progress.update(task, **fields)
         self._print_new_rounds(run)
 
@@ -329,6 +390,14 @@ class ReplicaView:
             rounds = run.config.diloco.rounds
             label = "initial model" if row["round"] == 0 else f"round {row['round']}/{rounds}"
             self.console.print(f"  {label}: {eval_headline(row['eval'])}", highlight=False)
+
+
+def _si(value: float) -> str:
+    """1234.5 -> '1.2k': a rate that stays readable at any size."""
+    for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= factor:
+            return f"{value / factor:.1f}{suffix}"
+    return f"{value:.0f}"
 
 
 class RunView:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
+import tempfile
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -24,6 +26,10 @@ import pytest
 
 from composer_serverless.accelerator import SIMULATED_ENV
 from composer_serverless.config import TinyModelConfig
+
+# trackio reads its directory once, when imported: the tests' tracker runs (and their CLI subprocesses') go to
+# a directory of their own, never the user's.
+os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="composer-serverless-trackio-"))
 
 # Small enough to build in a few seconds, large enough to be a real Llama with a real BPE vocabulary.
 TINY = TinyModelConfig(

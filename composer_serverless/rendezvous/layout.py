@@ -20,7 +20,10 @@ from typing import Any
 # --- written by the launcher --------------------------------------------------------------------------
 
 RUN_CONFIG = "run.json"
-"""The resolved config, written once; every replica reads exactly this."""
+"""The resolved config; every replica reads exactly this. Written when the run is created, and again only by
+a resume that changes keys a resume may change (``config/resume.py``), while no replica of the run is live."""
+CONFIG_CHANGES = "config-changes.json"
+"""The changes resumes made to ``run.json``: from which round on, which keys, from what to what."""
 LAUNCH_RECORD = "launch.json"
 """The plan and every replica attempt's handle, so any process holding the run URL can find the replicas."""
 KEY_FINGERPRINT = "key.json"
@@ -85,6 +88,17 @@ HARVEST_TAKEN = f"{HARVEST}/taken"
 HARVESTER = f"{HARVEST}/harvester.json"
 """The launcher's live harvester's heartbeat: replicas stop waiting for a harvester that stopped or fell
 silent."""
+
+# --- written by the launcher's tracker relay (``tracking/relay.py``) --------------------------------------
+
+TRACKING = "tracking"
+TRACKING_RELAYED = f"{TRACKING}/relayed.json"
+"""Per tracker, the last round relayed to it: a relay that starts again (``status`` after a detach) goes on
+from there, so no step reaches a tracker twice."""
+TRACKING_LEASE = f"{TRACKING}/lease.json"
+"""The relay relaying now and until when: a second one (``status`` while the launcher watches) leaves it."""
+TRACKING_TENSORBOARD = f"{TRACKING}/tensorboard"
+"""TensorBoard's event files, copied from the relay's directory: ``tensorboard --logdir`` reads them here."""
 
 # Inside a sync's prefix.
 SYNC_INPUTS = "in"
@@ -234,7 +248,8 @@ def describe() -> list[tuple[str, str]]:
     )
     in_sync = f"{sync(k, frag)}/"
     return [
-        (RUN_CONFIG, "resolved config, written once by the launcher"),
+        (RUN_CONFIG, "resolved config, written by the launcher (again only by a resume with --set)"),
+        (CONFIG_CHANGES, "what each resume with --set changed in run.json, and from which round"),
         (LAUNCH_RECORD, "the plan and every replica attempt's handle (the launcher)"),
         (KEY_FINGERPRINT, "the run key's fingerprint, created once (diloco.authenticate)"),
         (f"{MODEL}/", "the tiny model the launcher builds for offline runs"),
@@ -242,7 +257,7 @@ def describe() -> list[tuple[str, str]]:
         (CODE_MANIFEST, "each code file's sha256, written after them"),
         (f"{INPUTS}/", "data files named by a local path, uploaded for cloud replicas"),
         (heartbeat(rank), "heartbeat: state, round, step, last loss"),
-        (metrics(rank, k), "one row per round (object stores cannot append)"),
+        (metrics(rank, k), "one row per round, with a row per inner step (object stores cannot append)"),
         (in_sync + sync_input(rank, shard, local), "pseudo-gradient shards of local rank {local}'s part"),
         (in_sync + QUORUM, "participants of the sync, created once"),
         (
@@ -284,6 +299,9 @@ def describe() -> list[tuple[str, str]]:
         ),
         (harvest_taken(k), "the pair files the replicas take at the end of round k, created once"),
         (HARVESTER, "the launcher's live harvester's heartbeat: what it does, or that it stopped"),
+        (TRACKING_RELAYED, "per tracker, the last round the launcher's relay logged to it"),
+        (TRACKING_LEASE, "the relay relaying now, and until when"),
+        (f"{TRACKING_TENSORBOARD}/", "TensorBoard event files of the run's tracker run"),
         (f"{FINAL}/", "the final global model and tokenizer (Hugging Face format)"),
         (SUMMARY, "the report's figures, written at the end"),
         (LOSS_PLOT, "held-out and training loss per round"),

@@ -4,6 +4,7 @@ import io
 
 import pytest
 from rich.console import Console
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from composer_serverless.config import validate_config
 from composer_serverless.launcher import launch
@@ -30,6 +31,7 @@ def finished_run(tmp_path_factory):
             "eval": {"sequences": 14},
             "composer": composer(group_size=4, prompts_per_step=4, max_new_tokens=4, pairs_per_step=4),
             "executor": {"type": "local", "threads_per_replica": 1},
+            "tracking": {"report_to": ["tensorboard"], "dir": str(tmp_path / "tracking")},
         }
     )
     summary = launch(config, "composer-e2e", Console(file=io.StringIO()))
@@ -57,6 +59,34 @@ def test_two_replicas_two_rounds_with_all_three_channels(finished_run):
     assert set(summary["eval_reward_by_task"]) == {task.name for task in TASK_SUITE}
     assert run.get(layout.REWARD_PLOT).startswith(b"\x89PNG")
     assert run.exists("final/config.json")
+
+
+def test_the_tracker_has_the_rewards_per_step_and_a_completions_table_per_round(finished_run):
+    run, _ = finished_run
+    events = EventAccumulator(str(run.local_dir(layout.TRACKING_TENSORBOARD)), size_guidance={"scalars": 0})
+    events.Reload()
+    for key in (
+        "rollout/reward_mean",
+        "rollout/reward_std",
+        "grpo/clip_ratio/region",
+        "rollout/completion_len",
+        "rollout/tokens_per_s",
+        "time/generate_s",
+        "train/grad_norm",
+    ):
+        assert [e.step for e in events.Scalars(key)] == [1, 2, 3, 4], key
+    assert all(e.value > 0 for e in events.Scalars("time/generate_s"))
+    tables = events.Tensors("completions")
+    assert [t.step for t in tables] == [2, 4]  # each round's, at its last step
+    metrics = read_metrics(run)
+    for table, k in zip(tables, (1, 2), strict=True):
+        lines = table.tensor_proto.string_val[0].decode().splitlines()
+        assert lines[0] == "| round | replica | prompt | completion | reward |"
+        # Each replica's round row holds its sample: one completion of each prompt it drew (4 a step, 2 steps:
+        # the 8 of tracking.completions_per_round), with its reward and each reward's own value.
+        kept = [c for rank in (0, 1) for r in metrics[rank] if r["round"] == k for c in r["completions"]]
+        assert len(kept) == 2 * 8 and len(lines) == 2 + len(kept)
+        assert all(isinstance(c["reward"], float) and "reward/exact_match" in c for c in kept)
 
 
 def test_status_of_the_finished_run_names_its_reward_without_the_training_stack(finished_run):

@@ -1,0 +1,117 @@
+"""What the trackers are given: the replicas' rows of a round turned into points, pure functions only.
+
+A tracker step is a global inner step: step ``i`` of round ``k`` is ``(k - 1) * H + i``, whatever the
+replica, so a resumed, rolled-back or caught-up run keeps one axis. Per step, each metric is its mean over
+the round's replicas that took that step (``train/loss``, ``train/grad_norm``, ``time/sync_s``, the
+objective's own ``grpo/...``, ``rollout/...``); per round, at its last step, the held-out evaluation
+(``eval/...``) and the exchange (``round/...``: bytes moved, sync time, blocked fraction, quorum size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Rows = Mapping[int, Sequence[Mapping[str, Any]]]
+"""Each replica's metrics rows (``telemetry.read_metrics``)."""
+
+# A step row's keys renamed for the tracker; the objective's own (namespaced: ``grpo/kl``) keep their name.
+STEP_KEYS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens": "train/tokens",
+    "tokens_per_s": "train/tokens_per_s",
+    "generate_tokens_per_s": "rollout/tokens_per_s",
+}
+COMPLETION_COLUMNS = ("round", "replica", "prompt", "completion", "reward")
+
+
+def round_rows(rows: Rows, round_index: int) -> list[Mapping[str, Any]]:
+    """The rows of round ``round_index`` that report a trained round (not a replica's jump to it)."""
+    return [
+        row
+        for replica_rows in rows.values()
+        for row in replica_rows
+        if row["round"] == round_index and "caught_up_from" not in row
+    ]
+
+
+def ready(rows: Rows, round_index: int, *, ended: bool) -> bool:
+    """Whether round ``round_index`` can be relayed: every replica it averaged wrote its row (each writes it
+    right after the sync), the run has ended, or a replica is already two rounds past it (a participant
+    that has not written its row by then died before it could). Round 0 is the initial evaluation."""
+    this = round_rows(rows, round_index)
+    if round_index == 0:
+        return bool(this) or ended
+    later = any(row["round"] >= round_index + 2 for replica_rows in rows.values() for row in replica_rows)
+    if ended or later:
+        return True
+    if not this:
+        return False
+    expected = {p for row in this for p in row.get("participants", ())}
+    return expected <= {row["rank"] for row in this}
+
+
+def step_points(
+    rows: Sequence[Mapping[str, Any]], round_index: int, sync_every: int
+) -> list[tuple[int, dict[str, float]]]:
+    """Per inner step of the round, the mean of each metric over the replicas that took it."""
+    by_step: dict[int, list[dict[str, float]]] = {}
+    for row in rows:
+        for i, step in enumerate(row.get("step_rows", ())[:sync_every]):
+            by_step.setdefault(i + 1, []).append(flat_step(step))
+    base = (round_index - 1) * sync_every
+    return [(base + i, mean_of(points)) for i, points in sorted(by_step.items())]
+
+
+def flat_step(step: Mapping[str, Any]) -> dict[str, float]:
+    """A step row's numbers under the tracker's names (the time split as ``time/{phase}_s``)."""
+    out: dict[str, float] = {}
+    for name, value in step.items():
+        if name == "time_s":
+            out.update({f"time/{phase}_s": float(v) for phase, v in value.items()})
+        elif name == "device_peak_bytes":
+            if value is not None:
+                out["memory/device_peak_gib"] = value / 2**30
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[STEP_KEYS.get(name, name)] = float(value)
+    return out
+
+
+def round_point(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The round's own figures: its held-out evaluation, the exchange's bytes (summed over replicas), sync
+    time, blocked fraction and quorum size (means over replicas)."""
+    out: dict[str, float] = {}
+    for row in rows:
+        out.update({name: float(v) for name, v in row.get("eval", {}).items()})
+    trained = [row for row in rows if "step_rows" in row]
+    if not trained:
+        return out
+    out["round/bytes_up"] = float(sum(row["bytes_up"] for row in trained))
+    out["round/bytes_down"] = float(sum(row["bytes_down"] for row in trained))
+    out["round/sync_s"] = _mean([row["time_s"]["sync"] for row in trained])
+    out["round/blocked_fraction"] = _mean(
+        [row["blocked_s"] / row["round_s"] for row in trained if row["round_s"] > 0]
+    )
+    out["round/quorum"] = float(max(len(row.get("participants", ())) for row in trained))
+    out["round/seconds"] = _mean([row["round_s"] for row in trained])
+    return {name: value for name, value in out.items() if value == value}  # no NaN of an empty mean
+
+
+def completions(rows: Sequence[Mapping[str, Any]], round_index: int) -> list[list[Any]]:
+    """The round's completions table (``COMPLETION_COLUMNS``), replica by replica."""
+    return [
+        [round_index, row["rank"], c["prompt"], c["completion"], c["reward"]]
+        for row in sorted(rows, key=lambda r: r["rank"])
+        for c in row.get("completions", ())
+    ]
+
+
+def mean_of(points: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    names = sorted({name for point in points for name in point})
+    return {name: _mean([p[name] for p in points if name in p]) for name in names}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
