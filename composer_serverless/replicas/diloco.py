@@ -94,7 +94,9 @@ def make_schedule(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up, then constant or cosine decay to ``min_lr_ratio`` over the run's inner steps.
 
-    ``done_steps`` starts the schedule part-way, for a replica that joins from a published state.
+    ``done_steps`` starts the schedule part-way, for a replica that joins from a published state. The peak is
+    always ``config.lr``, also over an optimizer restored from a state saved with another (a resume may change
+    train.lr).
     """
 
     def factor(step: int) -> float:
@@ -105,9 +107,8 @@ def make_schedule(
         progress = min(1.0, (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps))
         return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    if done_steps:
-        for group in optimizer.param_groups:
-            group.setdefault("initial_lr", group["lr"])
+    for group in optimizer.param_groups:
+        group["initial_lr"] = config.lr
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=done_steps - 1)
 
 

@@ -95,3 +95,16 @@ def test_a_cosine_restored_into_a_longer_run_follows_the_longer_cosine_from_ther
     _, longer, _ = _replica(train, 20)
     make_schedule(longer, train, 20, done_steps=SAVED_AT)  # the 20-step run's rate at that step
     assert [g["lr"] for g in inner.param_groups] == [g["lr"] for g in longer.param_groups]
+
+
+def test_a_schedule_placed_over_an_older_saved_optimizer_takes_the_new_peak() -> None:
+    """A replica resuming with an own state older than the round it resumes loads the optimizer alone and places
+    a new schedule at the round (``Replica._schedule_at``): the saved optimizer's peak is not the run's now."""
+    saved, *_ = _saved(TrainConfig(lr=1e-2, warmup_steps=2, schedule="constant"), 20)
+    train = TrainConfig(lr=4e-3, warmup_steps=2, schedule="constant")
+    model, inner, _ = _replica(train, 20)
+    state.restore_own(
+        copy.deepcopy(saved), inner=inner, objective=_NoData(), model=model, schedule=None, device=CPU
+    )
+    schedule = make_schedule(inner, train, 20, done_steps=8)
+    assert [g["lr"] for g in inner.param_groups] == [4e-3, 4e-3] and schedule.get_last_lr() == [4e-3, 4e-3]
