@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from composer_serverless.config import RunConfig
-from composer_serverless.rendezvous import layout, recovery
+from composer_serverless.rendezvous import config_changes, layout, recovery
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 
@@ -81,7 +81,8 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
     time their rounds took; rows of rounds a replica skipped by loading a published state carry neither.
     ``rollbacks`` are those the run made by itself when every replica was lost at once (``recovery.py``): the
     round the replicas waited for, the checkpoint they went back to, and the completed rounds they redid
-    (``rounds_redone`` in all).
+    (``rounds_redone`` in all). ``config_changes`` are the changes resumes made to the run's config (``launch
+    --resume --set``): the round each started after, when, and each key from what to what.
     """
     metrics = read_metrics(run)
     trained = {rank: [r for r in rows if r["round"] > 0] for rank, rows in metrics.items()}
@@ -125,6 +126,7 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
         "sync_blocked_fraction": blocked / busy if busy else None,
         "rollbacks": [{"waited_for": r.waited_for, "to": r.to, "redone": r.redone} for r in rolled],
         "rounds_redone": sum(r.redone for r in rolled),
+        "config_changes": config_changes.read(run),
         "wall_s": round(wall_s, 2),
     }
 
