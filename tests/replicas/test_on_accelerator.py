@@ -51,8 +51,16 @@ def _both(tmp_path: Path, raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
         assert rows and all(
             r["time_s"].keys() == {"generate", "forward_backward", "optimizer", "sync"} for r in rows
         )
-        # The device's peak memory per round: counted on the (simulated) accelerator, none on the CPU.
+        # The device's peak memory per round and per step: counted on the (simulated) accelerator, none on
+        # the CPU; every step's gradient norm read from the device with the round's figures.
         assert all((r["device_peak_bytes"] or 0) > 0 for r in rows) == (place == "accelerator"), rows
+        steps = [s for r in rows for s in r["step_rows"]]
+        assert len(steps) == sum(r["steps"] for r in rows) and all(s["grad_norm"] > 0 for s in steps)
+        assert all((s["device_peak_bytes"] or 0) > 0 for s in steps) == (place == "accelerator")
+        assert all(
+            max(s["device_peak_bytes"] or 0 for s in r["step_rows"]) == (r["device_peak_bytes"] or 0)
+            for r in rows
+        )
         out[place] = {
             "summary": summary,
             "final": load_file(tmp_path / place / "final" / "model.safetensors"),
