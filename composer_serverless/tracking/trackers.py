@@ -47,20 +47,18 @@ class TrackerUnavailable(ConfigError):
     """A tracker the config names cannot be opened here (its package is not installed)."""
 
 
-def check_installed(tracking: TrackingConfig) -> None:
-    """Before a run starts: every tracker it reports to can be opened here, where the relay runs.
-
-    Raises:
-        TrackerUnavailable: one is not installed; the message says how to install it.
-    """
+def missing(tracking: TrackingConfig) -> list[str]:
+    """Before a run starts, where the relay runs (the launcher): the trackers it reports to that cannot be
+    opened here, each with how to fix it."""
     import importlib.util
 
-    missing = [name for name in tracking.report_to if importlib.util.find_spec(PACKAGES[name]) is None]
-    if missing:
-        raise TrackerUnavailable(
-            f"tracking.report_to names {', '.join(missing)}, not installed here (the launcher logs to the "
-            "trackers); fix: pip install 'composer-serverless[tracking]', or remove them from report_to"
-        )
+    absent = [name for name in tracking.report_to if importlib.util.find_spec(PACKAGES[name]) is None]
+    if not absent:
+        return []
+    return [
+        f"tracking.report_to names {', '.join(absent)}, not installed here (the launcher logs to the trackers)"
+        "\n  fix: pip install 'composer-serverless[tracking]', or remove them from report_to"
+    ]
 
 
 def open_tracker(
