@@ -48,6 +48,46 @@ def train_curves(metrics: Metrics) -> dict[str, Curve]:
     }
 
 
+PHASES = ("generate", "forward_backward", "optimizer", "sync")
+
+
+def throughput(metrics: Metrics) -> dict[str, Any] | None:
+    """The run's speed from its step rows (the numbers the trackers show): tokens trained per second and
+    generated per second (per replica: each replica's totals over its steps, averaged over replicas), where
+    a step's time went (fractions of all steps' time), and the device's peak memory. None without step rows."""
+    per_replica: list[dict[str, float]] = []
+    for rows in metrics.values():
+        steps = [s for r in rows for s in r.get("step_rows", ())]
+        if steps:
+            total = {
+                "tokens": sum(s["tokens"] or 0.0 for s in steps),
+                "generated": sum(s.get("rollout/tokens", 0.0) for s in steps),
+                "step_s": sum(s["time_s"]["step"] for s in steps),
+                **{phase: sum(s["time_s"][phase] for s in steps) for phase in PHASES},
+            }
+            per_replica.append(total)
+    if not per_replica:
+        return None
+    step_s = sum(t["step_s"] for t in per_replica)
+    peaks = [
+        s["device_peak_bytes"]
+        for rows in metrics.values()
+        for r in rows
+        for s in r.get("step_rows", ())
+        if s["device_peak_bytes"] is not None
+    ]
+    trained = [t["tokens"] / t["step_s"] for t in per_replica if t["step_s"] > 0 and t["tokens"]]
+    generated = [t["generated"] / t["generate"] for t in per_replica if t["generate"] > 0]
+    return {
+        "train_tokens_per_s": sum(trained) / len(trained) if trained else None,
+        "generate_tokens_per_s": sum(generated) / len(generated) if generated else None,
+        "time_split": {
+            phase: sum(t[phase] for t in per_replica) / step_s if step_s else None for phase in PHASES
+        },
+        "device_peak_gib": max(peaks) / 2**30 if peaks else None,
+    }
+
+
 def _task(metric: str) -> str | None:
     """The task of a per-task held-out reward metric (``eval/task/{task}/reward``), else None."""
     if metric.startswith(TASK_PREFIX) and metric.endswith(TASK_SUFFIX):
@@ -82,7 +122,8 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
     ``rollbacks`` are those the run made by itself when every replica was lost at once (``recovery.py``): the
     round the replicas waited for, the checkpoint they went back to, and the completed rounds they redid
     (``rounds_redone`` in all). ``config_changes`` are the changes resumes made to the run's config (``launch
-    --resume --set``): the round each started after, when, and each key from what to what.
+    --resume --set``): the round each started after, when, and each key from what to what. ``throughput``: the
+    tokens per second and the step's time split (``throughput``).
     """
     metrics = read_metrics(run)
     trained = {rank: [r for r in rows if r["round"] > 0] for rank, rows in metrics.items()}
@@ -124,6 +165,7 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
             r.get("checkpoint_bytes_up", 0) for rows in trained.values() for r in rows
         ),
         "sync_blocked_fraction": blocked / busy if busy else None,
+        "throughput": throughput(trained),
         "rollbacks": [{"waited_for": r.waited_for, "to": r.to, "redone": r.redone} for r in rolled],
         "rounds_redone": sum(r.redone for r in rolled),
         "config_changes": config_changes.read(run),
@@ -139,6 +181,30 @@ def write_report(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str
     if "eval/reward" in eval_curves(metrics):
         run.put(layout.REWARD_PLOT, plot_rewards(metrics))
     return summary
+
+
+def speed(summary: dict[str, Any]) -> str | None:
+    """One line for the end of a run: its tokens per second, where a step's time went, its peak memory."""
+    figures = summary.get("throughput")
+    if figures is None:
+        return None
+    parts = []
+    if figures["train_tokens_per_s"] is not None:
+        parts.append(f"{figures['train_tokens_per_s']:,.0f} trained tokens/s per replica")
+    if figures["generate_tokens_per_s"] is not None:
+        parts.append(f"{figures['generate_tokens_per_s']:,.0f} generated tokens/s")
+    split = [(phase, share) for phase, share in figures["time_split"].items() if share]
+    if split:
+        parts.append(
+            "a step's time: "
+            + ", ".join(
+                f"{phase.replace('_', '-')} {share:.0%}"
+                for phase, share in sorted(split, key=lambda x: -x[1])
+            )
+        )
+    if figures["device_peak_gib"] is not None:
+        parts.append(f"peak device memory {figures['device_peak_gib']:.1f} GiB")
+    return "speed: " + "; ".join(parts) if parts else None
 
 
 def outcome(summary: dict[str, Any]) -> list[str]:
