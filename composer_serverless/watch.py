@@ -37,7 +37,7 @@ from composer_serverless.executors.base import BackendError
 from composer_serverless.harvest.live import LiveHarvester
 from composer_serverless.rendezvous import layout, recovery
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
-from composer_serverless.report import eval_headline, outcome, write_report
+from composer_serverless.report import eval_headline, outcome, speed, write_report
 from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor, Terminated
 from composer_serverless.tracking.relay import Relay
 
@@ -179,6 +179,9 @@ def print_report(run: Followed, console: Console) -> None:
         f"moved {summary['bytes_uploaded'] / 1e6:.1f} MB up, {summary['bytes_downloaded'] / 1e6:.1f} MB down; "
         f"checkpoints wrote {summary['checkpoint_bytes_uploaded'] / 1e6:.1f} MB"
     )
+    line = speed(summary)
+    if line is not None:
+        console.print(line, highlight=False)
     store = run.supervisor.run
     for what, key in report_files(summary):
         console.print(f"  {what:12s} {store.url_of(key)}", highlight=False)
