@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 
 import pytest
 from rich.console import Console
@@ -64,3 +65,28 @@ def test_a_launch_whose_tracker_is_not_installed_stops_before_the_store_is_writt
     with pytest.raises(ConfigError, match="tracking.report_to names trackio, not installed here"):
         launcher.start(prepared, Console(file=io.StringIO()))
     assert not (tmp_path / "store" / "untracked").exists()
+
+
+def test_trackio_and_wandb_take_the_completions_table(tmp_path) -> None:
+    from trackio.sqlite_storage import SQLiteStorage
+
+    from tests.tracking.wandb_records import history
+
+    project = f"tables-{tmp_path.name}"
+    tracking = TrackingConfig(report_to=("trackio", "wandb"), project=project, wandb_mode="offline")
+    rows = [[1, 0, "2+2?", "4", 1.0], [1, 1, "3+3?", "7", 0.0]]
+    for name in ("trackio", "wandb"):
+        tracker = trackers.open_tracker(name, tracking, "tabled", {"seed": 0}, tmp_path)
+        tracker.log(1, {"train/loss": 2.0})
+        tracker.table(1, "completions", ["round", "replica", "prompt", "completion", "reward"], rows)
+        tracker.close()
+    logged = SQLiteStorage.get_logs(project, "tabled")
+    (table,) = [row["completions"] for row in logged if "completions" in row]
+    assert [(r["prompt"], r["completion"], r["reward"]) for r in table["_value"]] == [
+        ("2+2?", "4", 1.0),
+        ("3+3?", "7", 0.0),
+    ]
+    (wandb_row,) = [row for row in history(tmp_path) if "completions/_type" in row]
+    assert wandb_row["completions/_type"] == "table-file" and wandb_row["_step"] == 1
+    (saved,) = tmp_path.glob(f"wandb/offline-run-*/files/{wandb_row['completions/path']}")
+    assert json.loads(saved.read_text())["data"] == rows
