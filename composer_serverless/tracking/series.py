@@ -40,10 +40,11 @@ def round_rows(rows: Rows, round_index: int) -> list[Mapping[str, Any]]:
 def ready(rows: Rows, round_index: int, *, ended: bool) -> bool:
     """Whether round ``round_index`` can be relayed: every replica it averaged wrote its row (each writes it
     right after the sync), the run has ended, or a replica is already two rounds past it (a participant
-    that has not written its row by then died before it could). Round 0 is the initial evaluation."""
+    that has not written its row by then died before it could). Round 0 is the initial evaluation, over once
+    any round was trained."""
     this = round_rows(rows, round_index)
-    if round_index == 0:
-        return bool(this) or ended
+    if round_index == 0:  # evaluated before training starts, if at all
+        return bool(this) or ended or any(row["round"] >= 1 for r in rows.values() for row in r)
     later = any(row["round"] >= round_index + 2 for replica_rows in rows.values() for row in replica_rows)
     if ended or later:
         return True

@@ -110,3 +110,9 @@ def test_an_empty_mean_is_left_out_of_the_round_point() -> None:
     row = _row(0, 1, [1.0])
     row["round_s"] = 0.0  # no blocked fraction can be computed
     assert "round/blocked_fraction" not in series.round_point([row])
+
+
+def test_the_initial_evaluation_is_over_once_a_round_was_trained() -> None:
+    assert not series.ready({}, 0, ended=False)
+    assert series.ready({0: [{"rank": 0, "round": 0, "eval": {"eval/loss": 3.0}}]}, 0, ended=False)
+    assert series.ready({0: [_row(0, 1, [1.0])]}, 0, ended=False)  # no initial evaluation was written
