@@ -1,0 +1,127 @@
+"""The model card is built from a run's config and summary alone: its metadata is what the Hub reads, its
+figures are the summary's, and its config launches the same run again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+
+from composer_serverless.config import RunConfig, load_config, validate_config
+from composer_serverless.model_card import card_text, reproduce_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_CONFIGS = sorted(
+    p for p in (ROOT / "deploy" / "configs").glob("*.toml") if p.name != "harvest-teachers.toml"
+)
+
+
+def _reloaded(config: RunConfig, tmp_path: Path) -> tuple[dict, dict]:
+    """``config`` and what ``launch`` loads from its card's TOML, each without the run id and code.root."""
+    path = tmp_path / "config.toml"
+    path.write_text(reproduce_toml(config))
+    dumps = (config.model_dump(), load_config(path).model_dump())
+    for dump in dumps:
+        dump.pop("run_id")
+        dump["code"].pop("root")
+    return dumps
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=[p.stem for p in RUN_CONFIGS])
+def test_the_cards_config_launches_the_same_run(path: Path, tmp_path: Path) -> None:
+    original, again = _reloaded(load_config(path), tmp_path)
+    assert again == original
+
+
+def test_values_toml_must_quote_or_nest_come_back_too(tmp_path: Path) -> None:
+    config = validate_config(
+        {
+            "run_id": "r",
+            "model": {
+                "path": "Qwen/Qwen2.5-0.5B",
+                "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]},
+                "config_overrides": {"rope_theta": 1e6, "a.dotted key": True},
+            },
+            "data": {"corpus": 'hf://datasets/me/notes "v2"/*.jsonl', "seq_len": 64},
+            "diloco": {"sync_every": 5, "rounds": 3, "outer_lr": 0.35, "codec": "int8"},
+            "executor": {"type": "hf_jobs", "image": "ghcr.io/x/y:1", "secrets": ["WANDB_API_KEY"]},
+            "output": {"push_to_hub": "me/model", "private": False},
+        }
+    )
+    original, again = _reloaded(config, tmp_path)
+    assert again == original
+
+
+def test_a_value_toml_cannot_hold_is_a_comment() -> None:
+    """TOML has no null: a default a config made in Python unset is said, not silently dropped."""
+    config = validate_config(
+        {"model": {"tiny": {}}, "diloco": {"sync_every": 2, "rounds": 4}, "train": {"grad_clip": None}}
+    )
+    assert "# grad_clip is unset" in reproduce_toml(config)
+
+
+def _composer_config() -> RunConfig:
+    return validate_config(
+        {
+            "run_id": "gsm8k-1",
+            "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct", "dtype": "bfloat16"},
+            "train": {"objective": "composer", "lr": 1e-6},
+            "diloco": {"replicas": 8, "sync_every": 10, "rounds": 30, "nesterov": False, "codec": "bf16"},
+            "composer": {
+                "data": {
+                    "prompts": "hf://datasets/openai/gsm8k/main",
+                    "heldout": "hf://datasets/openai/gsm8k/main",
+                },
+                "rewards": [
+                    {"fn": "exact_match"},
+                    {"fn": "rewards.py:formatted", "name": "format", "weight": 0.2},
+                ],
+            },
+        }
+    )
+
+
+SUMMARY = {
+    "rounds": 30,
+    "rounds_committed": 30,
+    "initial_eval_reward": 0.21,
+    "final_eval_reward": 0.4375,
+    "eval_reward_by_round": {"0": 0.21, "20": 0.40625, "30": 0.4375},
+    "eval_reward_by_task": {"gsm8k": {"initial": 0.21, "final": 0.4375, "best": 0.5}},
+    "final_eval_loss": None,
+    "replicas_bit_identical": True,
+    "wall_s": 5123.4,
+}
+
+
+def test_the_card_says_what_was_trained_how_and_what_it_reached() -> None:
+    text = card_text(_composer_config(), SUMMARY, round_index=20, final=False, title="me/gsm8k-diloco")
+    card = ModelCard(text)  # the front matter is YAML the Hub reads
+    assert card.data.base_model == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert card.data.datasets == ["openai/gsm8k"] and card.data.pipeline_tag == "text-generation"
+    assert text.count("# me/gsm8k-diloco") == 1
+    assert "run `gsm8k-1`, round 20 of 30 (its checkpoint of round 20)" in text
+    for row in (
+        "| replicas (M) | 8 |",
+        "| inner steps per round (H, sync_every) | 10 |",
+        "| rounds | 30 |",
+        "| outer optimizer | SGD, lr 0.7, momentum 0.9, Nesterov off |",
+        "| exchange codec | bf16 |",
+        "| objective | composer (GRPO + alpha SDPO + beta replay); rewards: `exact_match` x 1, `format` x 0.2 |",
+        "| held-out reward, initial -> final | 0.2100 -> 0.4375 |",
+        "| held-out reward at round 20 (this model) | 0.4062 |",
+        "| held-out reward on gsm8k, final (best) | 0.4375 (0.5000) |",
+        "| wall time | 5123 s |",
+    ):
+        assert row in text, row
+    assert "held-out loss" not in text
+
+
+def test_a_card_without_a_summary_has_no_results_and_a_directory_is_no_base_model() -> None:
+    config = validate_config(
+        {"model": {"path": "/models/mine"}, "diloco": {"sync_every": 2, "rounds": 4}, "run_id": "x"}
+    )
+    text = card_text(config, None, round_index=4, final=False, title="x")
+    assert ModelCard(text).data.base_model is None and "`/models/mine`" in text
+    assert "## Results" not in text and "## Reproduce" in text
