@@ -18,7 +18,7 @@ TOKEN_FIX = (
 )
 
 
-def _transport_errors() -> tuple[type[BaseException], ...]:
+def transport_errors() -> tuple[type[BaseException], ...]:
     found = []
     for module in ("httpx", "httpx2"):
         try:
@@ -122,7 +122,7 @@ def classify(
             "executor.timeout_s against what the Hub accepts",
             transient=False,
         )
-    if isinstance(error, _transport_errors()):
+    if isinstance(error, transport_errors()):
         return Refusal(
             f"cannot reach the Hub at {endpoint} while {what} ({type(error).__name__}: {error})\n  fix: check "
             "this machine's network (and HF_ENDPOINT, if you set it), then run the command again",
