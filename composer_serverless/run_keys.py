@@ -75,8 +75,11 @@ def new_run_key(run_url: str, environ: Mapping[str, str] = os.environ) -> RunKey
     return key
 
 
-def saved_run_key(run_url: str, environ: Mapping[str, str] = os.environ) -> RunKey:
-    """The key of an existing run, for ``--resume``: ``runkey.ENV`` if set, else the saved key file.
+def saved_run_key(
+    run_url: str, environ: Mapping[str, str] = os.environ, *, then: str = "resume again"
+) -> RunKey:
+    """The key of an existing run, for ``--resume`` (or ``export``: ``then`` is what the fix says to do next):
+    ``runkey.ENV`` if set, else the saved key file.
 
     Raises:
         ConfigError: neither holds a key (exit 2, with the fix).
@@ -92,7 +95,7 @@ def saved_run_key(run_url: str, environ: Mapping[str, str] = os.environ) -> RunK
             f"the run at {run_url} authenticates its payloads (diloco.authenticate) and its key is neither in "
             f"{runkey.ENV} nor in {path}: its replicas could not read any state the run wrote\n"
             f"  fix: export {runkey.ENV}=<the run's key> (or copy the key file from the machine that launched "
-            "it), then resume again"
+            f"it), then {then}"
         ) from None
     except (OSError, RunKeyError) as e:
         raise ConfigError(

@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from composer_serverless.config import validate_config
+from composer_serverless.exports import export
 from composer_serverless.launcher import launch
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
-from composer_serverless.runs import export
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 
 
@@ -83,6 +83,13 @@ def test_two_ranks_per_replica_end_where_one_rank_does(
     if not lora:  # the runs trained: agreeing to 1e-5 is not agreeing on the initial weights
         start = load_file(tiny_model_dir / "model.safetensors")
         assert max(float((one[k] - start[k]).abs().max()) for k in one) > 1e-2
+        # The last round rebuilt from the 2-rank replica's checkpoint (each rank's shards joined) is final/.
+        export(str(tmp_path / "g2"), tmp_path / "g2-round-3", round_index=3)
+        rebuilt, final = (
+            load_file(tmp_path / "g2-round-3" / "model.safetensors"),
+            _final(tmp_path, "g2", lora),
+        )
+        assert rebuilt.keys() == final.keys() and all(torch.equal(rebuilt[k], final[k]) for k in final)
     rows = {
         g: {row["round"]: row for row in read_metrics(ObjectStore(str(tmp_path / f"g{g}")))[0]}
         for g in (1, 2)

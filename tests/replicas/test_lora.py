@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import LoraConfig, ModelConfig, validate_config
+from composer_serverless.exports import export
 from composer_serverless.models import load_model
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.runs import export
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 
 
@@ -119,6 +119,16 @@ def test_export_merges_the_adapters_into_a_plain_model_with_the_same_logits(
     with torch.no_grad():
         half_logits = half.float()(input_ids=ids).logits
     assert float((half_logits - merged_logits).abs().max()) <= 1.6e-2 * float(merged_logits.abs().max())
+    # Any kept round, its adapters rebuilt from the round's checkpoint and merged the same way: the last round
+    # is the final model bit for bit, the first another model.
+    final = load_file(out / "model.safetensors")
+    rounds = {}
+    for round_index in (2, 1):
+        export(run.url, tmp_path / f"round-{round_index}", round_index=round_index)
+        rounds[round_index] = load_file(tmp_path / f"round-{round_index}" / "model.safetensors")
+    assert rounds[2].keys() == final.keys() and all(torch.equal(rounds[2][k], final[k]) for k in final)
+    assert not all(torch.equal(rounds[1][k], final[k]) for k in final)
+    assert (tmp_path / "round-1" / "adapter" / "adapter_model.safetensors").exists()
 
 
 def test_lora_adapters_are_the_only_trainable_weights_and_start_alike(tiny_model_dir) -> None:
