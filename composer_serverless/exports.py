@@ -117,10 +117,12 @@ def export(
 
 
 def choose(store: ObjectStore, config: RunConfig, round_index: int | None) -> Source:
-    """The model to export: round ``round_index``'s checkpoint, or by default ``final/`` if the run has one,
-    else its newest checkpoint. ConfigError names the rounds there are when the one asked for is not kept."""
+    """The model to export: round ``round_index``'s checkpoint, or by default ``final/`` if the run has one
+    of its last round, else its newest checkpoint. ``final/`` is of the last round only once the run got there:
+    a resume that takes a finished run further (``--set diloco.rounds``) leaves the old end's until the new
+    one. ConfigError names the rounds there are when the one asked for is not kept."""
     kept = tuple(latest.kept_checkpoints(store))
-    has_final = bool(store.list(layout.FINAL))
+    has_final = bool(store.list(layout.FINAL)) and latest.latest_round(store) >= config.diloco.rounds
     if round_index is None and has_final:
         return Source(config.diloco.rounds, True, kept)
     if round_index is None and kept:
