@@ -27,9 +27,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.prompt import Prompt
 from rich.table import Table
 
-from composer_serverless.config import ConfigError, load_config, load_harvest_config
+from composer_serverless.config import ConfigError, RunConfig, load_config, load_harvest_config
 from composer_serverless.rendezvous import layout
-from composer_serverless.rendezvous.store import StoreError
+from composer_serverless.rendezvous.store import ObjectStore, StoreError
 from composer_serverless.report import outcome
 
 if TYPE_CHECKING:
@@ -59,6 +59,14 @@ ExecutorOption = Annotated[
 ]
 ReplicasOption = Annotated[int | None, typer.Option(help="override diloco.replicas")]
 SetOption = Annotated[list[str], typer.Option("--set", help="override any key: --set diloco.sync_every=20")]
+ResumeSetOption = Annotated[
+    list[str],
+    typer.Option(
+        "--set",
+        help="override any key: --set diloco.sync_every=20; with --resume, only those a resume may change "
+        "(diloco.rounds to a later end, train.lr, evaluation, checkpoints, timeouts, [tracking], [output], ...)",
+    ),
+]
 RunArgument = Annotated[
     str, typer.Argument(help="the run's URL, as launch printed it (s3://bucket/runs/ID, ./runs/ID)")
 ]
@@ -169,7 +177,7 @@ def launch(
     ] = None,
     executor: ExecutorOption = None,
     replicas: ReplicasOption = None,
-    set_: SetOption = [],  # noqa: B006
+    set_: ResumeSetOption = [],  # noqa: B006
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="print the plan and its cost; touch no network, start nothing")
     ] = False,
@@ -185,18 +193,20 @@ def launch(
     """Validate the config, create the run in the store, start the replicas and watch them to the end.
 
     With --resume RUN, restart the replicas of an existing run instead (after they all died): they continue
-    from its latest published state and their own saved state, with the configuration it was created with.
+    from its latest published state and their own saved state, with the configuration it was created with,
+    or with the keys a resume may change changed by --set (a finished run: --set diloco.rounds=<more>).
     """
     from composer_serverless import launcher
 
     with _user_errors(), _cancel_on_sigterm():
         if resume is not None:
-            if config is not None or set_ or replicas is not None or executor is not None or dry_run:
+            if config is not None or replicas is not None or executor is not None or dry_run:
                 raise ConfigError(
-                    "--resume continues a run as it was created\n"
-                    "  fix: pass only --resume RUN (no CONFIG, --set, --replicas, --executor or --dry-run)"
+                    "--resume continues a run with the config in its store\n"
+                    "  fix: pass only --resume RUN, and --set for the keys a resume may change (no CONFIG, "
+                    "--replicas, --executor or --dry-run)"
                 )
-            launcher.resume(resume, console, on_interrupt=ask_cancel_or_detach)
+            launcher.resume(resume, console, on_interrupt=ask_cancel_or_detach, overrides=set_)
             return
         if config is None:
             raise ConfigError("missing CONFIG\n  fix: pass a TOML config to start a run, or --resume RUN")
@@ -248,10 +258,27 @@ def status(run: RunArgument) -> None:
             row.detail,
         )
     _print_table(table)
-    if opened.store.exists(layout.SUMMARY):
+    finished = opened.store.exists(layout.SUMMARY)
+    if finished:
         summary = json.loads(opened.store.get(layout.SUMMARY))
         figures = "; ".join(outcome(summary)) or "no held-out evaluation"
         console.print(f"finished: {figures}; report {opened.store.url_of(layout.SUMMARY)}", highlight=False)
+    if opened.config.tracking.report_to:
+        _relay_to_trackers(opened.store, opened.config, finished)
+
+
+def _relay_to_trackers(store: ObjectStore, config: RunConfig, finished: bool) -> None:
+    """Log what the run's trackers have not been given yet (a run nobody watched: tracking/relay.py)."""
+    from composer_serverless.tracking.relay import Relay
+
+    relay = Relay(store, config)
+    with _user_errors():
+        try:
+            steps = relay.catch_up(ended=finished)
+        finally:
+            relay.close()
+    trackers = ", ".join(config.tracking.report_to)
+    console.print(f"trackers ({trackers}): {steps} new steps logged", highlight=False)
 
 
 @app.command()
@@ -284,10 +311,26 @@ def cancel(run: RunArgument) -> None:
 @app.command()
 def export(
     run: RunArgument,
-    out: Annotated[Path, typer.Argument(help="new directory for the final model (Hugging Face format)")],
+    out: Annotated[Path, typer.Argument(help="new directory for the model (Hugging Face format)")],
+    round_: Annotated[
+        int | None,
+        typer.Option(
+            "--round",
+            help="a round the run keeps a checkpoint of; default: the final model, or the newest checkpoint "
+            "of a run that has none",
+        ),
+    ] = None,
     push_to_hub: Annotated[
         str | None, typer.Option("--push-to-hub", help="also upload it to this Hub repo")
     ] = None,
+    private: Annotated[
+        bool,
+        typer.Option(
+            "--private/--public",
+            help="create the Hub repo private (default) or public; an existing repo keeps its visibility, and "
+            "an existing public one is refused unless --public",
+        ),
+    ] = True,
     dtype: Annotated[
         str | None,
         typer.Option(
@@ -295,12 +338,19 @@ def export(
         ),
     ] = None,
 ) -> None:
-    """Copy the run's final model out of the store, and optionally push it to the Hugging Face Hub."""
-    from composer_serverless import runs
+    """Copy a model of the run out of the store with its model card, and optionally push it to the Hub."""
+    from composer_serverless import exports
 
     with _user_errors():
-        commit = runs.export(run, out, push_to_hub, dtype)
-    console.print(f"final model copied to {out}" + (f"; pushed: {commit}" if commit else ""), markup=False)
+        done = exports.export(
+            run, out, round_index=round_, dtype=dtype, push_to_hub=push_to_hub, private=private
+        )
+    what = "final model" if done.source.final else "checkpoint"
+    console.print(
+        f"{what} of round {done.source.round} copied to {out}"
+        + (f"; pushed: {done.commit_url}" if done.commit_url else ""),
+        markup=False,
+    )
 
 
 @app.command()

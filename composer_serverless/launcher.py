@@ -7,7 +7,8 @@ store. Everything that can be checked is checked before the first write: the con
 network), this machine's credentials (no network), then the store (one probe object, deleted again).
 
 Watching, and what Ctrl-C and SIGTERM do then, is ``watch.py``'s, shared with ``sweep``. ``resume`` restarts
-every replica of an existing run whose replicas all died: they continue from its latest published state.
+every replica of an existing run whose replicas all died: they continue from its latest published state,
+with the keys a resume may change changed if asked (``config/resume.py``), a finished run to a new end.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,9 +30,10 @@ from typing import Any
 
 from rich.console import Console
 
-from composer_serverless import watch
-from composer_serverless.config import ConfigError, RunConfig, validate_config
+from composer_serverless import exports, watch
+from composer_serverless.config import ConfigError, RunConfig, apply_override, validate_config
 from composer_serverless.config.composer import BUILTIN_REWARDS
+from composer_serverless.config.resume import cosine_note, refusal_message, sort_changes
 from composer_serverless.executors import make_executor, shipment
 from composer_serverless.executors.base import (
     TERMINAL_STATES,
@@ -44,13 +46,14 @@ from composer_serverless.executors.base import (
 )
 from composer_serverless.harvest import plan as harvest_plan
 from composer_serverless.objectives import inputs
-from composer_serverless.rendezvous import layout, runkey
+from composer_serverless.rendezvous import config_changes, layout, runkey
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 from composer_serverless.run_keys import new_run_key, saved_run_key
 from composer_serverless.runs import STORE_HINT, absolute_store, open_created, open_store
 from composer_serverless.supervisor import Supervisor
+from composer_serverless.tracking import trackers
 from composer_serverless.watch import Choice, Followed, ReplicaView, cancel_on_interrupt
 
 # Loading a config and a tokenizer from the Hub and building the model on the meta device: seconds to a minute.
@@ -178,14 +181,15 @@ def _with_rewards_checked(config: RunConfig, train: list[Any]) -> RunConfig:
 
 
 def _preflight(executor: ServerlessExecutor, plan: LaunchPlan, config: RunConfig) -> list[str]:
-    """What this machine lacks for the launch: the executor's credentials, and the teachers' keys of a live
-    harvest (the launcher harvests, so they are needed here, never by the replicas)."""
+    """What this machine lacks for the launch: the executor's credentials, the teachers' keys of a live
+    harvest (the launcher harvests, so they are needed here, never by the replicas), for a push at the end
+    ([output]) the Hub token and a valid repo id, and the clients of the trackers it relays to."""
     problems = executor.preflight(plan)
     if config.live_harvest and config.harvest is not None:
         problem = harvest_plan.key_problem(config.harvest)
         if problem is not None:
             problems.append(problem)
-    return problems
+    return problems + exports.push_problems(config.output) + trackers.missing(config.tracking)
 
 
 def _plan(executor: ServerlessExecutor, config: RunConfig, run: ObjectStore) -> LaunchPlan:
@@ -317,10 +321,14 @@ def launch(
 
 
 def resume(
-    run_url: str, console: Console, on_interrupt: Callable[[], Choice] = cancel_on_interrupt
+    run_url: str,
+    console: Console,
+    on_interrupt: Callable[[], Choice] = cancel_on_interrupt,
+    overrides: Sequence[str] = (),
 ) -> dict[str, Any] | None:
     """Continue the run at ``run_url`` and watch it to its end, as ``launch`` does; never a second set of
-    replicas beside live ones.
+    replicas beside live ones. ``overrides`` (``dotted.key=value``) change keys a resume may change
+    (``config/resume.py``): a finished run goes on to a larger ``diloco.rounds``, say.
 
     If any replica of the run still runs (the launcher died, or detached), the resume adopts them: it watches
     the live ones again and starts only the ranks whose replica has ended, which rejoin from the store as a
@@ -330,28 +338,35 @@ def resume(
 
     If none runs, every earlier attempt not known to have ended is ended first (cancelled, and seen ended:
     ``_end_open_attempts``), then the run is rolled back to its newest checkpoint (``latest.roll_back``) and
-    every replica is started again, continuing from it and their own states saved with it, with the
-    configuration the run was created with (``run.json`` is write-once): the rounds after the checkpoint are
-    redone. Either way the new
-    attempts are added to ``launch.json`` beside the earlier ones, so ``cancel`` still reaches every one.
+    every replica is started again, continuing from it and their own states saved with it: the rounds after
+    the checkpoint are redone. Either way the new attempts are added to ``launch.json`` beside the earlier
+    ones, so ``cancel`` still reaches every one.
+
+    With ``overrides`` there is no adopting: ``run.json`` is rewritten only while no replica of the run is live
+    (a replica never sees two configs), after the roll back and before any replica starts, and the change is
+    recorded with the round it starts after (``config_changes``). The old end's report is removed, so the new
+    end writes its own; ``final/`` is rewritten by the new last round.
 
     Raises:
-        ConfigError: ``run_url`` holds no run, or this machine cannot launch its replicas; nothing started.
+        ConfigError: ``run_url`` holds no run, an override is refused (each with why) or the run has finished
+            with nothing to extend, a replica is live while overrides are given, or this machine cannot
+            launch its replicas; nothing was written or started.
         BackendError: the backend refused the credentials or could not be reached; nothing started.
         StoreError: the store cannot be written; nothing was launched.
         RunFailed, RunCancelled: as for ``launch``.
     """
-    run, config = open_created(run_url)
+    run, created = open_created(run_url)
+    config, changed = _overridden(created, overrides)
     executor = make_executor(config, run)
     plan = _plan(executor, config, run)
     problems = _preflight(executor, plan, config)
     if problems:
         raise ConfigError("cannot resume:\n" + "\n".join(textwrap.indent(p, "  ") for p in problems))
-    if run.exists(layout.SUMMARY):
+    if run.exists(layout.SUMMARY) and config.diloco.rounds == created.diloco.rounds:
         raise ConfigError(
-            f"run {config.run_id} at {run.url} has finished (its report: {run.url_of(layout.SUMMARY)}); "
-            "there is nothing to resume\n  fix: composer-serverless status RUN shows its outcome; launch a new "
-            "run to train further"
+            f"run {config.run_id} at {run.url} has finished its {config.diloco.rounds} rounds (its report: "
+            f"{run.url_of(layout.SUMMARY)}); there is nothing to resume\n  fix: composer-serverless status RUN "
+            f"shows its outcome; --set diloco.rounds=<more than {config.diloco.rounds}> trains it further"
         )
     executor.check_access(plan)
     if config.diloco.authenticate:  # before anything is changed: a resume without the key cannot work
@@ -359,9 +374,15 @@ def resume(
     earlier = _launch_record(run)
     if earlier is not None:
         statuses = executor.status(earlier.current())
-        if any(s.state not in TERMINAL_STATES for s in statuses) or (
-            statuses and all(s.state == "succeeded" for s in statuses)
-        ):
+        live = [s.rank for s in statuses if s.state not in TERMINAL_STATES]
+        if changed and live:
+            raise ConfigError(
+                f"run {config.run_id} still has live replicas ({', '.join(map(str, live))}): --set changes "
+                "run.json, which a live replica has read, and no replica may ever train with two configs\n"
+                f"  fix: wait until `composer-serverless status {run.url}` shows none running (or cancel the "
+                "run), then resume with --set; or resume without --set to watch them"
+            )
+        if not changed and (live or (statuses and all(s.state == "succeeded" for s in statuses))):
             return _adopt(run, executor, config, earlier, statuses, console, on_interrupt)
         _end_open_attempts(run, executor, earlier, console)
     run.ensure_root()
@@ -385,9 +406,55 @@ def resume(
         + f" of round {back.round}",
         highlight=False,
     )
+    if changed:
+        _reconfigure(run, created, config, changed, back.round, console)
     handles = earlier.handles if earlier is not None else ()
     record = LaunchRecord(plan, handles, created_at=time.time(), earlier_wall_s=earlier_wall_s)
     return follow(_start_replicas(run, executor, record, config, console), config, console, on_interrupt)
+
+
+def _overridden(created: RunConfig, overrides: Sequence[str]) -> tuple[RunConfig, dict[str, tuple[Any, Any]]]:
+    """The run's config with a resume's ``overrides`` applied, and the keys they change ((old, new) by key).
+
+    Raises:
+        ConfigError: an override is malformed or invalid, or changes a key a resume may not change (each
+            named with why: ``config/resume.py``).
+    """
+    if not overrides:
+        return created, {}
+    raw = json.loads(created.resolved_json())
+    for override in overrides:
+        apply_override(raw, override)
+    config = validate_config(raw, source=f"run {created.run_id}'s run.json with the --set overrides")
+    changes = sort_changes(created, config)
+    if changes.refused:
+        raise ConfigError(refusal_message(changes.refused))
+    return config, changes.changed
+
+
+def _reconfigure(
+    run: ObjectStore,
+    created: RunConfig,
+    config: RunConfig,
+    changed: dict[str, tuple[Any, Any]],
+    resumed_round: int,
+    console: Console,
+) -> None:
+    """Make ``config`` the run's: every replica is ended and none is started yet. The old end's report goes
+    first: a launcher that dies half-way leaves a run a plain resume (or this one, again) continues, never a
+    finished-looking run with the new config."""
+    for report in (layout.SUMMARY, layout.LOSS_PLOT, layout.REWARD_PLOT):
+        run.delete(report)
+    config_changes.record(run, resumed_round, changed)
+    run.put(layout.RUN_CONFIG, config.resolved_json().encode())
+    console.print(
+        f"changed in run.json from round {resumed_round + 1} on: "
+        + ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()),
+        highlight=False,
+    )
+    note = cosine_note(created, config, resumed_round)
+    if note is not None:
+        console.print(f"[yellow]{note}[/]", highlight=False)
 
 
 def _adopt(
@@ -484,4 +551,6 @@ def follow(
         return None
     watch.write_reports([run])
     watch.print_report(run, console)
+    if config.output.push_to_hub is not None:
+        exports.publish(supervisor.run.url, config.output, console)
     return run.summary

@@ -1,4 +1,4 @@
-"""Operations on an existing run, addressed by its URL alone: status, logs, cancel, export.
+"""Operations on an existing run, addressed by its URL alone: status, logs, cancel (export: ``exports.py``).
 
 Everything needed is in the run itself: ``run.json`` (the resolved config, which names the backend),
 ``launch.json`` (the plan and every replica attempt's handle) and the heartbeats. So these work from any
@@ -11,15 +11,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
-from composer_serverless.config import ConfigError, ModelConfig, RunConfig
+from composer_serverless.config import ConfigError, RunConfig
 from composer_serverless.executors import make_executor
 from composer_serverless.executors.base import (
     LaunchRecord,
@@ -27,15 +24,13 @@ from composer_serverless.executors.base import (
     ReplicaStatus,
     ServerlessExecutor,
 )
-from composer_serverless.executors.environment import secret_value, store_protocol
+from composer_serverless.executors.environment import store_protocol
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore, StoreError
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 
 RUN_URL_HINT = "RUN is the URL `launch` printed, e.g. s3://bucket/runs/<run_id> or ./runs/<run_id>"
 STORE_HINT = "set store to a directory or an object store, e.g. --set store=s3://<bucket>/runs"
-# The dtypes an export can write the weights in: those a run can hold them in.
-EXPORT_DTYPES: tuple[str, ...] = get_args(ModelConfig.model_fields["dtype"].annotation)
 STORE_PROTOCOLS = frozenset({"file", "local", "memory", "s3", "gcs", "az", "abfs", "hf"})
 
 
@@ -199,80 +194,3 @@ def cancel(url: str) -> list[ReplicaStatus]:
     run.save()
     run.executor.cancel_run(run.record)
     return _as_cancelled(run, run.executor.status(run.record.current()))
-
-
-def _export_merged(run: OpenRun, out: Path, dtype: str | None) -> None:
-    """The base model with the run's final adapters merged in, into ``out``; the adapters in ``out/adapter``."""
-    from composer_serverless.models import merge_adapters
-
-    with tempfile.TemporaryDirectory(prefix="composer-serverless-export-") as scratch:
-        adapters = run.store.download_dir(layout.FINAL, Path(scratch) / "adapter")
-        base = run.config.model.path
-        if base is None:  # the tiny model the launcher built is in the run
-            base = str(run.store.download_dir(layout.MODEL, Path(scratch) / "base"))
-        merge_adapters(run.config.model, base, adapters, out, dtype)
-        shutil.copytree(adapters, out / "adapter")
-
-
-def _export_cast(run: OpenRun, out: Path, dtype: str) -> None:
-    """The run's final model in ``out``, its weights in ``dtype``."""
-    from composer_serverless.models import save_in_dtype
-
-    with tempfile.TemporaryDirectory(prefix="composer-serverless-export-") as scratch:
-        save_in_dtype(run.config.model, run.store.download_dir(layout.FINAL, Path(scratch)), out, dtype)
-
-
-def export(url: str, out: Path, push_to_hub: str | None = None, dtype: str | None = None) -> str | None:
-    """Copy the run's final model (``final/``, Hugging Face format) to ``out``; optionally push it to the Hub.
-
-    A LoRA run's ``final/`` holds the adapters: ``out`` then gets the base model with the adapters merged in
-    (loadable by ``AutoModelForCausalLM`` alone) and the adapters themselves in ``out/adapter``. With
-    ``dtype`` (one of ``EXPORT_DTYPES``) the weights are saved in it: bfloat16 is half a float32 export.
-
-    Returns the commit URL when pushed. Everything that can be wrong is checked before anything is written.
-    """
-    if dtype is not None and dtype not in EXPORT_DTYPES:
-        raise ConfigError(
-            f"--dtype {dtype!r} is not a dtype the weights can be exported in\n"
-            f"  fix: one of {', '.join(EXPORT_DTYPES)} (bfloat16: half the size of float32)"
-        )
-    opened = open_run(url)
-    store = opened.store
-    if not store.list(layout.FINAL):
-        raise ConfigError(
-            f"{url} has no final model yet (rank 0 writes {layout.FINAL}/ when the run completes)\n"
-            f"  fix: wait for the run to finish (`composer-serverless status {url}`); {RUN_URL_HINT}"
-        )
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} exists and is not empty\n  fix: choose a new directory")
-    token = None
-    if push_to_hub is not None:
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-        try:
-            validate_repo_id(push_to_hub)
-        except HFValidationError as e:
-            raise ConfigError(
-                f"--push-to-hub {push_to_hub!r}: {e}\n  fix: use <user-or-org>/<name>"
-            ) from None
-        token = secret_value("HF_TOKEN")
-        if token is None:
-            raise ConfigError(
-                "--push-to-hub needs a Hugging Face token\n  fix: export HF_TOKEN=... or run `hf auth login`"
-            )
-    if opened.config.model.lora is not None:
-        _export_merged(opened, out, dtype)
-    elif dtype is not None:
-        _export_cast(opened, out, dtype)
-    else:
-        store.download_dir(layout.FINAL, out)
-    if push_to_hub is None:
-        return None
-    from huggingface_hub import HfApi
-
-    api = HfApi(token=token)
-    api.create_repo(push_to_hub, exist_ok=True)
-    commit = api.upload_folder(
-        repo_id=push_to_hub, folder_path=str(out), commit_message=f"Trained with DiLoCo: {url}"
-    )
-    return commit.commit_url

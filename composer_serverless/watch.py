@@ -119,6 +119,7 @@ def follow(
     for run in runs:
         if run.config.tracking.report_to:
             run.relay = Relay(run.supervisor.run, run.config)
+            _relay(run, view.console, opening=True)
     stopped = "the run ended"
     try:
         with view:
@@ -223,15 +224,19 @@ def _watch(runs: list[Followed], view: View, fail_fast: bool) -> None:
         time.sleep(min([HEARTBEAT_POLL_S, *(status_poll_s(run.config) for run in live)]))
 
 
-def _relay(run: Followed, console: Console, *, final: bool = False) -> None:
-    """Relay the run's new rounds to its trackers, every ``RELAY_EVERY_S``; ``final``: now, as the watch
-    ends, closing the tracker runs. A tracker that fails is said once and relayed to no more by this watch:
-    the replicas do not need it, and the metrics wait in the store for the next relay (``status``)."""
+def _relay(run: Followed, console: Console, *, final: bool = False, opening: bool = False) -> None:
+    """Relay the run's new rounds to its trackers, every ``RELAY_EVERY_S``; ``opening``: open the tracker
+    runs, before the watch starts; ``final``: now, as the watch ends, closing them. A tracker that fails is
+    said once and relayed to no more by this watch: the replicas do not need it, and the metrics wait in the
+    store for the next relay (``status``)."""
     relay = run.relay
-    if relay is None or not final and time.monotonic() < run.next_relay:
+    if relay is None or not (final or opening) and time.monotonic() < run.next_relay:
         return
     run.next_relay = time.monotonic() + RELAY_EVERY_S
     try:
+        if opening:
+            relay.open()
+            return
         relay.catch_up(ended=run.state == "succeeded")
         if final:
             run.relay = None

@@ -51,9 +51,12 @@ class Relay:
         self._trackers: dict[str, Tracker] = {}
         self._held = False
 
-    @property
-    def active(self) -> bool:
-        return bool(self._names)
+    def open(self) -> None:
+        """Open every tracker run now (W&B takes a second or so to start its service), not at the first round
+        to relay: a watch that opens them before it starts watching is never held up by it later."""
+        relayed = self._relayed()
+        for name in self._names:
+            self._tracker(name, fresh=name not in relayed)
 
     def catch_up(self, *, ended: bool) -> int:
         """Log every round that is ready and not yet relayed; returns the steps logged (0 when another relay

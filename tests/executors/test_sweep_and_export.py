@@ -1,10 +1,9 @@
 """``sweep`` runs every grid cell as its own run and prints a results table; ``export`` copies a run's final
-model out (and pushes it to the Hub through huggingface_hub, recorded here by a fake ``HfApi``)."""
+model out with its model card."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -52,38 +51,18 @@ def test_each_cell_is_its_own_run_and_the_table_lists_them(swept):
     assert table.count("succeeded") == 2 and "grid-c0" in table and "grid-c1" in table
 
 
-def test_export_copies_the_final_model_and_pushes_it_to_the_hub(swept, tmp_path, monkeypatch):
+def test_export_copies_the_final_model_with_its_card(swept, tmp_path):
+    """The final model as it is in the store, beside its model card; an OUT that is not empty exits 2 (pushes
+    and other rounds: ``test_export_and_push.py``)."""
     _, store = swept
-    pushed = {}
-
-    class RecordingHfApi:
-        def __init__(self, token):
-            pushed["token"] = token
-
-        def create_repo(self, repo_id, exist_ok):
-            pushed["repo"] = (repo_id, exist_ok)
-
-        def upload_folder(self, repo_id, folder_path, commit_message):
-            pushed["upload"] = (repo_id, sorted(p.name for p in Path(folder_path).iterdir()))
-
-            class Commit:
-                commit_url = f"https://huggingface.co/{repo_id}/commit/abc"
-
-            return Commit()
-
-    import huggingface_hub
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingHfApi)
-    monkeypatch.setenv("HF_TOKEN", "hf_push_token")
     out = tmp_path / "model"
-    result = CliRunner().invoke(
-        app, ["export", str(store / "grid-c0"), str(out), "--push-to-hub", "me/tiny-diloco"]
-    )
+    result = CliRunner().invoke(app, ["export", str(store / "grid-c0"), str(out)])
     assert result.exit_code == 0, result.output
+    assert "final model of round 1 copied to" in " ".join(result.output.split())
     AutoModelForCausalLM.from_pretrained(out)
-    assert pushed["token"] == "hf_push_token" and pushed["repo"] == ("me/tiny-diloco", True)
-    assert pushed["upload"][0] == "me/tiny-diloco" and "model.safetensors" in pushed["upload"][1]
-    assert "pushed: https://huggingface.co/me/tiny-diloco/commit/abc" in " ".join(result.output.split())
+    final = store / "grid-c0" / "final"
+    assert all((out / p.name).read_bytes() == p.read_bytes() for p in final.iterdir())
+    assert "round 1 of 1 (the run's final model)" in (out / "README.md").read_text()
 
     again = CliRunner().invoke(app, ["export", str(store / "grid-c0"), str(out)])
     assert again.exit_code == 2 and "exists and is not empty" in again.output

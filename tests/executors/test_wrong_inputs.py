@@ -50,6 +50,18 @@ CASES = [
         ["no Modal token", "fix: run `modal token new`"],
     ),
     (
+        "missing HF token for the push at the end",
+        ["launch", "{cfg}", "--set", "output.push_to_hub=me/tiny-diloco"],
+        {"HF_TOKEN": None},
+        ["output.push_to_hub = 'me/tiny-diloco' pushes the model when the run ends", "fix: export HF_TOKEN="],
+    ),
+    (
+        "malformed Hub repo for the push at the end",
+        ["launch", "{cfg}", "--set", "output.push_to_hub=me/two/slashes"],
+        {},
+        ["output.push_to_hub: 'me/two/slashes' is not a Hub repo id", "fix: use <user-or-org>/<name>"],
+    ),
+    (
         "unknown GPU type",
         ["launch", "{cfg}", *MODAL, "--set", "executor.gpu=H1000"],
         {},

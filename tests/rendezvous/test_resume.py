@@ -84,7 +84,8 @@ def final_eval(run: ObjectStore) -> float:
 
 
 def test_resume_refuses_what_it_cannot_honour(tmp_path: Path) -> None:
-    """--resume takes the run as it was created, and only a run: exit 2 before anything is started."""
+    """--resume takes the run's config from its store (changed only by --set: test_resume_with_changes.py), and
+    only a run: exit 2 before anything is started."""
     from typer.testing import CliRunner
 
     from composer_serverless.cli import app
@@ -96,10 +97,10 @@ def test_resume_refuses_what_it_cannot_honour(tmp_path: Path) -> None:
     demo = str(REPO / "deploy" / "configs" / "local-demo.toml")
     for argv in (
         ("launch", demo, "--resume", str(tmp_path)),
-        ("launch", "--resume", str(tmp_path), "--set", "seed=1"),
+        ("launch", "--resume", str(tmp_path), "--replicas", "3"),
     ):
         code, output = run(*argv)
-        assert code == 2 and "--resume continues a run as it was created" in output
+        assert code == 2 and "--resume continues a run with the config in its store" in output
     code, output = run("launch", "--resume", str(tmp_path / "nothing"))
     assert code == 2 and "is not a run" in output
     code, output = run("launch")
