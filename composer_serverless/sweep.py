@@ -81,6 +81,12 @@ def plan_sweep(path: Path, grid: list[str], overrides: list[str], executor_type:
             config = load_config(path, cell_overrides, executor_type)
         except ConfigError as e:
             raise ConfigError(f"grid cell {index} ({_describe(values)}): {e}") from None
+        if config.output.push_to_hub is not None:
+            raise ConfigError(
+                f"output.push_to_hub = {config.output.push_to_hub!r}: a sweep does not push its cells (they would "
+                "all push to one repo)\n  fix: remove [output] push_to_hub, then push the cell you choose with "
+                "`composer-serverless export RUN OUT --push-to-hub REPO`"
+            )
         base = base or config.run_id or new_run_id(str(path))
         run_id = f"{base[: 63 - len(f'-c{index}')]}-c{index}"
         assert RUN_ID_PATTERN.match(run_id), run_id

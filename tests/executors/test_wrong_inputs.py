@@ -178,6 +178,12 @@ CASES = [
         {},
         ["grid cell 1 (diloco.outer_lr=-1)", "diloco.outer_lr: Input should be greater than 0"],
     ),
+    (
+        "sweep with a push at the end",
+        ["sweep", "{cfg}", "--grid", "seed=0,1", "--set", "output.push_to_hub=me/model"],
+        {},
+        ["a sweep does not push its cells", "export RUN OUT --push-to-hub REPO"],
+    ),
 ]
 
 
