@@ -14,7 +14,7 @@ from composer_serverless.objectives.composer import stratified
 from composer_serverless.objectives.inputs import check_composer
 from composer_serverless.objectives.objective import evaluate, make_objective, step_loss
 from composer_serverless.objectives.shares import combine
-from composer_serverless.replicas.trainer import _read_step
+from composer_serverless.replicas.meter import read_step
 from tests.replicas.conftest import tiny_model
 
 TRAIN = [{"prompt": f"add {a} {b}=", "answer": str(a + b), "task": "add"} for a in range(3) for b in range(3)]
@@ -203,7 +203,7 @@ def test_a_step_on_the_accelerator_waits_for_it_a_few_times_whatever_the_batch(r
             before = Counter(sim.host_syncs)
             loss, metrics = step_loss(objective, model)
             loss.backward()
-            _read_step(loss, metrics)
+            read_step(loss, metrics)
             counts.append(sum((sim.host_syncs - before - generating).values()))
         assert sum(generating.values()) > 0  # generate itself ran on the device, and was told apart
     # Four times the rows, about as many waits: transformers' SDPA mask asks once or twice more or less,
