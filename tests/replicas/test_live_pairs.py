@@ -74,11 +74,12 @@ def test_rollouts_recorded_pairs_taken_at_the_boundary_and_resumed_alike(live, m
     loss, metrics = step_loss(objective, model)
     assert "replay/loss" not in metrics  # no pairs yet: the channel is off, not an error
 
-    # Round 1's end takes nothing (live_lag 1: round 1's pairs are taken at the end of round 2).
-    assert objective.round_ended(1, _holding(model), _never_waits) == {
-        "replay_files": [],
-        "replay_files_new": [],
-    }
+    # Round 1's end takes nothing (live_lag 1: round 1's pairs are taken at the end of round 2); its row
+    # carries the round's sample of completions for the trackers.
+    fields = objective.round_ended(1, _holding(model), _never_waits)
+    sample = fields.pop("completions")
+    assert sample and all(c["prompt"] in {t["prompt"] for t in TRAIN} for c in sample)
+    assert fields == {"replay_files": [], "replay_files_new": []}
     rows = [json.loads(line) for line in run.get(layout.rollouts(1, 1)).decode().splitlines()]
     assert rows and {r["prompt"] for r in rows} <= {t["prompt"] for t in TRAIN}
     assert all(r["id"].startswith("r1-k1-") and isinstance(r["reward"], float) and r["student"] for r in rows)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -56,22 +57,22 @@ def relayed(tmp_path_factory):
         }
     )
     run = ObjectStore(str(tmp / "store")).child("tracked")
+    # The replicas are held still (SIGSTOP) the moment round 1 is complete, by a thread of the test's own,
+    # however long the launcher takes meanwhile (opening W&B on a busy machine takes seconds), so that the
+    # launcher's last relay, as it detaches, sees round 1 and not the whole run.
+    stopped: list[psutil.Process] = []
+    held = threading.Event()
+    hold = threading.Thread(target=_hold_after_round_1, args=(run, stopped, held), daemon=True)
+    hold.start()
     show = ReplicaView.show
 
-    stopped: list[psutil.Process] = []
-
-    def detach_after_round_1(view, followed, beats):
+    def detach_once_held(view, followed, beats):
         show(view, followed, beats)
-        if series.ready(read_metrics(run), 1, ended=False):
-            # The replicas held still while the launcher detaches (its last relay), so that round 1 and not
-            # the whole run is relayed then, however fast this machine trains.
-            stopped.extend(p for p in psutil.Process().children(recursive=True) if _is_replica(p))
-            for process in stopped:
-                process.suspend()
+        if held.is_set():
             raise KeyboardInterrupt
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ReplicaView, "show", detach_after_round_1)
+        patch.setattr(ReplicaView, "show", detach_once_held)
         summary = launcher.launch(config, "tracked.toml", Console(file=io.StringIO()), lambda: "detach")
     assert summary is None, "the launcher detached"
     at_detach = json.loads(run.get(layout.TRACKING_RELAYED))
@@ -87,6 +88,19 @@ def relayed(tmp_path_factory):
     status, loaded = cli_in_fresh_process("status", run.url)
     assert status.returncode == 0, status.stdout + status.stderr
     return run, config, at_detach, status.stdout, loaded
+
+
+def _hold_after_round_1(run: ObjectStore, stopped: list[psutil.Process], held: threading.Event) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):  # the run's directories are not there yet
+            if series.ready(read_metrics(run), 1, ended=False):
+                stopped.extend(p for p in psutil.Process().children(recursive=True) if _is_replica(p))
+                for process in stopped:
+                    process.suspend()
+                held.set()
+                return
+        time.sleep(0.05)
 
 
 def _is_replica(process: psutil.Process) -> bool:
