@@ -236,7 +236,7 @@ def status(run: RunArgument) -> None:
     from composer_serverless import runs
 
     with _user_errors():
-        opened, rows = runs.status(run)
+        opened, rows, reported = runs.status(run)
     table = Table(
         title=f"{opened.config.run_id} on {opened.record.plan.executor}"
         + (" (cancelled)" if opened.record.cancelled else "")
@@ -265,6 +265,13 @@ def status(run: RunArgument) -> None:
         console.print(f"finished: {figures}; report {opened.store.url_of(layout.SUMMARY)}", highlight=False)
     if opened.config.tracking.report_to:
         _relay_to_trackers(opened.store, opened.config, finished)
+    if reported and opened.config.output.push_to_hub is not None:
+        # The launcher pushes the model of a run it watched to the end; of one it detached from, the status
+        # that writes its report does.
+        from composer_serverless import exports
+
+        with _user_errors():
+            exports.publish(opened.store.url, opened.config.output, console)
 
 
 def _relay_to_trackers(store: ObjectStore, config: RunConfig, finished: bool) -> None:

@@ -126,8 +126,10 @@ class ReplicaRow:
     detail: str
 
 
-def status(url: str) -> tuple[OpenRun, list[ReplicaRow]]:
-    """Each replica's state from its backend plus its last heartbeat; writes the report of a finished run."""
+def status(url: str) -> tuple[OpenRun, list[ReplicaRow], bool]:
+    """Each replica's state from its backend plus its last heartbeat; writes the report of a finished run
+    that has none (the launcher detached from it) and then says so (True), for the caller to finish what
+    the launcher would have (its push to the Hub)."""
     run = open_run(url)
     handles = run.record.current()
     statuses = _as_cancelled(run, run.executor.status(handles))
@@ -149,9 +151,10 @@ def status(url: str) -> tuple[OpenRun, list[ReplicaRow]]:
                 detail=st.detail or beat.get("state", ""),
             )
         )
-    if all(st.state == "succeeded" for st in statuses) and not run.store.exists(layout.SUMMARY):
+    reported = all(st.state == "succeeded" for st in statuses) and not run.store.exists(layout.SUMMARY)
+    if reported:
         _write_detached_report(run, beats)
-    return run, rows
+    return run, rows, reported
 
 
 def _as_cancelled(run: OpenRun, statuses: list[ReplicaStatus]) -> list[ReplicaStatus]:

@@ -300,3 +300,18 @@ def test_what_the_hub_refuses_is_said_and_nothing_is_half_done(finished, user, t
     assert "a push is one commit: tester/broken holds all of this model or none of it" in str(failed.value)
     assert f"composer-serverless export {run} <new dir> --push-to-hub tester/broken" in str(failed.value)
     assert hub.repos["tester/broken"].files == {} and hub.repos["tester/broken"].commits == []
+
+
+def test_the_status_that_writes_a_detached_runs_report_pushes_its_model(finished, hub, env) -> None:
+    """A run the launcher detached from gets its report from the first `status` that sees it finished; with
+    [output] push_to_hub that status also pushes the final model, once."""
+    _, run = finished
+    (run / "summary.json").unlink()  # as if the launcher had detached before the end
+    commits = len(hub.repos[REPO_ID].commits)
+    result = cli("status", str(run), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"pushed the final model to {REPO_ID}" in result.stdout and (run / "summary.json").exists()
+    assert len(hub.repos[REPO_ID].commits) == commits + 1
+    again = cli("status", str(run), env=env)  # the report exists now: nothing more to finish
+    assert again.returncode == 0 and "pushed" not in again.stdout
+    assert len(hub.repos[REPO_ID].commits) == commits + 1

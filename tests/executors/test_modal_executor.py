@@ -354,7 +354,7 @@ def test_launcher_drives_modal_through_the_sdk(tmp_path, s3_store, fake_modal):
     assert fake_modal.requests.count("hello") == 1  # the token was checked before anything was written
 
     # Another process: a fresh executor finds the calls through launch.json alone.
-    opened, rows = runs.status(f"{store}/modal-run")
+    opened, rows, _ = runs.status(f"{store}/modal-run")
     assert [r.state for r in rows] == ["succeeded", "succeeded"]
     assert {r.backend_id for r in rows} == set(fake_modal.calls)
     assert {h.meta["app_id"] for h in opened.record.handles} == set(fake_modal.apps)
