@@ -28,10 +28,10 @@ from composer_serverless.config.outputs import OutputConfig
 from composer_serverless.executors.base import BackendError
 from composer_serverless.executors.environment import secret_value
 from composer_serverless.model_card import card_text
-from composer_serverless.rendezvous import latest, layout, runkey
+from composer_serverless.rendezvous import latest, layout
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.run_keys import saved_run_key
+from composer_serverless.run_keys import checked_run_key
 from composer_serverless.runs import RUN_URL_HINT, open_created
 
 # The dtypes an export can write the weights in: those a run can hold them in.
@@ -159,15 +159,7 @@ def _run_key(store: ObjectStore, config: RunConfig) -> RunKey | None:
     as ``launch --resume`` finds it and checked against the run's fingerprint; None for a run without one."""
     if not config.diloco.authenticate:
         return None
-    key = saved_run_key(store.url, then="export again")
-    try:
-        runkey.check_fingerprint(store, key)
-    except runkey.WrongRunKey as e:
-        raise ConfigError(
-            f"{e}\n  fix: export {runkey.ENV}=<the key this run was launched with>, or unset it to use the key "
-            "the launcher saved"
-        ) from None
-    return key.for_run(str(config.run_id))
+    return checked_run_key(store, then="export again").for_run(str(config.run_id))
 
 
 def _write_model(

@@ -50,7 +50,7 @@ from composer_serverless.rendezvous import config_changes, layout, runkey
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
-from composer_serverless.run_keys import new_run_key, saved_run_key
+from composer_serverless.run_keys import checked_run_key, new_run_key
 from composer_serverless.runs import STORE_HINT, absolute_store, open_created, open_store
 from composer_serverless.supervisor import Supervisor
 from composer_serverless.tracking import trackers
@@ -217,15 +217,7 @@ def _hand_over_key(executor: ServerlessExecutor, run: ObjectStore, config: RunCo
     again to every replica it relaunches)."""
     if not config.diloco.authenticate:
         return
-    key = saved_run_key(run.url)
-    try:
-        runkey.check_fingerprint(run, key)
-    except runkey.WrongRunKey as e:
-        raise ConfigError(
-            f"{e}\n  fix: export {runkey.ENV}=<the key this run was launched with>, or unset it to use the key "
-            "the launcher saved"
-        ) from None
-    executor.run_secrets[runkey.ENV] = key.hex()
+    executor.run_secrets[runkey.ENV] = checked_run_key(run).hex()
 
 
 def check_model(config: RunConfig) -> None:

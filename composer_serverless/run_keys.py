@@ -26,6 +26,7 @@ import fsspec
 from composer_serverless.config import ConfigError
 from composer_serverless.rendezvous import runkey
 from composer_serverless.rendezvous.runkey import RunKey, RunKeyError
+from composer_serverless.rendezvous.store import ObjectStore
 
 
 def key_dir(environ: Mapping[str, str] = os.environ) -> Path:
@@ -101,3 +102,21 @@ def saved_run_key(
         raise ConfigError(
             f"cannot read the run key from {path}: {e}\n  fix: export {runkey.ENV}=<the run's key>"
         ) from None
+
+
+def checked_run_key(run: ObjectStore, *, then: str = "resume again") -> RunKey:
+    """The saved key of the existing run at ``run`` (``saved_run_key``), held to the run's fingerprint, so a
+    wrong key is told at once instead of every state it reads being rejected.
+
+    Raises:
+        ConfigError: no key, or not this run's (exit 2, with the fix).
+    """
+    key = saved_run_key(run.url, then=then)
+    try:
+        runkey.check_fingerprint(run, key)
+    except runkey.WrongRunKey as e:
+        raise ConfigError(
+            f"{e}\n  fix: export {runkey.ENV}=<the key this run was launched with>, or unset it to use the key "
+            "the launcher saved"
+        ) from None
+    return key
