@@ -4,6 +4,9 @@
   plain training.
 - N=2, H=1, inner SGD, outer SGD lr 1, momentum 0: the outer step applies the mean of lr * g_r, which is
   data-parallel SGD on the union batch.
+- The same, averaging the embedding's and the head's rows over the replicas that trained them
+  (``diloco.embedding_average = "touched"``): data-parallel SGD whose token rows take the mean gradient of the
+  replicas whose batch held the token.
 - The pseudo-gradient is global - local (a sign error once shipped in torchft, meta-pytorch/torchft#233).
 """
 
@@ -28,6 +31,8 @@ from composer_serverless.replicas.diloco import (
     make_schedule,
     split_fragments,
 )
+from composer_serverless.replicas.node import SOLO
+from composer_serverless.replicas.touches import Touches
 
 VOCAB, SEQ, BATCH = 50, 12, 3
 
@@ -81,8 +86,9 @@ class RecordingManager(ObjectStoreManager):
         return super().allreduce(tensor, should_quantize)
 
 
-def run_diloco(cfg, steps_per_replica):
-    """Train every replica in its own thread through DiLoCo; return each replica's final parameters."""
+def run_diloco(cfg, steps_per_replica, *, touched=False):
+    """Train every replica in its own thread through DiLoCo; return each replica's final parameters. With
+    ``touched``, token rows are averaged over the replicas that trained them, as the trainer wires it."""
     store_url = f"memory://equivalence-{uuid.uuid4().hex}"
     results: dict[int, dict[str, torch.Tensor]] = {}
     managers: dict[int, RecordingManager] = {}
@@ -95,6 +101,7 @@ def run_diloco(cfg, steps_per_replica):
         inner = make_inner_optimizer(model, cfg.train)
         schedule = make_schedule(inner, cfg.train, len(steps_per_replica[rank]))
         fragments = split_fragments(model, cfg.diloco.fragments)
+        touches = Touches(model, fragments, SOLO) if touched else None
         # Every replica in every quorum: the equivalences are about the average of all of them.
         n = cfg.diloco.replicas
         manager = managers[rank] = RecordingManager(
@@ -104,6 +111,7 @@ def run_diloco(cfg, steps_per_replica):
             fragments=cfg.diloco.fragments,
             settings=ExchangeSettings(replicas=n, min_replicas=n, codec="fp32", timeout_s=60),
             grace=grace_settings(cfg.diloco),
+            rows=touches.take if touches else None,
         )
         with make_diloco(manager, fragments, inner, cfg.diloco):
             for batch in steps_per_replica[rank]:
@@ -182,6 +190,40 @@ def test_two_replicas_h1_equal_data_parallel_sgd_on_the_union_batch():
     assert_close(results[0], expected)
     # Every replica holds the same global model, bit for bit.
     assert all(torch.equal(results[0][n], results[1][n]) for n in expected)
+
+
+def test_two_replicas_h1_average_each_token_row_over_the_replicas_whose_batch_held_it():
+    steps = 3
+    cfg = config(replicas=2, sync_every=1, rounds=steps, optimizer="sgd")
+    data = {r: batches(r, steps) for r in range(2)}
+    results, _ = run_diloco(cfg, data, touched=True)
+
+    model = tiny_llama()
+    token_rows = {"model.embed_tokens.weight", "lm_head.weight"}  # untied: both have a row per token
+    singly_held = 0
+    for step in range(steps):
+        grads = []
+        for r in range(2):
+            model.zero_grad()
+            model(input_ids=data[r][step], labels=data[r][step]).loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        held = torch.stack([torch.bincount(data[r][step].reshape(-1), minlength=VOCAB) > 0 for r in range(2)])
+        count = held.sum(0)
+        singly_held += int((count == 1).sum())
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                mean = (grads[0][n] + grads[1][n]) / 2
+                if n in token_rows:
+                    by_holders = (
+                        grads[0][n] * held[0, :, None] + grads[1][n] * held[1, :, None]
+                    ) / count.clamp(min=1)[:, None]
+                    mean = torch.where((count > 0)[:, None], by_holders, mean)
+                p -= cfg.train.lr * mean
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    assert_close(results[0], expected)
+    assert all(torch.equal(results[0][n], results[1][n]) for n in expected)
+    # Rows held by one replica's batch only: where this differs from the plain mean the test above checks.
+    assert singly_held > 0
 
 
 def test_pseudo_gradient_is_global_minus_local():

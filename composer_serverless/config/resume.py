@@ -69,7 +69,12 @@ REFUSED: dict[str, str] = {
         "the outer optimizer's saved state carries it: the restored optimizer would keep the old value",
     ),
     **dict.fromkeys(
-        ("diloco.codec", "diloco.fragment_update_alpha", "diloco.outlier_norm_factor"),
+        (
+            "diloco.codec",
+            "diloco.fragment_update_alpha",
+            "diloco.outlier_norm_factor",
+            "diloco.embedding_average",
+        ),
         "it decides what every round averages and applies: the rounds after the resume would not continue the "
         "rounds before",
     ),

@@ -140,6 +140,13 @@ class DiLoCoConfig(StrictModel):
         "fp32",
         description="wire format of pseudo-gradients: fp32, bf16, or int8 with blockwise absmax scales",
     )
+    embedding_average: Literal["touched", "all"] = Field(
+        "touched",
+        description="how the rows of the embedding (and of an untied output head) are averaged: 'touched' "
+        "averages each token's row over the replicas whose training data held that token since the last sync "
+        "(a plain average divides a rare token's step by the replicas that never saw it); 'all' averages "
+        "every replica's row. One bit per token travels with each pseudo-gradient",
+    )
     min_replicas: int = Field(
         1, ge=1, description="fewest replicas a sync may average once the straggler grace has passed"
     )

@@ -25,6 +25,11 @@ all-reduce bound. A replica that is not a participant (it arrived after the quor
 nothing and reads all N reduced shards: it receives the participants' average exactly as torchft's healing
 replicas do (they contribute zeros and receive the average).
 
+With a ``RowMask`` (``rows.py``) each input also carries one bit per row of the token-indexed blocks (the
+embedding, an untied head) its shard overlaps, and the reducer averages each such row over the inputs whose
+replica's data held the token, where any did: a few bytes per row block, and the average is still a function
+of the durable inputs alone.
+
 A payload that fails its checksum (with a run key, its MAC), header or identity is logged and left out of
 the sum, never averaged; so is one whose pseudo-gradient's norm lies far outside the others' (``robust.py``,
 with ``outlier_factor``).
@@ -67,6 +72,7 @@ from composer_serverless.rendezvous.exchange import (
 from composer_serverless.rendezvous.polling import poll_until
 from composer_serverless.rendezvous.replica_log import ReplicaLog
 from composer_serverless.rendezvous.robust import outliers
+from composer_serverless.rendezvous.rows import RowMask, RowSums, span_rows, spans
 from composer_serverless.rendezvous.sharding import (
     MAX_QUORUM_GENERATIONS,
     complete_ranks,
@@ -95,6 +101,7 @@ def allreduce(
     is_stale: Callable[[], bool] | None = None,
     out: torch.Tensor | None = None,
     workspace: Workspace | None = None,
+    rows: RowMask | None = None,
 ) -> ExchangeResult:
     """Average ``values`` (flat fp32) over the quorum of this sync; see the module docstring.
 
@@ -114,6 +121,9 @@ def allreduce(
             shard of ``out`` is written only after this replica's last read of its own input of that shard.
             On an error ``out`` may hold part of the average.
         workspace: buffers to reuse from the caller's previous syncs; fresh ones if None.
+        rows: the token-indexed blocks of ``values`` and which tokens this replica's data held, to average
+            those rows over the replicas that trained them (``rows.py``); every replica of a sync passes the
+            same blocks. None: a plain average everywhere.
 
     Raises:
         StaleRoundError: ``is_stale`` said so when this replica was about to fix the quorum.
@@ -126,7 +136,7 @@ def allreduce(
         )
     try:
         return _Exchange(
-            store, values, prefix, identity, rank, settings, grace_s, is_stale, out, workspace
+            store, values, prefix, identity, rank, settings, grace_s, is_stale, out, workspace, rows
         ).run()
     finally:
         workspace.busy.release()
@@ -147,6 +157,7 @@ class _Exchange:
         is_stale: Callable[[], bool] | None,
         out: torch.Tensor | None,
         workspace: Workspace,
+        rows: RowMask | None = None,
     ) -> None:
         self.store = store.child(prefix)
         self.is_stale = is_stale
@@ -163,6 +174,9 @@ class _Exchange:
         self.generation = 0  # of the quorum record (layout.quorum_generation)
         self.hard_deadline = self.started + settings.timeout_s
         self.bounds = shard_bounds(self.values.numel(), self.n)
+        self.rows = rows
+        self.spans = [spans(rows.blocks, *b) if rows else [] for b in self.bounds]
+        self.row_bits = [span_rows(s) for s in self.spans]  # how many row bits each shard's inputs carry
         # This replica's inputs as written (header, then a view of ``values`` for fp32), kept for reducing.
         self.mine: dict[int, list[memoryview]] = {}
         self.fetched: dict[tuple[int, int], memoryview] = {}
@@ -222,7 +236,8 @@ class _Exchange:
         def upload(shard: int) -> None:
             start, end = self.bounds[shard]
             identity = {**self._input_identity(self.rank, shard), NORM: whole}
-            parts = encode_parts(self.values[start:end], identity, self.settings.codec, self.key)
+            bits = self.rows.bits(self.spans[shard]) if self.rows else None
+            parts = encode_parts(self.values[start:end], identity, self.settings.codec, self.key, bits)
             if self.store.create(layout.sync_input(self.rank, shard, self.local), parts):
                 self._count(up=sum(len(p) for p in parts))
                 self.mine[shard] = parts
@@ -372,7 +387,13 @@ class _Exchange:
                 payload, verify = self._input(peer, shard)
                 identity = self._input_identity(peer, shard)
                 norms[peer] = measure(
-                    payload, identity, self.settings.codec, end - start, verify=verify, key=self.key
+                    payload,
+                    identity,
+                    self.settings.codec,
+                    end - start,
+                    verify=verify,
+                    key=self.key,
+                    rows=self.row_bits[shard],
                 ).whole
             except (PayloadError, FileNotFoundError) as e:  # a quorum may name an input that is not there
                 self._left_out(peer, shard, str(e))
@@ -383,12 +404,26 @@ class _Exchange:
             del inputs[peer]
         if not inputs:
             raise ExchangeError(f"{self.store.url}: no valid input for shard {shard}")
+        row_sums = RowSums(self.spans[shard], end - start) if self.row_bits[shard] else None
         for peer, payload in inputs.items():
             identity = self._input_identity(peer, shard)
-            accumulate(total, payload, identity, self.settings.codec, verify=False, key=self.key)
+            values, bits = accumulate(
+                total,
+                payload,
+                identity,
+                self.settings.codec,
+                verify=False,
+                key=self.key,
+                rows=self.row_bits[shard],
+            )
+            if row_sums is not None:
+                row_sums.add(values, bits)
         summed = list(inputs)
+        total.div_(len(summed))
+        if row_sums is not None:
+            row_sums.apply(total)
         identity = {**self._reduced_identity(shard), "summed": ",".join(map(str, summed))}
-        parts = encode_parts(total.div_(len(summed)), identity, self.settings.codec, self.key)
+        parts = encode_parts(total, identity, self.settings.codec, self.key)
         if self.store.create(layout.sync_output(shard, self.local), parts):
             self._count(up=sum(len(p) for p in parts))
             self._place(shard, parts, verify=False)
@@ -483,7 +518,9 @@ class _Exchange:
         is for payloads used at once; a payload kept while others are read (a prefetched input) gets its
         own slot."""
         start, end = self.bounds[shard]
-        buffer = self.workspace.bytes(slot, max_payload_bytes(end - start, self.settings.codec))
+        buffer = self.workspace.bytes(
+            slot, max_payload_bytes(end - start, self.settings.codec, self.row_bits[shard])
+        )
         try:
             size = self.store.get_into(key, buffer)
         except (ObjectTooLarge, ObjectChanged) as e:  # no payload is that large or keeps changing: rejected

@@ -28,6 +28,11 @@ Codecs (the decoded values are always fp32, and every sum over them is fp32):
 * ``int8``: blockwise absmax: each block of ``INT8_BLOCK`` values is scaled by its largest magnitude / 127
   and rounded to int8; the fp32 scales travel as a second tensor. About a quarter of the bytes.
 
+An input may also carry one bit per row of the token-indexed blocks its shard overlaps (``ROWS``, packed eight
+to a byte, its count in the header): whether the replica's data held that token (``rows.py``). A reader that
+expects them (``rows`` > 0) accepts only a payload with exactly that many; one that expects none, only a
+payload without.
+
 An input (one shard of a replica's pseudo-gradient) may state the L2 norm of the whole pseudo-gradient it is
 a shard of (``NORM``): a shard's owner sees only its shard, and a robust average compares whole contributions
 (``robust.py``). ``measure`` holds the claim to the shard's own values: a shard cannot be larger than the
@@ -47,12 +52,14 @@ from typing import Literal
 import torch
 import xxhash
 
+from composer_serverless.rendezvous.rows import pack, unpack
 from composer_serverless.rendezvous.runkey import MAC_FIELD, RunKey, framed
 
 CodecName = Literal["fp32", "bf16", "int8"]
 CODECS: tuple[CodecName, ...] = ("fp32", "bf16", "int8")
 VALUES = "values"
 SCALES = "scales"
+ROWS = "rows"
 INT8_BLOCK = 256
 # The header field that holds the data section's checksum, and the checksum: xxh3-128, hex.
 CHECKSUM = "xxh3_128"
@@ -85,16 +92,17 @@ class PayloadError(ValueError):
     """A payload that must not be used: corrupt, truncated, foreign, or of the wrong codec or shape."""
 
 
-def data_bytes(numel: int, codec: CodecName) -> int:
-    """Size of the data section (everything after the header) of a payload of ``numel`` values."""
+def data_bytes(numel: int, codec: CodecName, rows: int = 0) -> int:
+    """Size of the data section (everything after the header) of a payload of ``numel`` values and ``rows``
+    row bits."""
     if codec == "int8":
-        return numel + 4 * _blocks(numel)
-    return numel * _DTYPES[codec][1].itemsize
+        return numel + 4 * _blocks(numel) + _row_bytes(rows)
+    return numel * _DTYPES[codec][1].itemsize + _row_bytes(rows)
 
 
-def max_payload_bytes(numel: int, codec: CodecName) -> int:
+def max_payload_bytes(numel: int, codec: CodecName, rows: int = 0) -> int:
     """An upper bound on the size of a valid payload: the buffer a reader preallocates."""
-    return 8 + MAX_HEADER_BYTES + data_bytes(numel, codec)
+    return 8 + MAX_HEADER_BYTES + data_bytes(numel, codec, rows)
 
 
 def quantize_int8(values: torch.Tensor, block: int = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,20 +128,30 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block: int = INT8_BLO
 
 
 def encode(
-    values: torch.Tensor, identity: dict[str, str], codec: CodecName, key: RunKey | None = None
+    values: torch.Tensor,
+    identity: dict[str, str],
+    codec: CodecName,
+    key: RunKey | None = None,
+    rows: torch.Tensor | None = None,
 ) -> bytearray:
-    """Serialise a 1-D fp32 tensor with ``codec``; ``identity`` (str -> str) goes into the header, with the
-    checksum, or with ``key`` the MAC.
+    """Serialise a 1-D fp32 tensor with ``codec`` (and ``rows``' row bits); ``identity`` (str -> str) goes
+    into the header, with the checksum, or with ``key`` the MAC.
 
     Returns a buffer that is a valid safetensors file.
     """
-    return bytearray().join(encode_parts(values, identity, codec, key))
+    return bytearray().join(encode_parts(values, identity, codec, key, rows))
 
 
 def encode_parts(
-    values: torch.Tensor, identity: dict[str, str], codec: CodecName, key: RunKey | None = None
+    values: torch.Tensor,
+    identity: dict[str, str],
+    codec: CodecName,
+    key: RunKey | None = None,
+    rows: torch.Tensor | None = None,
 ) -> list[memoryview]:
     """The payload ``encode`` returns, as the buffers it joins: the header, then each tensor's bytes.
+
+    ``rows``: row bits to carry (a bool tensor, ``rows.py``); none when None or empty.
 
     A writer that can send several buffers (a local file) skips the join; with fp32 the tensor part is
     ``values``' own memory, so nothing is copied before the write. The parts alias ``values``: it must not
@@ -148,6 +166,9 @@ def encode_parts(
         name, dtype = _DTYPES[codec]
         tensors = [(VALUES, name, flat.to(dtype))]
     metadata = {**identity, "codec": codec, "numel": str(numel)}
+    if rows is not None and rows.numel():
+        tensors.append((ROWS, "U8", pack(rows)))
+        metadata[ROWS] = str(rows.numel())
     data = [_bytes_of(t) for _, _, t in tensors]
     if key is None:
         metadata[CHECKSUM] = checksum(data)
@@ -236,8 +257,11 @@ def accumulate(
     *,
     verify: bool = True,
     key: RunKey | None = None,
-) -> None:
-    """Add the payload's values to the fp32 tensor ``total``, checked as ``decode`` checks them.
+    rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the payload's values to the fp32 tensor ``total``, checked as ``decode`` checks them (and that it
+    carries exactly ``rows`` row bits); returns the values added (a view of ``data`` for fp32) and the row
+    bits (a bool tensor, empty without rows), for a reducer that also averages rows (``rows.RowSums``).
 
     A reducer sums N payloads of a shard; adding straight from the payload's buffer skips the copy
     ``decode`` makes, and on a box where replicas share cores that copy is CPU the exchange waits for. The
@@ -246,7 +270,9 @@ def accumulate(
     Raises:
         PayloadError: as ``decode``; ``total`` is then unchanged.
     """
-    total.add_(_checked_values(data, expect, codec, total.numel(), verify, key))
+    values, _, bits = _checked(data, expect, codec, total.numel(), verify, key, rows=rows)
+    total.add_(values)
+    return values, bits
 
 
 def l2_norm(values: torch.Tensor) -> float:
@@ -273,6 +299,7 @@ def measure(
     *,
     verify: bool = True,
     key: RunKey | None = None,
+    rows: int = 0,
 ) -> Measured:
     """Check a payload as ``decode`` does and measure it (one more pass over its values).
 
@@ -280,7 +307,7 @@ def measure(
         PayloadError: as ``decode``; or its ``NORM`` is not a finite non-negative number, or is smaller than
             the norm of its own values (beyond ``NORM_SLACK``): a shard cannot outweigh its whole.
     """
-    values, metadata = _checked(data, expect, codec, numel, verify, key, finite=False)
+    values, metadata, _ = _checked(data, expect, codec, numel, verify, key, finite=False, rows=rows)
     norm = l2_norm(values)  # NaN or Inf exactly when a value is: the finiteness check's pass, spared
     if not math.isfinite(norm):
         raise PayloadError(NON_FINITE)
@@ -316,22 +343,28 @@ def _checked(
     key: RunKey | None,
     *,
     finite: bool = True,
-) -> tuple[torch.Tensor, dict[str, str]]:
+    rows: int = 0,
+) -> tuple[torch.Tensor, dict[str, str], torch.Tensor]:
     """The payload's values after every check (that they are finite only with ``finite``: a caller that
-    measures them anyway checks it there), and its header's metadata."""
+    measures them anyway checks it there), its header's metadata, and its ``rows`` row bits."""
     header, body = _header_and_body(data)
     metadata = header["__metadata__"]
     assert isinstance(metadata, dict)
     wanted = {**expect, "codec": codec, "numel": str(numel)}
+    if rows:
+        wanted[ROWS] = str(rows)
     mismatched = {k: (metadata.get(k), v) for k, v in wanted.items() if metadata.get(k) != v}
     if mismatched:
         raise PayloadError(f"payload header mismatch (got, expected): {mismatched}")
-    layout = _layout(numel, codec)
+    layout = _layout(numel, codec, rows)
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     if tensors != layout:
-        raise PayloadError(f"payload tensors {tensors} are not the {codec} layout of {numel} values {layout}")
-    if len(body) != data_bytes(numel, codec):
-        raise PayloadError(f"payload data is {len(body)} bytes, expected {data_bytes(numel, codec)}")
+        raise PayloadError(
+            f"payload tensors {tensors} are not the {codec} layout of {numel} values and {rows} row bits {layout}"
+        )
+    size = data_bytes(numel, codec, rows)
+    if len(body) != size:
+        raise PayloadError(f"payload data is {len(body)} bytes, expected {size}")
     if verify and key is not None:
         if MAC_FIELD not in metadata:
             raise PayloadError("payload carries no MAC, and this run authenticates every payload")
@@ -349,7 +382,11 @@ def _checked(
     # makes every parameter it touches NaN, on every replica, for good.
     if finite and not _finite(values):
         raise PayloadError(NON_FINITE)
-    return values, metadata
+    bits = torch.zeros(0, dtype=torch.bool)
+    if rows:
+        packed = _row_bytes(rows)
+        bits = unpack(_view(body, torch.uint8, len(body) - packed, packed), rows)
+    return values, metadata, bits
 
 
 def _finite(values: torch.Tensor) -> bool:
@@ -360,7 +397,8 @@ def _finite(values: torch.Tensor) -> bool:
 
 def _header_and_body(data: Payload) -> tuple[dict[str, object], memoryview]:
     """The parsed header and the data section, of a whole payload or of ``encode_parts``' parts (whose
-    single tensor part is used where it lies; int8's two are joined, a quarter of the fp32 size)."""
+    single tensor part is used where it lies; several are joined: int8's, a quarter of the fp32 size, or
+    values followed by row bits)."""
     if isinstance(data, list):
         head = memoryview(data[0]).cast("B")
         header, start = read_header(head)
@@ -374,15 +412,28 @@ def _header_and_body(data: Payload) -> tuple[dict[str, object], memoryview]:
     return header, view[start:]
 
 
-def _layout(numel: int, codec: CodecName) -> dict[str, dict[str, object]]:
+def _layout(numel: int, codec: CodecName, rows: int = 0) -> dict[str, dict[str, object]]:
     if codec == "int8":
         blocks = _blocks(numel)
-        return {
+        out = {
             VALUES: {"dtype": "I8", "shape": [numel], "data_offsets": [0, numel]},
             SCALES: {"dtype": "F32", "shape": [blocks], "data_offsets": [numel, numel + 4 * blocks]},
         }
-    name, dtype = _DTYPES[codec]
-    return {VALUES: {"dtype": name, "shape": [numel], "data_offsets": [0, numel * dtype.itemsize]}}
+    else:
+        name, dtype = _DTYPES[codec]
+        out = {VALUES: {"dtype": name, "shape": [numel], "data_offsets": [0, numel * dtype.itemsize]}}
+    if rows:
+        end = data_bytes(numel, codec)
+        out[ROWS] = {
+            "dtype": "U8",
+            "shape": [_row_bytes(rows)],
+            "data_offsets": [end, end + _row_bytes(rows)],
+        }
+    return out
+
+
+def _row_bytes(rows: int) -> int:
+    return -(-rows // 8)
 
 
 def _view(body: memoryview, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ from composer_serverless.rendezvous.deadline import ArrivalHistory, GraceSetting
 from composer_serverless.rendezvous.exchange import ExchangeResult, ExchangeSettings, StaleRoundError
 from composer_serverless.rendezvous.latest import latest_round, newest_round
 from composer_serverless.rendezvous.replica_log import ReplicaLog
+from composer_serverless.rendezvous.rows import RowMask
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.workspace import Workspace
 
@@ -119,6 +120,9 @@ class ObjectStoreManager:
         agree: for a replica of several ranks (``settings.local_ranks``), called by ``should_commit`` on every
             rank with whether its own part committed; returns whether all did. A replica commits a sync on all
             of its ranks or on none, as torchft's Manager decides for a replica group.
+        rows: called with the fragment of each sync, on the thread that starts it, for the token-indexed
+            rows of its bucket and which tokens this replica trained on (``rows.py``); None, or a None
+            answer, averages every value plainly.
     """
 
     # DiLoCo refuses an asynchronous quorum; ours is decided inside each exchange.
@@ -134,6 +138,7 @@ class ObjectStoreManager:
         settings: ExchangeSettings,
         grace: GraceSettings,
         agree: Callable[[bool], bool] = lambda committed: committed,
+        rows: Callable[[int], RowMask | None] | None = None,
     ) -> None:
         if not 0 <= rank < settings.replicas:
             raise ValueError(f"rank {rank} is outside [0, {settings.replicas})")
@@ -142,6 +147,7 @@ class ObjectStoreManager:
         self._rank = rank
         self._log = ReplicaLog(logger, rank, settings.local_rank if settings.local_ranks > 1 else None)
         self._agree = agree
+        self._rows = rows
         self._fragments = fragments
         self._settings = settings
         self._arrivals = ArrivalHistory(grace)
@@ -182,10 +188,11 @@ class ObjectStoreManager:
             return _DummyWork(tensor)
         sync.exchanged = True
         values, copied = self._to_host(tensor)
+        rows = self._rows(sync.outcome.fragment) if self._rows is not None else None
         future: torch.futures.Future = torch.futures.Future()
         sync.thread = threading.Thread(
             target=self._exchange,
-            args=(values, copied, sync.outcome),
+            args=(values, copied, sync.outcome, rows),
             name=f"exchange-{sync.outcome.round}-{sync.outcome.fragment}",
             daemon=True,
         )
@@ -291,7 +298,13 @@ class ObjectStoreManager:
 
     # --- the exchange thread ------------------------------------------------------------------------
 
-    def _exchange(self, staged: torch.Tensor, copied: torch.cuda.Event | None, outcome: SyncOutcome) -> None:
+    def _exchange(
+        self,
+        staged: torch.Tensor,
+        copied: torch.cuda.Event | None,
+        outcome: SyncOutcome,
+        rows: RowMask | None = None,
+    ) -> None:
         """Average ``staged`` (host memory) across the quorum, in place, once its copy has landed. Never
         raises: errors go to ``outcome``, for ``should_commit``."""
         try:
@@ -317,6 +330,7 @@ class ObjectStoreManager:
                 ),
                 out=values,  # the average replaces the pseudo-gradient, as an all-reduce does
                 workspace=self._workspace,
+                rows=rows,
             )
             if values.data_ptr() != staged.data_ptr():
                 staged.copy_(values)

@@ -73,6 +73,14 @@ class Node:
         dist.all_reduce(tensor, group=self.group)
         return tensor.tolist()
 
+    def union(self, flags: torch.Tensor) -> torch.Tensor:
+        """Element-wise OR of a bool CPU tensor over the ranks."""
+        if self.size == 1:
+            return flags
+        tensor = flags.to(torch.uint8)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor.bool()
+
     def gather(self, value: float) -> list[float]:
         """Every rank's ``value``, in local-rank order."""
         if self.size == 1:

@@ -63,6 +63,7 @@ from composer_serverless.replicas.diloco import (
 from composer_serverless.replicas.meter import RoundMeter, read_step
 from composer_serverless.replicas.node import SOLO, Node
 from composer_serverless.replicas.shards import full_state_dict, local, reshard, shard_model
+from composer_serverless.replicas.touches import Touches
 from composer_serverless.replicas.weights import check_initial_weights, digest, load_run_model, swapped_in
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,9 @@ class Replica:
         self.schedule = make_schedule(self.inner, config.train, self.total_steps)
         self.fragments = split_fragments(model, dl.fragments)
         self.names = model_names(model, self.fragments)
+        # Counted on every replica of a run alike (the setting is the run's), so every input of a sync carries
+        # the same rows.
+        self.touches = Touches(model, self.fragments, node) if dl.embedding_average == "touched" else None
         self.manager = ObjectStoreManager(
             run,
             run_id=config.run_id or "",
@@ -183,6 +187,7 @@ class Replica:
             settings=exchange_settings(dl, node.local_rank, node.size, key),
             grace=grace_settings(dl),
             agree=node.all_true,
+            rows=self.touches.take if self.touches is not None else None,
         )
         self.meter = RoundMeter(self.manager, self.device)
         self.epoch = 0  # the run's rollback epoch this replica's state is from (recovery.py)
@@ -612,6 +617,8 @@ class Replica:
         was = self.completed_rounds
         published = state.load_global(self.run_store, round_index, self.node, key=self.key)
         state.apply_global(self.manager, self.names, self.model, published)
+        if self.touches is not None:  # the steps they counted are discarded with the local weights
+            self.touches.clear()
         dl = self.config.diloco
         self.schedule = self._schedule_at(self.completed_rounds)
         # The inner steps run since the last row are discarded by the jump; counted, so goodput can be.
@@ -634,9 +641,12 @@ class Replica:
         return make_schedule(self.inner, self.config.train, self.total_steps, done)
 
     def _own_state(self, global_params: dict[str, torch.Tensor]) -> dict[str, Any]:
-        return state.own_state(
+        own = state.own_state(
             self.model, self.inner, self.schedule, self.objective, global_params, self.device
         )
+        if self.touches is not None:
+            own["touched"] = self.touches.state_dict()
+        return own
 
     def _restore(self) -> int:
         """Continue from the store's latest state and this replica's own; returns the round (0 if fresh).
@@ -646,6 +656,8 @@ class Replica:
         node = self.node
         looked = [recovery.epoch(self.run_store), latest_round(self.run_store)] if node.lead else [0, 0]
         self.epoch, latest = node.broadcast_ints(looked)
+        if self.touches is not None:  # counted by steps this restore discards; the own state may hold some
+            self.touches.clear()
         if latest == 0:
             return 0
         published = state.load_global(self.run_store, latest, node, fall_back=True, key=self.key)
@@ -672,5 +684,7 @@ class Replica:
         )
         if not current:  # an older state of its own: its schedule is placed at the round resumed
             self.schedule = self._schedule_at(latest)
+        elif self.touches is not None:
+            self.touches.load_state_dict(saved.get("touched"))
         self.log.info("resumed from round %d (own state of round %d)", latest, own_round)
         return latest

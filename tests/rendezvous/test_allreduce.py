@@ -26,6 +26,7 @@ from composer_serverless.rendezvous.allreduce import (
 from composer_serverless.rendezvous.codec import CODECS, NORM, decode, encode, l2_norm, read_header
 from composer_serverless.rendezvous.deadline import GraceSettings, grace_s
 from composer_serverless.rendezvous.robust import outliers
+from composer_serverless.rendezvous.rows import RowMask
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.sharding import complete_ranks, shard_bounds, substitute_for
 from composer_serverless.rendezvous.store import ObjectStore
@@ -50,6 +51,7 @@ def exchange(
     in_place: bool = False,
     workspaces: dict[int, Workspace] | None = None,
     prefix: str = PREFIX,
+    rows: dict[int, RowMask] | None = None,
 ) -> dict[int, ExchangeResult]:
     """Run the exchange of every rank in ``values`` concurrently, one thread and store instance each;
     ``in_place``: each writes the average over a copy of its values (``out=values``, as the manager does)."""
@@ -70,6 +72,7 @@ def exchange(
                 grace_s=grace,
                 out=mine if in_place else None,
                 workspace=(workspaces or {}).get(rank),
+                rows=(rows or {}).get(rank),
             )
             assert not in_place or results[rank].average.data_ptr() == mine.data_ptr()
         except BaseException as e:

@@ -1,0 +1,164 @@
+"""Averaging a token-indexed matrix over the replicas that trained each row: the embedding's touch counts.
+
+Why: a replica's batch holds a few hundred of a vocabulary's tokens, so between two syncs most rows of the
+embedding (and of an untied output head) are trained by one replica or by none. AdamW gives such a row a
+full-size step in the replica that saw the token, and a full-size step of noise (the softmax's small push on
+an absent token, normalised) in each one that did not; the plain average then keeps about 1/N of the real
+step. Data-parallel training sums the gradients first, so the token's signal wins and its row takes a full
+step. On the demo that difference was the whole gap between DiLoCo and data-parallel (``docs/RESULTS.md``,
+section 1). Averaging row r over the replicas whose data held token r gives back the full step.
+
+So with a ``RowMask`` an input payload carries, besides the values of its shard, one bit per row of each
+token-indexed block that overlaps the shard (``spans``): whether this replica's inputs held that token since
+the block's last sync. The shard's owner sums the values of every input as before, and for each such row also
+the values of the inputs that touched it, and their count; the row's average is over those inputs when any
+touched it, else over all (a row no replica's data held keeps the plain average, the same on every replica).
+Everything else in the tensor is averaged as before. The bits cost V/8 bytes per replica and block per sync
+(19 KB for a 151,936-token vocabulary, against the gigabytes of its pseudo-gradient).
+
+All of it is pure and deterministic: every reducer sums the same inputs in the same order, so the average is
+the same bytes whoever computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """A ``rows`` x ``width`` row-major matrix at ``offset`` of the flat tensor, whose row i belongs to token
+    ``first_token + i`` (an FSDP rank holds a slice of the rows: ``first_token`` is its first row's token)."""
+
+    offset: int
+    rows: int
+    width: int
+    first_token: int = 0
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.rows < 0 or self.width < 1 or self.first_token < 0:
+            raise ValueError(f"not a row block: {self}")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.rows * self.width
+
+
+@dataclass(frozen=True)
+class Span:
+    """The rows ``[row, row + count)`` of a block that overlap a shard, and where in the shard they start:
+    ``start`` (may be negative when the first row begins before the shard) and the block's row ``width``."""
+
+    block: int
+    row: int
+    count: int
+    start: int
+    width: int
+
+
+@dataclass(frozen=True)
+class RowMask:
+    """Which token-indexed blocks a flat tensor holds, and which tokens this replica's data held (``touched``:
+    a bool tensor over the vocabulary, the same for every block)."""
+
+    blocks: tuple[RowBlock, ...]
+    touched: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.touched.dtype != torch.bool or self.touched.dim() != 1:
+            raise ValueError(
+                f"touched must be a 1-D bool tensor, got {self.touched.dtype} {tuple(self.touched.shape)}"
+            )
+        for block in self.blocks:
+            if block.first_token + block.rows > self.touched.numel():
+                raise ValueError(
+                    f"{block} reaches token {block.first_token + block.rows}, past the {self.touched.numel()} "
+                    "tokens of the mask"
+                )
+
+    def bits(self, spans: list[Span]) -> torch.Tensor:
+        """This replica's bits for ``spans`` (one per row, in span order), as a bool tensor."""
+        if not spans:
+            return torch.zeros(0, dtype=torch.bool)
+        parts = []
+        for span in spans:
+            first = self.blocks[span.block].first_token + span.row
+            parts.append(self.touched[first : first + span.count])
+        return torch.cat(parts)
+
+
+def spans(blocks: tuple[RowBlock, ...], start: int, end: int) -> list[Span]:
+    """The rows of ``blocks`` that overlap the shard ``[start, end)`` of the flat tensor, block by block."""
+    out = []
+    for i, block in enumerate(blocks):
+        lo, hi = max(start, block.offset), min(end, block.end)
+        if lo >= hi:
+            continue
+        first = (lo - block.offset) // block.width
+        last = (hi - 1 - block.offset) // block.width  # inclusive
+        out.append(Span(i, first, last - first + 1, block.offset + first * block.width - start, block.width))
+    return out
+
+
+def span_rows(shard_spans: list[Span]) -> int:
+    """How many bits an input of a shard with these spans carries."""
+    return sum(s.count for s in shard_spans)
+
+
+def pack(bits: torch.Tensor) -> torch.Tensor:
+    """Bits as bytes, eight to a byte, first bit in the lowest: ``ceil(n / 8)`` uint8s."""
+    n = bits.numel()
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8)
+    padded[:n] = bits.to(torch.uint8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack``'s inverse: the first ``n`` bits, as a bool tensor."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((packed.to(torch.uint8)[:, None] >> shifts) & 1).view(-1)[:n].bool()
+
+
+class RowSums:
+    """A reducer's sums for one shard's rows: the values of the inputs that touched each row, and how many did.
+
+    ``add`` each input's values and bits in the order the shard's plain sum adds them; ``apply`` then replaces
+    the plain average in the rows any input touched."""
+
+    def __init__(self, shard_spans: list[Span], numel: int) -> None:
+        self.spans = shard_spans
+        self.numel = numel
+        self.rows = span_rows(shard_spans)
+        # The shard's elements that lie in a row, and each one's row among the span bits (its index in ``bits``).
+        index, row_of = [], []
+        base = 0
+        for span in shard_spans:
+            positions = torch.arange(span.count * span.width, dtype=torch.int64) + span.start
+            keep = (positions >= 0) & (positions < numel)
+            index.append(positions[keep])
+            row_of.append(
+                base + torch.arange(span.count, dtype=torch.int64).repeat_interleave(span.width)[keep]
+            )
+            base += span.count
+        self.index = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
+        self.row_of = torch.cat(row_of) if row_of else torch.zeros(0, dtype=torch.int64)
+        self.sums = torch.zeros(self.index.numel(), dtype=torch.float32)
+        self.counts = torch.zeros(self.rows, dtype=torch.int64)
+
+    def add(self, values: torch.Tensor, bits: torch.Tensor) -> None:
+        """Add one input: ``values`` (the shard's fp32 values) where its ``bits`` say its data held the row."""
+        if bits.numel() != self.rows:
+            raise ValueError(f"{bits.numel()} row bits for a shard of {self.rows} rows")
+        mine = bits[self.row_of]
+        self.sums[mine] += values[self.index[mine]]
+        self.counts += bits.to(torch.int64)
+
+    def apply(self, average: torch.Tensor) -> None:
+        """Replace ``average`` (the plain average of the shard) in every row an input touched by the average
+        over the inputs that touched it."""
+        counts = self.counts[self.row_of]
+        touched = counts > 0
+        average[self.index[touched]] = self.sums[touched] / counts[touched].to(torch.float32)
