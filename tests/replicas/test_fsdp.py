@@ -20,9 +20,10 @@ from transformers import AutoModelForCausalLM
 from composer_serverless.config import validate_config
 from composer_serverless.exports import export
 from composer_serverless.launcher import launch
+from composer_serverless.rendezvous.codec import read_header
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
-from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
+from tests.conftest import TINY, ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 
 
 def _config(
@@ -50,6 +51,15 @@ def _config(
             "executor": {"threads_per_replica": 1, "ranks_per_replica": ranks},
         }
     )
+
+
+def _row_bits(store: Path, run_id: str, local: int) -> int:
+    """The row bits (``rendezvous/rows.py``) replica 0's inputs of local rank ``local`` carried in round 3's
+    fragment 0 (the embedding's): over its shards, each rank's rows of the embedding, one shared row counted
+    twice where a shard boundary cuts it."""
+    inputs = sorted((store / run_id / "rounds" / "3" / "0" / str(local) / "in").glob("0-*"))
+    assert inputs
+    return sum(int(read_header(p.read_bytes())[0]["__metadata__"].get("rows", 0)) for p in inputs)
 
 
 def _final(store: Path, run_id: str, lora: bool) -> dict[str, torch.Tensor]:
@@ -91,6 +101,15 @@ def test_two_ranks_per_replica_end_where_one_rank_does(
             _final(tmp_path, "g2", lora),
         )
         assert rebuilt.keys() == final.keys() and all(torch.equal(rebuilt[k], final[k]) for k in final)
+    # The embedding's rows were averaged over the replicas that trained them, each rank sending the bits of
+    # the rows it holds (the tied embedding of 400 tokens, split by rows over two ranks); LoRA's embedding is
+    # frozen and not exchanged.
+    vocab = TINY.vocab_size
+    if lora:
+        assert _row_bits(tmp_path, "g1", 0) == _row_bits(tmp_path, "g2", 1) == 0
+    else:
+        assert vocab <= _row_bits(tmp_path, "g1", 0) <= vocab + 1
+        assert all(vocab // 2 <= _row_bits(tmp_path, "g2", local) <= vocab // 2 + 1 for local in (0, 1))
     rows = {
         g: {row["round"]: row for row in read_metrics(ObjectStore(str(tmp_path / f"g{g}")))[0]}
         for g in (1, 2)
