@@ -101,7 +101,9 @@ def run_diloco(cfg, steps_per_replica, *, touched=False):
         inner = make_inner_optimizer(model, cfg.train)
         schedule = make_schedule(inner, cfg.train, len(steps_per_replica[rank]))
         fragments = split_fragments(model, cfg.diloco.fragments)
-        touches = Touches(model, fragments, SOLO) if touched else None
+        touches = Touches(model, fragments, SOLO, cfg.diloco.sync_every) if touched else None
+        if touches:  # before DiLoCo's hook, as the trainer registers it
+            inner.register_step_post_hook(lambda *_: touches.advance())
         # Every replica in every quorum: the equivalences are about the average of all of them.
         n = cfg.diloco.replicas
         manager = managers[rank] = RecordingManager(

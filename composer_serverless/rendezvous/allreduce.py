@@ -25,10 +25,10 @@ all-reduce bound. A replica that is not a participant (it arrived after the quor
 nothing and reads all N reduced shards: it receives the participants' average exactly as torchft's healing
 replicas do (they contribute zeros and receive the average).
 
-With a ``RowMask`` (``rows.py``) each input also carries one bit per row of the token-indexed blocks (the
-embedding, an untied head) its shard overlaps, and the reducer averages each such row over the inputs whose
-replica's data held the token, where any did: a few bytes per row block, and the average is still a function
-of the durable inputs alone.
+With a ``RowMask`` (``rows.py``) each input also carries, per row of the token-indexed blocks (the embedding,
+an untied head) its shard overlaps, a bit per step bucket of the window: whether the replica's data held that
+token then. The reducer combines each such row over the inputs whose data held the token, where any did
+(``rows.RowSums``): a few bytes per row, and the average is still a function of the durable inputs alone.
 
 A payload that fails its checksum (with a run key, its MAC), header or identity is logged and left out of
 the sum, never averaged; so is one whose pseudo-gradient's norm lies far outside the others' (``robust.py``,
@@ -176,7 +176,8 @@ class _Exchange:
         self.bounds = shard_bounds(self.values.numel(), self.n)
         self.rows = rows
         self.spans = [spans(rows.blocks, *b) if rows else [] for b in self.bounds]
-        self.row_bits = [span_rows(s) for s in self.spans]  # how many row bits each shard's inputs carry
+        # How many row bits each shard's inputs carry: each row's step buckets.
+        self.row_bits = [span_rows(s) * (rows.buckets if rows else 0) for s in self.spans]
         # This replica's inputs as written (header, then a view of ``values`` for fp32), kept for reducing.
         self.mine: dict[int, list[memoryview]] = {}
         self.fetched: dict[tuple[int, int], memoryview] = {}
@@ -404,7 +405,11 @@ class _Exchange:
             del inputs[peer]
         if not inputs:
             raise ExchangeError(f"{self.store.url}: no valid input for shard {shard}")
-        row_sums = RowSums(self.spans[shard], end - start) if self.row_bits[shard] else None
+        row_sums = (
+            RowSums(self.spans[shard], end - start, self.rows.buckets)
+            if self.rows is not None and self.row_bits[shard]
+            else None
+        )
         for peer, payload in inputs.items():
             identity = self._input_identity(peer, shard)
             values, bits = accumulate(

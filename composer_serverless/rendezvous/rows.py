@@ -60,32 +60,37 @@ class Span:
 
 @dataclass(frozen=True)
 class RowMask:
-    """Which token-indexed blocks a flat tensor holds, and which tokens this replica's data held (``touched``:
-    a bool tensor over the vocabulary, the same for every block)."""
+    """Which token-indexed blocks a flat tensor holds, and in which of the window's step buckets this replica's
+    data held each token: ``touched`` is a bool tensor of (vocabulary, buckets), the same for every block."""
 
     blocks: tuple[RowBlock, ...]
     touched: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.touched.dtype != torch.bool or self.touched.dim() != 1:
+        if self.touched.dtype != torch.bool or self.touched.dim() != 2 or self.touched.shape[1] < 1:
             raise ValueError(
-                f"touched must be a 1-D bool tensor, got {self.touched.dtype} {tuple(self.touched.shape)}"
+                f"touched must be a (tokens, buckets) bool tensor, got {self.touched.dtype} "
+                f"{tuple(self.touched.shape)}"
             )
         for block in self.blocks:
-            if block.first_token + block.rows > self.touched.numel():
+            if block.first_token + block.rows > self.touched.shape[0]:
                 raise ValueError(
-                    f"{block} reaches token {block.first_token + block.rows}, past the {self.touched.numel()} "
+                    f"{block} reaches token {block.first_token + block.rows}, past the {self.touched.shape[0]} "
                     "tokens of the mask"
                 )
 
+    @property
+    def buckets(self) -> int:
+        return self.touched.shape[1]
+
     def bits(self, spans: list[Span]) -> torch.Tensor:
-        """This replica's bits for ``spans`` (one per row, in span order), as a bool tensor."""
+        """This replica's bits for ``spans``: each row's buckets in turn, rows in span order (flat bool)."""
         if not spans:
             return torch.zeros(0, dtype=torch.bool)
         parts = []
         for span in spans:
             first = self.blocks[span.block].first_token + span.row
-            parts.append(self.touched[first : first + span.count])
+            parts.append(self.touched[first : first + span.count].reshape(-1))
         return torch.cat(parts)
 
 
@@ -123,16 +128,18 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class RowSums:
-    """A reducer's sums for one shard's rows: the values of the inputs that touched each row, and how many did.
+    """A reducer's sums for one shard's rows: per row, the values of the inputs that touched it, how many step
+    buckets each touched it in, and in which buckets any did.
 
     ``add`` each input's values and bits in the order the shard's plain sum adds them; ``apply`` then replaces
     the plain average in the rows any input touched."""
 
-    def __init__(self, shard_spans: list[Span], numel: int) -> None:
+    def __init__(self, shard_spans: list[Span], numel: int, buckets: int) -> None:
         self.spans = shard_spans
         self.numel = numel
         self.rows = span_rows(shard_spans)
-        # The shard's elements that lie in a row, and each one's row among the span bits (its index in ``bits``).
+        self.buckets = buckets
+        # The shard's elements that lie in a row, and each one's row among the span rows.
         index, row_of = [], []
         base = 0
         for span in shard_spans:
@@ -146,19 +153,33 @@ class RowSums:
         self.index = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
         self.row_of = torch.cat(row_of) if row_of else torch.zeros(0, dtype=torch.int64)
         self.sums = torch.zeros(self.index.numel(), dtype=torch.float32)
-        self.counts = torch.zeros(self.rows, dtype=torch.int64)
+        self.steps = torch.zeros(self.rows, dtype=torch.int64)  # buckets summed over the inputs
+        self.union = torch.zeros(self.rows, buckets, dtype=torch.bool)  # buckets any input touched the row in
 
     def add(self, values: torch.Tensor, bits: torch.Tensor) -> None:
         """Add one input: ``values`` (the shard's fp32 values) where its ``bits`` say its data held the row."""
-        if bits.numel() != self.rows:
-            raise ValueError(f"{bits.numel()} row bits for a shard of {self.rows} rows")
-        mine = bits[self.row_of]
+        if bits.numel() != self.rows * self.buckets:
+            raise ValueError(
+                f"{bits.numel()} row bits for a shard of {self.rows} rows of {self.buckets} buckets"
+            )
+        per_row = bits.view(self.rows, self.buckets)
+        steps = per_row.sum(dim=1)
+        mine = (steps > 0)[self.row_of]
         self.sums[mine] += values[self.index[mine]]
-        self.counts += bits.to(torch.int64)
+        self.steps += steps
+        self.union |= per_row
 
     def apply(self, average: torch.Tensor) -> None:
-        """Replace ``average`` (the plain average of the shard) in every row an input touched by the average
-        over the inputs that touched it."""
-        counts = self.counts[self.row_of]
-        touched = counts > 0
-        average[self.index[touched]] = self.sums[touched] / counts[touched].to(torch.float32)
+        """Replace ``average`` (the plain average of the shard) in every row an input touched.
+
+        A touched row's update is its per-bucket rate over the inputs that touched it (their summed values over
+        their summed buckets) times the buckets any of them touched it in: what one process training on all of
+        their batches would have taken, if each bucket with the token moves the row alike. A token every input
+        held in every bucket gets the plain mean; one that two replicas held in different buckets, the sum of
+        their updates; with one bucket, the mean over the inputs that touched the row."""
+        steps = self.steps[self.row_of]
+        touched = steps > 0
+        union = self.union.sum(dim=1)[self.row_of]
+        average[self.index[touched]] = (
+            self.sums[touched] * union[touched].to(torch.float32) / steps[touched].to(torch.float32)
+        )

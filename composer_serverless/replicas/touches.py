@@ -1,8 +1,9 @@
-"""Which tokens a replica trained on since each fragment's last sync, for averaging the embedding's rows over
-the replicas that trained them (``rendezvous/rows.py`` says why).
+"""Which tokens a replica trained on since each fragment's last sync, and at which steps, for combining the
+embedding's rows over the replicas that trained them (``rendezvous/rows.py`` says why).
 
 A forward pre-hook on the model's input embedding marks the token ids of every forward that builds a graph
-(training; generation, evaluation and reference scoring run without one and are not counted). The marks live
+(training; generation, evaluation and reference scoring run without one and are not counted), in the bucket
+of the window's steps the current step falls in (one bucket per step up to ``MAX_BUCKETS``). The marks live
 on the embedding's device and are set with ``index_fill_``, so counting adds no host-device wait to a step;
 they are copied to the host once per sync. In a replica of several ranks each rank sees its own part of the
 batch, so the replica's marks are the union over its ranks, and each rank sends the bits of the rows it
@@ -43,11 +44,24 @@ def token_blocks(fragment: nn.Module, token_weights: list[nn.Parameter], vocab: 
     return tuple(blocks)
 
 
-class Touches:
-    """Per fragment with token-indexed blocks, the tokens this replica's training fed the model since that
-    fragment last synced."""
+# At most this many step buckets per window: a row's bits are ``min(window, MAX_BUCKETS)`` (8 bytes at most).
+MAX_BUCKETS = 64
 
-    def __init__(self, model: nn.Module, fragments: list[nn.Module], node: Node) -> None:
+
+def bucket_count(window: int) -> int:
+    """Step buckets of a window of ``window`` inner steps: one per step, up to ``MAX_BUCKETS``."""
+    return max(1, min(window, MAX_BUCKETS))
+
+
+class Touches:
+    """Per fragment with token-indexed blocks, in which step buckets of its window (the ``window`` inner steps
+    between two of its syncs) this replica's training fed the model each token.
+
+    ``advance`` must run after each inner step and before the sync that step may start (the trainer registers
+    it on the inner optimizer before DiLoCo's hook): a window's steps are counted from the sync that opened it.
+    """
+
+    def __init__(self, model: nn.Module, fragments: list[nn.Module], node: Node, window: int) -> None:
         embedding = model.get_input_embeddings()
         self.vocab = embedding.weight.shape[0]
         weights = [embedding.weight]
@@ -56,47 +70,66 @@ class Touches:
             weights.append(head.weight)
         self.blocks = [token_blocks(f, weights, self.vocab) for f in fragments]
         self.node = node
+        self.window = window
+        self.buckets = bucket_count(window)
         device = embedding.weight.device
+        # (buckets, vocabulary): each bucket's marks contiguous, for index_fill_.
         self.marks = {
-            f: torch.zeros(self.vocab, dtype=torch.bool, device=device)
+            f: torch.zeros(self.buckets, self.vocab, dtype=torch.bool, device=device)
             for f, blocks in enumerate(self.blocks)
             if blocks
         }
-        self._hook = embedding.register_forward_pre_hook(self._record) if self.marks else None
+        self.step = 0  # inner steps this object has seen
+        self.opened = dict.fromkeys(self.marks, 0)  # the step each fragment's window opened at
+        if self.marks:
+            embedding.register_forward_pre_hook(self._record)
+
+    def advance(self) -> None:
+        """One inner step was taken."""
+        self.step += 1
+
+    def _bucket(self, fragment: int) -> int:
+        return min((self.step - self.opened[fragment]) * self.buckets // self.window, self.buckets - 1)
 
     def _record(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
             return
         ids = args[0].reshape(-1)
-        for marks in self.marks.values():
-            marks.index_fill_(0, ids, True)
+        for f, marks in self.marks.items():
+            marks[self._bucket(f)].index_fill_(0, ids, True)
 
     def take(self, fragment: int) -> RowMask | None:
-        """The row mask for ``fragment``'s sync, starting its next count; None if it has no token-indexed
+        """The row mask for ``fragment``'s sync, opening its next window; None if it has no token-indexed
         block. Every rank of the replica calls it at the same sync (it is a collective there)."""
         marks = self.marks.get(fragment)
         if marks is None:
             return None
         touched = self.node.union(marks.to("cpu", copy=True))  # a copy: the marks are zeroed next
         marks.zero_()
-        return RowMask(self.blocks[fragment], touched)
+        self.opened[fragment] = self.step
+        return RowMask(self.blocks[fragment], touched.t().contiguous())
 
     def clear(self) -> None:
-        """Forget every count: the local weights were replaced (a published state loaded, a rollback)."""
-        for marks in self.marks.values():
+        """Forget every mark and open every window now: the local weights were replaced (a published state
+        loaded, a rollback), and the steps that marked them with it."""
+        for f, marks in self.marks.items():
             marks.zero_()
+            self.opened[f] = self.step
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The counts a resume must start from to be exact (a fragment that synced mid-round has counted
-        the steps since)."""
-        return {str(f): marks.to("cpu", copy=True) for f, marks in self.marks.items()}
+        """The marks a resume must start from to be exact (a fragment that synced mid-round has marked the
+        steps since), and how far into its window each fragment is."""
+        state = {}
+        for f, marks in self.marks.items():
+            state[str(f)] = marks.to("cpu", copy=True)
+            state[f"{f}/steps"] = torch.tensor(self.step - self.opened[f])
+        return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor] | None) -> None:
+        """Continue from ``state_dict``'s marks; none (an own state saved without them): a fresh window."""
         self.clear()
-        for f, marks in (state or {}).items():
-            if int(f) in self.marks and marks.shape == self.marks[int(f)].shape:
-                self.marks[int(f)].copy_(marks)
-
-    def remove(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
+        for f, marks in self.marks.items():
+            saved = (state or {}).get(str(f))
+            if saved is not None and saved.shape == marks.shape:
+                marks.copy_(saved)
+                self.opened[f] = self.step - int((state or {})[f"{f}/steps"])

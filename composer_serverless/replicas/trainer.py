@@ -178,7 +178,12 @@ class Replica:
         self.names = model_names(model, self.fragments)
         # Counted on every replica of a run alike (the setting is the run's), so every input of a sync carries
         # the same rows.
-        self.touches = Touches(model, self.fragments, node) if dl.embedding_average == "touched" else None
+        self.touches = (
+            Touches(model, self.fragments, node, dl.sync_every) if dl.embedding_average == "touched" else None
+        )
+        if self.touches is not None:  # before DiLoCo's hook too: a step is counted before the sync it ends
+            touches = self.touches
+            self.inner.register_step_post_hook(lambda optimizer, args, kwargs: touches.advance())
         self.manager = ObjectStoreManager(
             run,
             run_id=config.run_id or "",

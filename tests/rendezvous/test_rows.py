@@ -32,7 +32,7 @@ def test_bits_pack_eight_to_a_byte_lowest_first() -> None:
 
 def test_row_sums_average_each_row_over_the_inputs_that_touched_it() -> None:
     # One block of 3 rows of width 2 at the start of a 7-value shard; the last value lies outside any row.
-    sums = RowSums([Span(block=0, row=0, count=3, start=0, width=2)], numel=7)
+    sums = RowSums([Span(block=0, row=0, count=3, start=0, width=2)], numel=7, buckets=1)
     a = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
     b = torch.tensor([10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0])
     sums.add(a, torch.tensor([True, True, False]))
@@ -41,6 +41,19 @@ def test_row_sums_average_each_row_over_the_inputs_that_touched_it() -> None:
     sums.apply(average)
     # Row 0: only a touched it; row 1: both (their mean); row 2: neither (the plain mean stays); value 6: no row.
     assert average.tolist() == [1.0, 2.0, 16.5, 22.0, 27.5, 33.0, 38.5]
+
+
+def test_a_row_takes_its_per_bucket_rate_times_the_buckets_any_input_held_it_in() -> None:
+    """Two step buckets. Row 0: both inputs held the token in both buckets (4 bucket-holdings, 2 buckets):
+    the mean. Row 1: a in bucket 0, b in bucket 1: one process would have seen the token in both, so the sum.
+    Row 2: a in both buckets, b in bucket 1 (3 holdings over 2 buckets): 2/3 of the sum."""
+    sums = RowSums([Span(block=0, row=0, count=3, start=0, width=1)], numel=3, buckets=2)
+    a, b = torch.tensor([3.0, 5.0, 6.0]), torch.tensor([9.0, 7.0, 3.0])
+    sums.add(a, torch.tensor([[1, 1], [1, 0], [1, 1]], dtype=torch.bool).reshape(-1))
+    sums.add(b, torch.tensor([[1, 1], [0, 1], [0, 1]], dtype=torch.bool).reshape(-1))
+    average = (a + b) / 2
+    sums.apply(average)
+    assert average.tolist() == [6.0, 12.0, 6.0]
 
 
 def test_a_payload_carries_exactly_the_row_bits_its_reader_expects() -> None:
@@ -61,8 +74,8 @@ def test_a_payload_carries_exactly_the_row_bits_its_reader_expects() -> None:
 
 
 def expected(values: dict[int, torch.Tensor], masks: dict[int, RowMask]) -> torch.Tensor:
-    """By hand: the plain mean (rank order, fp32) everywhere, except that an element of a row whose token some
-    replicas' data held is the mean over just those replicas."""
+    """By hand, for masks of one step bucket: the plain mean (rank order, fp32) everywhere, except that an
+    element of a row whose token some replicas' data held is the mean over just those replicas."""
     ranks = sorted(values)
     total = torch.zeros(NUMEL)
     for r in ranks:
@@ -72,7 +85,7 @@ def expected(values: dict[int, torch.Tensor], masks: dict[int, RowMask]) -> torc
     for block in blocks:
         for row in range(block.rows):
             token = block.first_token + row
-            held = [r for r in ranks if masks[r].touched[token]]
+            held = [r for r in ranks if masks[r].touched[token, 0]]
             if not held:
                 continue
             lo, hi = block.offset + row * block.width, block.offset + (row + 1) * block.width
@@ -91,14 +104,14 @@ def test_every_replica_averages_each_row_over_the_replicas_that_trained_it(tmp_p
     held = {0: [0, 4, 5, 9], 1: [4, 9, 12], 2: [4, 19]}
     masks = {}
     for r, tokens in held.items():
-        touched = torch.zeros(20, dtype=torch.bool)
+        touched = torch.zeros(20, 1, dtype=torch.bool)
         touched[tokens] = True
         masks[r] = RowMask(blocks, touched)
     settings = ExchangeSettings(replicas=3, min_replicas=3, codec="fp32", timeout_s=60)
     results = exchange(f"file://{tmp_path}/run", values, settings, grace=10, rows=masks)
     want = expected(values, masks)
     assert not torch.equal(
-        want, expected(values, {r: RowMask(blocks, torch.zeros(20, dtype=torch.bool)) for r in masks})
+        want, expected(values, {r: RowMask(blocks, torch.zeros(20, 1, dtype=torch.bool)) for r in masks})
     )
     for result in results.values():
         assert torch.equal(result.average, want)
@@ -113,7 +126,7 @@ def test_every_replica_averages_each_row_over_the_replicas_that_trained_it(tmp_p
 def test_rows_average_under_a_lossy_codec_and_replicas_stay_identical(tmp_path: Path, codec: str) -> None:
     values = tensors(4)
     blocks = (RowBlock(offset=0, rows=100, width=8),)
-    masks = {r: RowMask(blocks, torch.arange(100) % 4 == r) for r in range(4)}
+    masks = {r: RowMask(blocks, (torch.arange(100) % 4 == r)[:, None]) for r in range(4)}
     settings = ExchangeSettings(replicas=4, min_replicas=4, codec=codec, timeout_s=60)
     results = exchange(f"file://{tmp_path}/run", values, settings, grace=10, rows=masks)
     first = results[0].average
