@@ -90,12 +90,12 @@ class DiLoCoConfig(StrictModel):
         le=MAX_ROUNDS,
         description="outer rounds to run; each replica runs rounds * sync_every inner steps",
     )
-    # Measured (docs/RESULTS.md, section 1): with the embedding's rows averaged over the replicas that trained
-    # them, lr 0.6 and momentum 0.3 (a steady-state step of 0.86 times the averaged pseudo-gradient) ended
-    # nearest data-parallel and ahead of plain averaging at H = 10 and 50; DiLoCo's 0.7/0.9 (seven times it)
-    # ended far above, at every H tried here.
+    # Measured (docs/RESULTS.md, section 1): with the embedding's rows combined over the replicas that trained
+    # them, lr 0.7 and momentum 0.3 (a steady-state step of once the averaged pseudo-gradient) was the best
+    # outer Nesterov step at H = 10; larger steps (0.9/0.3, 1.0/0.2, DiLoCo's 0.7/0.9 at seven times it)
+    # ended further from data-parallel.
     outer_lr: float = Field(
-        0.6, gt=0, le=MAX_OUTER_LR, description="outer SGD learning rate (0.7 in DiLoCo; at most 10)"
+        0.7, gt=0, le=MAX_OUTER_LR, description="outer SGD learning rate (0.7 in DiLoCo; at most 10)"
     )
     outer_momentum: float = Field(0.3, ge=0, lt=1, description="outer SGD momentum (0.9 in DiLoCo)")
     nesterov: bool = Field(True, description="Nesterov momentum for the outer step")
@@ -147,9 +147,10 @@ class DiLoCoConfig(StrictModel):
     embedding_average: Literal["touched", "all"] = Field(
         "touched",
         description="how the rows of the embedding (and of an untied output head) are averaged: 'touched' "
-        "averages each token's row over the replicas whose training data held that token since the last sync "
-        "(a plain average divides a rare token's step by the replicas that never saw it); 'all' averages "
-        "every replica's row. One bit per token travels with each pseudo-gradient",
+        "combines each token's row over the replicas whose training data held that token since the last sync, "
+        "as far as one process on all their batches would have moved it (a plain average divides a rare "
+        "token's step by the replicas that never saw it); 'all' averages every replica's row. A bit per row "
+        "and step (at most 64 per sync) travels with each pseudo-gradient",
     )
     min_replicas: int = Field(
         1, ge=1, description="fewest replicas a sync may average once the straggler grace has passed"

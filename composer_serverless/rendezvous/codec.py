@@ -28,8 +28,9 @@ Codecs (the decoded values are always fp32, and every sum over them is fp32):
 * ``int8``: blockwise absmax: each block of ``INT8_BLOCK`` values is scaled by its largest magnitude / 127
   and rounded to int8; the fp32 scales travel as a second tensor. About a quarter of the bytes.
 
-An input may also carry one bit per row of the token-indexed blocks its shard overlaps (``ROWS``, packed eight
-to a byte, its count in the header): whether the replica's data held that token (``rows.py``). A reader that
+An input may also carry bits for the rows of the token-indexed blocks its shard overlaps (``ROWS``, packed
+eight to a byte, their count in the header): in which step buckets the replica's data held each token
+(``rows.py``). A reader that
 expects them (``rows`` > 0) accepts only a payload with exactly that many; one that expects none, only a
 payload without.
 

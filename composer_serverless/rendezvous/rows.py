@@ -1,4 +1,4 @@
-"""Averaging a token-indexed matrix over the replicas that trained each row: the embedding's touch counts.
+"""Combining a token-indexed matrix's rows over the replicas that trained each one: the embedding's row bits.
 
 Why: a replica's batch holds a few hundred of a vocabulary's tokens, so between two syncs most rows of the
 embedding (and of an untied output head) are trained by one replica or by none. AdamW gives such a row a
@@ -6,15 +6,20 @@ full-size step in the replica that saw the token, and a full-size step of noise 
 an absent token, normalised) in each one that did not; the plain average then keeps about 1/N of the real
 step. Data-parallel training sums the gradients first, so the token's signal wins and its row takes a full
 step. On the demo that difference was the whole gap between DiLoCo and data-parallel (``docs/RESULTS.md``,
-section 1). Averaging row r over the replicas whose data held token r gives back the full step.
+section 1).
 
-So with a ``RowMask`` an input payload carries, besides the values of its shard, one bit per row of each
-token-indexed block that overlaps the shard (``spans``): whether this replica's inputs held that token since
-the block's last sync. The shard's owner sums the values of every input as before, and for each such row also
-the values of the inputs that touched it, and their count; the row's average is over those inputs when any
-touched it, else over all (a row no replica's data held keeps the plain average, the same on every replica).
-Everything else in the tensor is averaged as before. The bits cost V/8 bytes per replica and block per sync
-(19 KB for a 151,936-token vocabulary, against the gigabytes of its pseudo-gradient).
+So with a ``RowMask`` an input payload carries, besides the values of its shard, a bit per step bucket of the
+window for each row of each token-indexed block that overlaps the shard (``spans``): whether this replica's
+inputs held that token in those steps. The shard's owner sums the values of every input as before, and for
+each such row also the values of the inputs that touched it, the buckets they touched it in (summed) and the
+buckets any of them did (their union). A touched row's update is its rate per bucket over those inputs times
+the buckets in the union (``RowSums.apply``): data-parallel AdamW takes a step on the row at every step the
+token is anywhere in the union batch, and each replica moved it over its own such steps. A token every replica
+held at every step gets the plain mean; one that two replicas held at different steps, the sum of their
+updates; one that a single replica held, that replica's update. A row no replica's data held keeps the plain
+average, the same on every replica. Everything else in the tensor is averaged as before. The bits cost
+``V x buckets / 8`` bytes per replica and block per sync (1.2 MB for a 151,936-token vocabulary at the most,
+64 buckets, against the 2 GB of its fp32 pseudo-gradient).
 
 All of it is pure and deterministic: every reducer sums the same inputs in the same order, so the average is
 the same bytes whoever computes it.

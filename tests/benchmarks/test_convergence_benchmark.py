@@ -123,7 +123,7 @@ def test_variant_configs_change_one_thing_and_keep_the_tokens() -> None:
     assert (n1.diloco.replicas, n1.data.batch_size, h10.data.batch_size) == (1, 32, 8)
     assert (n8.diloco.replicas, n8.data.batch_size, n8.diloco.min_replicas) == (8, 4, 8)
     assert (fedavg.diloco.outer_lr, fedavg.diloco.outer_momentum, fedavg.diloco.nesterov) == (1.0, 0.0, False)
-    assert (h10.diloco.outer_lr, h10.diloco.outer_momentum, h10.diloco.nesterov) == (0.6, 0.3, True)
+    assert (h10.diloco.outer_lr, h10.diloco.outer_momentum, h10.diloco.nesterov) == (0.7, 0.3, True)
     assert int8.diloco.codec == "int8" and h10.diloco.codec == "fp32"
     assert h10.train == base.train == n1.train
 
