@@ -55,8 +55,8 @@ def _config(
 
 def _row_bits(store: Path, run_id: str, local: int) -> int:
     """The row bits (``rendezvous/rows.py``) replica 0's inputs of local rank ``local`` carried in round 3's
-    fragment 0 (the embedding's): over its shards, each rank's rows of the embedding, one shared row counted
-    twice where a shard boundary cuts it."""
+    fragment 0 (the embedding's): over its shards, a bit per step bucket of each of the rank's rows of the
+    embedding, one shared row counted twice where a shard boundary cuts it."""
     inputs = sorted((store / run_id / "rounds" / "3" / "0" / str(local) / "in").glob("0-*"))
     assert inputs
     return sum(int(read_header(p.read_bytes())[0]["__metadata__"].get("rows", 0)) for p in inputs)
@@ -104,12 +104,16 @@ def test_two_ranks_per_replica_end_where_one_rank_does(
     # The embedding's rows were averaged over the replicas that trained them, each rank sending the bits of
     # the rows it holds (the tied embedding of 400 tokens, split by rows over two ranks); LoRA's embedding is
     # frozen and not exchanged.
-    vocab = TINY.vocab_size
+    # A bit per row and step bucket: sync_every = 4 buckets.
+    vocab, buckets = TINY.vocab_size, 4
     if lora:
         assert _row_bits(tmp_path, "g1", 0) == _row_bits(tmp_path, "g2", 1) == 0
     else:
-        assert vocab <= _row_bits(tmp_path, "g1", 0) <= vocab + 1
-        assert all(vocab // 2 <= _row_bits(tmp_path, "g2", local) <= vocab // 2 + 1 for local in (0, 1))
+        assert _row_bits(tmp_path, "g1", 0) in (vocab * buckets, (vocab + 1) * buckets)
+        assert all(
+            _row_bits(tmp_path, "g2", local) in (vocab // 2 * buckets, (vocab // 2 + 1) * buckets)
+            for local in (0, 1)
+        )
     rows = {
         g: {row["round"]: row for row in read_metrics(ObjectStore(str(tmp_path / f"g{g}")))[0]}
         for g in (1, 2)
