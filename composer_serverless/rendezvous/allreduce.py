@@ -121,9 +121,9 @@ def allreduce(
             shard of ``out`` is written only after this replica's last read of its own input of that shard.
             On an error ``out`` may hold part of the average.
         workspace: buffers to reuse from the caller's previous syncs; fresh ones if None.
-        rows: the token-indexed blocks of ``values`` and which tokens this replica's data held, to average
-            those rows over the replicas that trained them (``rows.py``); every replica of a sync passes the
-            same blocks. None: a plain average everywhere.
+        rows: the token-indexed blocks of ``values`` and in which step buckets this replica's data held each
+            token, to combine those rows over the replicas that trained them (``rows.py``); every replica of a
+            sync passes the same blocks and buckets. None: a plain average everywhere.
 
     Raises:
         StaleRoundError: ``is_stale`` said so when this replica was about to fix the quorum.

@@ -121,7 +121,7 @@ class ObjectStoreManager:
             rank with whether its own part committed; returns whether all did. A replica commits a sync on all
             of its ranks or on none, as torchft's Manager decides for a replica group.
         rows: called with the fragment of each sync, on the thread that starts it, for the token-indexed
-            rows of its bucket and which tokens this replica trained on (``rows.py``); None, or a None
+            rows of its bucket and when this replica trained on each token (``rows.py``); None, or a None
             answer, averages every value plainly.
     """
 

@@ -34,7 +34,9 @@ def token_blocks(fragment: nn.Module, token_weights: list[nn.Parameter], vocab: 
     blocks, offset = [], 0
     for _, p in fragment.named_parameters():
         held = p.to_local() if isinstance(p, DTensor) else p
-        if id(p) in wanted and p.dim() == 2 and p.shape[0] == vocab and held.numel():
+        # A rank whose shard holds no row still has the block (of no rows): every rank of a replica must
+        # agree on which fragments take part in the union at a sync.
+        if id(p) in wanted and p.dim() == 2 and p.shape[0] == vocab:
             first = 0
             if isinstance(p, DTensor):
                 _, global_offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
