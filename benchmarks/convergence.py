@@ -13,7 +13,8 @@ held-out sequences every ``eval_every`` steps. Within a seed all variants start 
   their own batches, which is what an all-reduce of mean-reduced gradients hands every replica; so this is
   data-parallel training, up to floating-point rounding, without N processes. It is not run distributed, so
   its bytes are computed: T x the bytes one fp32 all-reduce of this model among N replicas moves through the
-  store, taken from the ``diloco-h10`` run of the same seed (its measured bytes / its rounds).
+  store, taken from the ``diloco-h10`` run of the same seed (its measured bytes / its rounds); an N = 8 run's
+  bytes are compared with data-parallel among 8, whose all-reduce moves (3 x 8 - 1) / (3 x 4 - 1) times that.
 - ``diloco-h10``, ``diloco-h25``, ``diloco-h50``: N = 4 replicas, the config's outer Nesterov SGD, H = 10, 25,
   50 inner steps per round, so T/H rounds.
 - ``diloco-n1-h10``: N = 1 with batch N x batch_size: the outer Nesterov step alone (Lookahead-like).
@@ -197,9 +198,11 @@ def checks(variants: dict[str, dict[str, Any]], runs: list[dict[str, Any]]) -> d
         dp = next((r for r in runs if r["name"] == DP and r["seed"] == run["seed"]), None)
         if dp is None:
             continue
-        check = bytes_check(
-            dp["bytes_communicated"], run["bytes_communicated"], run["sync_every"], run["wire_bits"]
+        # Data-parallel among as many replicas as this run: its all-reduce moves 3N - 1 copies per step too.
+        dp_bytes_here = (
+            dp["bytes_communicated"] * copies_per_sync(run["replicas"]) / copies_per_sync(dp["replicas"])
         )
+        check = bytes_check(dp_bytes_here, run["bytes_communicated"], run["sync_every"], run["wire_bits"])
         out[f"bytes_{run['name']}_seed{run['seed']}"] = check
     return out
 

@@ -57,7 +57,9 @@ def test_means_over_seeds_and_the_acceptance_checks() -> None:
         run_row("diloco-h10", 0, 4.02, 0.005, 100.0, replicas=4, sync_every=10, wire_bits=32.0),
         run_row("diloco-h10", 1, 5.1, 0.02, 100.0, replicas=4, sync_every=10, wire_bits=32.0),
         run_row("diloco-n1-h10", 0, 3.96, -0.01, 20.0, replicas=1, sync_every=10, wire_bits=32.0),
-        run_row("diloco-n8-h10", 0, 4.1, 0.025, 100.0, replicas=8, sync_every=10, wire_bits=32.0),
+        run_row(
+            "diloco-n8-h10", 0, 4.1, 0.025, 1000.0 * 23 / 11 / 10, replicas=8, sync_every=10, wire_bits=32.0
+        ),
         run_row("fedavg-h10", 0, 4.7, 0.1, 100.0, replicas=4, sync_every=10, wire_bits=32.0),
         run_row("diloco-h10-int8", 0, 4.57, 0.01, 25.0, replicas=4, sync_every=10, wire_bits=8.0),
     ]
@@ -81,6 +83,9 @@ def test_means_over_seeds_and_the_acceptance_checks() -> None:
     assert checks["bytes_diloco-h10_seed0"] == {"ratio": 10.0, "bound": 10.0, "met": True}
     assert checks["bytes_diloco-h10-int8_seed0"]["ratio"] == 40.0
     assert "bytes_diloco-n1-h10_seed0" not in checks  # one replica exchanges with nobody
+    # N = 8 against data-parallel among 8, whose all-reduce moves 3N - 1 = 23 copies per step where 4's moves
+    # 11: data-parallel's 1,000 bytes among 4 are 1,000 x 23 / 11 among 8, ten times this H = 10 run's.
+    assert checks["bytes_diloco-n8-h10_seed0"]["ratio"] == pytest.approx(10.0)
 
 
 def test_without_data_parallel_there_are_no_gaps_to_check() -> None:
