@@ -33,9 +33,13 @@ from composer_serverless.config import RunConfig
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.codec import encode
 from composer_serverless.rendezvous.latest import latest_round
+from composer_serverless.rendezvous.rows import span_rows, spans
 from composer_serverless.rendezvous.sharding import shard_bounds
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
+from composer_serverless.replicas.diloco import split_fragments
+from composer_serverless.replicas.node import SOLO
+from composer_serverless.replicas.touches import Touches
 
 
 def wait_until(condition, what: str) -> None:
@@ -265,12 +269,17 @@ def test_hostile_objects_in_the_store_are_rejected_and_the_run_finishes(
     run.put(layout.quorum(2, 0), b"\x00\xff garbage")
     run.put(f"{layout.sync(2, 0)}/{layout.sync_input(1, 0)}", bytes(2**20 + 10))
     # One fragment holding every parameter: replica 1's shard 0 is the first half of their flat vector.
-    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    params = sum(p.numel() for p in model.parameters())
     start, end = shard_bounds(params, 2)[0]
     identity = {"run_id": "hostile", "round": "3", "fragment": "0", "local": "0", "rank": "1", "shard": "0"}
     poisoned = torch.zeros(end - start)
     poisoned[::1000] = float("nan")
-    run.put(f"{layout.sync(3, 0)}/{layout.sync_input(1, 0)}", encode(poisoned, identity, "fp32"))
+    # With the row bits a shard holding embedding rows carries (a bit per row and step bucket), so that it is
+    # the NaN that rejects it, not its layout.
+    touches = Touches(model, split_fragments(model, 1), SOLO, window=4)
+    bits = torch.zeros(span_rows(spans(touches.blocks[0], start, end)) * touches.buckets, dtype=torch.bool)
+    run.put(f"{layout.sync(3, 0)}/{layout.sync_input(1, 0)}", encode(poisoned, identity, "fp32", rows=bits))
     assert run_replicas(run, tmp_path / "logs", 2) == [0, 0], logs_of(tmp_path / "logs")
     logs = logs_of(tmp_path / "logs")
     assert "quorum.json is malformed" in logs
