@@ -106,7 +106,7 @@ def test_the_card_says_what_was_trained_how_and_what_it_reached() -> None:
         "| replicas (M) | 8 |",
         "| inner steps per round (H, sync_every) | 10 |",
         "| rounds | 30 |",
-        "| outer optimizer | SGD, lr 0.7, momentum 0.9, Nesterov off |",
+        "| outer optimizer | SGD, lr 0.7, momentum 0.3, Nesterov off |",
         "| exchange codec | bf16 |",
         "| objective | composer (GRPO + alpha SDPO + beta replay); rewards: `exact_match` x 1, `format` x 0.2 |",
         "| held-out reward, initial -> final | 0.2100 -> 0.4375 |",
