@@ -113,7 +113,8 @@ def spans(blocks: tuple[RowBlock, ...], start: int, end: int) -> list[Span]:
 
 
 def span_rows(shard_spans: list[Span]) -> int:
-    """How many bits an input of a shard with these spans carries."""
+    """How many rows of token-indexed blocks a shard with these spans overlaps (its inputs carry a bit per row
+    and step bucket)."""
     return sum(s.count for s in shard_spans)
 
 
