@@ -30,9 +30,8 @@ Codecs (the decoded values are always fp32, and every sum over them is fp32):
 
 An input may also carry bits for the rows of the token-indexed blocks its shard overlaps (``ROWS``, packed
 eight to a byte, their count in the header): in which step buckets the replica's data held each token
-(``rows.py``). A reader that
-expects them (``rows`` > 0) accepts only a payload with exactly that many; one that expects none, only a
-payload without.
+(``rows.py``). A reader that expects them (``rows`` > 0) accepts only a payload with exactly that many; one
+that expects none, only a payload without.
 
 An input (one shard of a replica's pseudo-gradient) may state the L2 norm of the whole pseudo-gradient it is
 a shard of (``NORM``): a shard's owner sees only its shard, and a robust average compares whole contributions

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -120,17 +121,12 @@ def span_rows(shard_spans: list[Span]) -> int:
 
 def pack(bits: torch.Tensor) -> torch.Tensor:
     """Bits as bytes, eight to a byte, first bit in the lowest: ``ceil(n / 8)`` uint8s."""
-    n = bits.numel()
-    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8)
-    padded[:n] = bits.to(torch.uint8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    return torch.from_numpy(np.packbits(bits.numpy(), bitorder="little"))
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     """``pack``'s inverse: the first ``n`` bits, as a bool tensor."""
-    shifts = torch.arange(8, dtype=torch.uint8)
-    return ((packed.to(torch.uint8)[:, None] >> shifts) & 1).view(-1)[:n].bool()
+    return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little")).bool()
 
 
 class RowSums:
@@ -141,8 +137,6 @@ class RowSums:
     the plain average in the rows any input touched."""
 
     def __init__(self, shard_spans: list[Span], numel: int, buckets: int) -> None:
-        self.spans = shard_spans
-        self.numel = numel
         self.rows = span_rows(shard_spans)
         self.buckets = buckets
         # The shard's elements that lie in a row, and each one's row among the span rows.

@@ -25,6 +25,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from composer_serverless.rendezvous.rows import RowBlock, RowMask
 from composer_serverless.replicas.node import Node
+from composer_serverless.replicas.shards import local
 
 
 def token_blocks(fragment: nn.Module, token_weights: list[nn.Parameter], vocab: int) -> tuple[RowBlock, ...]:
@@ -33,7 +34,7 @@ def token_blocks(fragment: nn.Module, token_weights: list[nn.Parameter], vocab: 
     wanted = {id(w) for w in token_weights}
     blocks, offset = [], 0
     for _, p in fragment.named_parameters():
-        held = p.to_local() if isinstance(p, DTensor) else p
+        held = local(p)
         # A rank whose shard holds no row still has the block (of no rows): every rank of a replica must
         # agree on which fragments take part in the union at a sync.
         if id(p) in wanted and p.dim() == 2 and p.shape[0] == vocab:
