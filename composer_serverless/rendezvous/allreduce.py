@@ -30,6 +30,13 @@ an untied head) its shard overlaps, a bit per step bucket of the window: whether
 token then. The reducer combines each such row over the inputs whose data held the token, where any did
 (``rows.RowSums``): a few bytes per row, and the average is still a function of the durable inputs alone.
 
+With a residual (error feedback, ``feedback.py``) a replica sends its pseudo-gradient plus the residual, and
+the result holds the new residual: what the codec left out of what it sent. With the sparse codec the owner
+re-sparsifies the average it publishes (``ExchangeSettings.reduced_codec`` may name a dense codec instead), so
+every object of a sync has the sparse payload's size and the traffic stays at the bound above, for the
+sparse size; the owner's own rounding of the average is nobody's residual: it would make the published
+average depend on which replica reduced it.
+
 A payload that fails its checksum (with a run key, its MAC), header or identity is logged and left out of
 the sum, never averaged; so is one whose pseudo-gradient's norm lies far outside the others' (``robust.py``,
 with ``outlier_factor``).
@@ -102,6 +109,7 @@ def allreduce(
     out: torch.Tensor | None = None,
     workspace: Workspace | None = None,
     rows: RowMask | None = None,
+    residual: torch.Tensor | None = None,
 ) -> ExchangeResult:
     """Average ``values`` (flat fp32) over the quorum of this sync; see the module docstring.
 
@@ -124,6 +132,8 @@ def allreduce(
         rows: the token-indexed blocks of ``values`` and in which step buckets this replica's data held each
             token, to combine those rows over the replicas that trained them (``rows.py``); every replica of a
             sync passes the same blocks and buckets. None: a plain average everywhere.
+        residual: what this replica's earlier inputs left out (``feedback.py``): sent with ``values``, not
+            modified; the result's ``residual`` is the new one. None: no error feedback.
 
     Raises:
         StaleRoundError: ``is_stale`` said so when this replica was about to fix the quorum.
@@ -136,7 +146,7 @@ def allreduce(
         )
     try:
         return _Exchange(
-            store, values, prefix, identity, rank, settings, grace_s, is_stale, out, workspace, rows
+            store, values, prefix, identity, rank, settings, grace_s, is_stale, out, workspace, rows, residual
         ).run()
     finally:
         workspace.busy.release()
@@ -158,10 +168,16 @@ class _Exchange:
         out: torch.Tensor | None,
         workspace: Workspace,
         rows: RowMask | None = None,
+        residual: torch.Tensor | None = None,
     ) -> None:
         self.store = store.child(prefix)
         self.is_stale = is_stale
         self.values = values.detach().reshape(-1).to(torch.float32)
+        # With error feedback, what is sent: the pseudo-gradient plus the residual; and what of it the encoded
+        # inputs leave out, the new residual.
+        self.sending = self.values if residual is None else self.values + residual.reshape(-1)
+        self.unsent = None if residual is None else torch.empty_like(self.sending)
+        self.reduced_codec = settings.reduced_codec or settings.codec
         self.identity = identity
         self.rank = rank
         self.local = settings.local_rank
@@ -232,13 +248,16 @@ class _Exchange:
 
         # The whole pseudo-gradient's norm, in every input's header: each shard's owner compares whole
         # contributions (``robust.py``), and sees only its shard of each.
-        whole = repr(l2_norm(self.values))
+        whole = repr(l2_norm(self.sending))
 
         def upload(shard: int) -> None:
             start, end = self.bounds[shard]
             identity = {**self._input_identity(self.rank, shard), NORM: whole}
             bits = self.rows.bits(self.spans[shard]) if self.rows else None
-            parts = encode_parts(self.values[start:end], identity, self.settings.codec, self.key, bits)
+            parts = encode_parts(self.sending[start:end], identity, self.settings.codec, self.key, bits)
+            if self.unsent is not None:
+                sent = decode(parts, identity, self.settings.codec, end - start, verify=False, key=self.key)
+                torch.sub(self.sending[start:end], sent, out=self.unsent[start:end])
             if self.store.create(layout.sync_input(self.rank, shard, self.local), parts):
                 self._count(up=sum(len(p) for p in parts))
                 self.mine[shard] = parts
@@ -252,6 +271,7 @@ class _Exchange:
 
         try:
             self.store.map(upload, order)
+            self.result.residual = self.unsent
         except (
             Exception
         ) as e:  # a replica that cannot upload still receives the average, as a non-participant
@@ -428,13 +448,13 @@ class _Exchange:
         if row_sums is not None:
             row_sums.apply(total)
         identity = {**self._reduced_identity(shard), "summed": ",".join(map(str, summed))}
-        parts = encode_parts(total, identity, self.settings.codec, self.key)
+        parts = encode_parts(total, identity, self.reduced_codec, self.key)
         if self.store.create(layout.sync_output(shard, self.local), parts):
             self._count(up=sum(len(p) for p in parts))
             self._place(shard, parts, verify=False)
             self.result.summed[shard] = summed
         else:
-            self._place(shard, self._fetch(layout.sync_output(shard, self.local), shard))
+            self._place(shard, self._fetch(layout.sync_output(shard, self.local), shard, output=True))
 
     def _left_out(self, peer: int, shard: int, why: str) -> None:
         self.log.warning(
@@ -465,7 +485,10 @@ class _Exchange:
             slot = buffers.get()
             try:
                 self._place(
-                    shard, self._fetch(layout.sync_output(shard, self.local), shard, slot=("out", slot))
+                    shard,
+                    self._fetch(
+                        layout.sync_output(shard, self.local), shard, slot=("out", slot), output=True
+                    ),
                 )
             finally:
                 buffers.put(slot)
@@ -505,7 +528,7 @@ class _Exchange:
         decode(
             payload,
             identity,
-            self.settings.codec,
+            self.reduced_codec,
             end - start,
             self.result.average[start:end],
             verify=verify,
@@ -518,14 +541,17 @@ class _Exchange:
 
     # --- helpers -----------------------------------------------------------------------------------
 
-    def _fetch(self, key: str, shard: int, *, slot: object = "scratch") -> memoryview:
-        """Read ``key`` into the workspace buffer ``slot``, sized for ``shard``'s payload. The default slot
-        is for payloads used at once; a payload kept while others are read (a prefetched input) gets its
-        own slot."""
+    def _fetch(self, key: str, shard: int, *, slot: object = "scratch", output: bool = False) -> memoryview:
+        """Read ``key`` into the workspace buffer ``slot``, sized for ``shard``'s input (or, with
+        ``output``, reduced) payload. The default slot is for payloads used at once; a payload kept while
+        others are read (a prefetched input) gets its own slot."""
         start, end = self.bounds[shard]
-        buffer = self.workspace.bytes(
-            slot, max_payload_bytes(end - start, self.settings.codec, self.row_bits[shard])
+        size = (
+            max_payload_bytes(end - start, self.reduced_codec)
+            if output
+            else max_payload_bytes(end - start, self.settings.codec, self.row_bits[shard])
         )
+        buffer = self.workspace.bytes(slot, size)
         try:
             size = self.store.get_into(key, buffer)
         except (ObjectTooLarge, ObjectChanged) as e:  # no payload is that large or keeps changing: rejected

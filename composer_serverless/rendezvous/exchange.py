@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from composer_serverless.rendezvous.codec import CodecName
+from composer_serverless.rendezvous.codec import Codec
 from composer_serverless.rendezvous.runkey import RunKey
 
 
@@ -29,13 +29,15 @@ class ExchangeSettings:
 
     replicas: int
     min_replicas: int
-    codec: CodecName
+    codec: Codec
     timeout_s: float
     local_rank: int = 0
     local_ranks: int = 1
     key: RunKey | None = None
     # A contribution whose norm exceeds this many times the median of the round's is left out (robust.py).
     outlier_factor: float | None = None
+    # The codec of the averages owners publish; None: ``codec`` (with the sparse codec: re-sparsified).
+    reduced_codec: Codec | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.replicas:
@@ -57,6 +59,8 @@ class ExchangeResult:
     rescued: list[int] = field(default_factory=list)
     # Per shard, the participants whose input went into its average (an input can be rejected).
     summed: dict[int, list[int]] = field(default_factory=dict)
+    # With error feedback: what this replica's inputs left out of the pseudo-gradient plus residual it sent.
+    residual: torch.Tensor | None = None
 
     @property
     def contributors(self) -> list[int]:

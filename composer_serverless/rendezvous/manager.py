@@ -39,6 +39,7 @@ from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.allreduce import allreduce
 from composer_serverless.rendezvous.deadline import ArrivalHistory, GraceSettings
 from composer_serverless.rendezvous.exchange import ExchangeResult, ExchangeSettings, StaleRoundError
+from composer_serverless.rendezvous.feedback import ErrorFeedback
 from composer_serverless.rendezvous.latest import latest_round, newest_round
 from composer_serverless.rendezvous.replica_log import ReplicaLog
 from composer_serverless.rendezvous.rows import RowMask
@@ -74,6 +75,8 @@ class _Sync:
     exchanged: bool = False
     thread: threading.Thread | None = None
     land: Callable[[], None] = lambda: None
+    # With error feedback, the residual the exchange left: kept if the sync commits with this replica's inputs.
+    residual: torch.Tensor | None = None
 
 
 class _ExchangeWork(dist._Work):
@@ -123,6 +126,9 @@ class ObjectStoreManager:
         rows: called with the fragment of each sync, on the thread that starts it, for the token-indexed
             rows of its bucket and when this replica trained on each token (``rows.py``); None, or a None
             answer, averages every value plainly.
+        feedback: the residuals of error feedback (``feedback.py``), for a lossy codec that drops much (the
+            sparse one): each sync sends its fragment's residual with the pseudo-gradient, and keeps the new
+            one if the sync commits with this replica's inputs averaged. None: no feedback.
     """
 
     # DiLoCo refuses an asynchronous quorum; ours is decided inside each exchange.
@@ -139,6 +145,7 @@ class ObjectStoreManager:
         grace: GraceSettings,
         agree: Callable[[bool], bool] = lambda committed: committed,
         rows: Callable[[int], RowMask | None] | None = None,
+        feedback: ErrorFeedback | None = None,
     ) -> None:
         if not 0 <= rank < settings.replicas:
             raise ValueError(f"rank {rank} is outside [0, {settings.replicas})")
@@ -148,6 +155,7 @@ class ObjectStoreManager:
         self._log = ReplicaLog(logger, rank, settings.local_rank if settings.local_ranks > 1 else None)
         self._agree = agree
         self._rows = rows
+        self.feedback = feedback
         self._fragments = fragments
         self._settings = settings
         self._arrivals = ArrivalHistory(grace)
@@ -189,10 +197,15 @@ class ObjectStoreManager:
         sync.exchanged = True
         values, copied = self._to_host(tensor)
         rows = self._rows(sync.outcome.fragment) if self._rows is not None else None
+        residual = (
+            self.feedback.residual(sync.outcome.fragment, values.numel())
+            if self.feedback is not None
+            else None
+        )
         future: torch.futures.Future = torch.futures.Future()
         sync.thread = threading.Thread(
             target=self._exchange,
-            args=(values, copied, sync.outcome, rows),
+            args=(values, copied, sync.outcome, rows, residual, sync),
             name=f"exchange-{sync.outcome.round}-{sync.outcome.fragment}",
             daemon=True,
         )
@@ -244,6 +257,9 @@ class ObjectStoreManager:
             outcome.error = RuntimeError("another rank of this replica failed its part of the sync")
         if outcome.committed:
             self._step += 1
+            averaged = outcome.contributed and self._rank not in outcome.rejected
+            if self.feedback is not None and averaged and sync.residual is not None:
+                self.feedback.keep(outcome.fragment, sync.residual)
         self.syncs_attempted += 1
         self.last_sync = outcome
         if outcome.committed:
@@ -304,9 +320,12 @@ class ObjectStoreManager:
         copied: torch.cuda.Event | None,
         outcome: SyncOutcome,
         rows: RowMask | None = None,
+        residual: torch.Tensor | None = None,
+        sync: _Sync | None = None,
     ) -> None:
-        """Average ``staged`` (host memory) across the quorum, in place, once its copy has landed. Never
-        raises: errors go to ``outcome``, for ``should_commit``."""
+        """Average ``staged`` (host memory) across the quorum, in place, once its copy has landed; with
+        ``residual``, the new one goes to ``sync``. Never raises: errors go to ``outcome``, for
+        ``should_commit``."""
         try:
             if copied is not None:
                 copied.synchronize()
@@ -331,7 +350,10 @@ class ObjectStoreManager:
                 out=values,  # the average replaces the pseudo-gradient, as an all-reduce does
                 workspace=self._workspace,
                 rows=rows,
+                residual=residual,
             )
+            if sync is not None:
+                sync.residual = result.residual
             if values.data_ptr() != staged.data_ptr():
                 staged.copy_(values)
             outcome.participants = result.participants

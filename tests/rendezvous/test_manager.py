@@ -20,8 +20,10 @@ from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.allreduce import ExchangeSettings, StaleRoundError
 from composer_serverless.rendezvous.deadline import GraceSettings
+from composer_serverless.rendezvous.feedback import ErrorFeedback
 from composer_serverless.rendezvous.manager import ObjectStoreManager
 from composer_serverless.rendezvous.retry import RetryPolicy
+from composer_serverless.rendezvous.sparse import Sparse
 from composer_serverless.rendezvous.store import ObjectStore
 
 
@@ -187,3 +189,38 @@ def test_on_an_accelerator_the_exchange_thread_touches_host_memory_only(tmp_path
     assert torch.equal(seen[0][1], torch.full((5,), 1 / 3).to(torch.bfloat16).float())
     assert [name for name in sim.device_kernels if name.startswith("exchange-")] == []
     assert sim.device_kernels["MainThread"] > 0
+
+
+def test_error_feedback_keeps_the_residual_of_a_committed_sync_only(tmp_path: Path) -> None:
+    """A sync that commits with this replica's inputs averaged keeps the new residual, pseudo-gradient plus
+    residual minus what was sent (from a tensor on the simulated accelerator: the residual stays in host
+    memory); a failed one leaves the residual as it was, so its retry re-encodes the same bytes."""
+    codec = Sparse(density=0.25, chunk=8)
+    feedback = ErrorFeedback()
+    manager = ObjectStoreManager(
+        ObjectStore(f"file://{tmp_path}/run"),
+        run_id="r",
+        rank=0,
+        fragments=1,
+        settings=ExchangeSettings(replicas=1, min_replicas=1, codec=codec, timeout_s=30),
+        grace=GraceSettings(min_s=0.0, max_s=5.0, mads=4.0),
+        feedback=feedback,
+    )
+    delta = torch.tensor([4.0, 1.0, -2.0, 0.5, 0.0, 0.0, 3.0, -0.25])
+    with simulated():
+        manager.start_quorum()
+        bucket = delta.to("cuda")
+        manager.allreduce(bucket).wait()
+        assert manager.should_commit(), manager.last_sync.error
+        # k = 2: 4 and 3 are sent (each half one value, so exactly), the rest waits in the residual.
+        assert torch.equal(bucket.cpu(), torch.tensor([4.0, 0, 0, 0, 0, 0, 3.0, 0]))
+    residual = torch.tensor([0.0, 1.0, -2.0, 0.5, 0.0, 0.0, 0.0, -0.25])
+    assert feedback.residual(0, 8).device.type == "cpu"
+    assert torch.equal(feedback.residual(0, 8), residual)
+
+    # Round 2 completed without this replica (the store says so): its sync fails as stale.
+    ObjectStore(f"file://{tmp_path}/run").put(layout.LATEST, json.dumps({"round": 2}).encode())
+    manager.start_quorum()
+    manager.allreduce(delta.clone()).wait()
+    assert not manager.should_commit()
+    assert torch.equal(feedback.residual(0, 8), residual)  # a sync that did not commit moved nothing

@@ -70,12 +70,12 @@ class FailingManager(ObjectStoreManager):
         self._fail = set(fail)
         self._attempt = 0
 
-    def _exchange(self, staged, copied, outcome, rows=None):
+    def _exchange(self, staged, copied, outcome, rows=None, residual=None, sync=None):
         attempt, self._attempt = self._attempt, self._attempt + 1
         if attempt in self._fail:
             outcome.error = RuntimeError("injected")
             return
-        super()._exchange(staged, copied, outcome, rows)
+        super()._exchange(staged, copied, outcome, rows, residual, sync)
 
 
 def mixed_dtypes(model):
