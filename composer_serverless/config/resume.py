@@ -71,6 +71,8 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(
         (
             "diloco.codec",
+            "diloco.sparse_density",
+            "diloco.reduced_codec",
             "diloco.fragment_update_alpha",
             "diloco.outlier_norm_factor",
             "diloco.embedding_average",

@@ -15,16 +15,19 @@ import functools
 import math
 import os
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import nn
 
 from composer_serverless.config import DiLoCoConfig, TrainConfig
 from composer_serverless.rendezvous import runkey
+from composer_serverless.rendezvous.codec import Codec, CodecName
 from composer_serverless.rendezvous.deadline import GraceSettings
 from composer_serverless.rendezvous.exchange import ExchangeSettings
 from composer_serverless.rendezvous.manager import ObjectStoreManager
 from composer_serverless.rendezvous.runkey import RunKey, RunKeyError
+from composer_serverless.rendezvous.sparse import Sparse
 from composer_serverless.rendezvous.transfers import Transfers
 from composer_serverless.replicas.host_diloco import HostDiLoCo, OuterFactory
 from composer_serverless.replicas.shards import decoder_layers
@@ -155,13 +158,19 @@ def exchange_settings(
     return ExchangeSettings(
         replicas=config.replicas,
         min_replicas=config.min_replicas,
-        codec=config.codec,
+        codec=wire_codec(config.codec, config),
+        reduced_codec=wire_codec(config.reduced_codec, config) if config.reduced_codec else None,
         timeout_s=config.sync_timeout_s,
         local_rank=local_rank,
         local_ranks=local_ranks,
         key=key,
         outlier_factor=config.outlier_norm_factor,
     )
+
+
+def wire_codec(name: str, config: DiLoCoConfig) -> Codec:
+    """The codec ``name`` of ``config``: the sparse one carries the run's density."""
+    return Sparse(config.sparse_density) if name == "sparse" else cast(CodecName, name)
 
 
 def transfer_settings(config: DiLoCoConfig) -> Transfers:

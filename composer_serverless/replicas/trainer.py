@@ -41,6 +41,7 @@ from composer_serverless.config import RunConfig
 from composer_serverless.objectives.objective import Metrics, Objective, add_parts, make_objective
 from composer_serverless.rendezvous import checkpoint, layout, recovery, runkey
 from composer_serverless.rendezvous.exchange import StaleRoundError
+from composer_serverless.rendezvous.feedback import ErrorFeedback
 from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutcome
 from composer_serverless.rendezvous.replica_log import ReplicaLog
@@ -193,6 +194,8 @@ class Replica:
             grace=grace_settings(dl),
             agree=node.all_true,
             rows=self.touches.take if self.touches is not None else None,
+            # The sparse codec drops most of each pseudo-gradient; the rest waits in a residual for later rounds.
+            feedback=ErrorFeedback() if dl.codec == "sparse" else None,
         )
         self.meter = RoundMeter(self.manager, self.device)
         self.epoch = 0  # the run's rollback epoch this replica's state is from (recovery.py)
@@ -624,6 +627,8 @@ class Replica:
         state.apply_global(self.manager, self.names, self.model, published)
         if self.touches is not None:  # the steps they counted are discarded with the local weights
             self.touches.clear()
+        if self.manager.feedback is not None:  # a residual of rounds this replica did not finish with the run
+            self.manager.feedback.clear()
         dl = self.config.diloco
         self.schedule = self._schedule_at(self.completed_rounds)
         # The inner steps run since the last row are discarded by the jump; counted, so goodput can be.
@@ -651,6 +656,8 @@ class Replica:
         )
         if self.touches is not None:
             own["touched"] = self.touches.state_dict()
+        if self.manager.feedback is not None:
+            own["residual"] = self.manager.feedback.state_dict()
         return own
 
     def _restore(self) -> int:
@@ -663,6 +670,8 @@ class Replica:
         self.epoch, latest = node.broadcast_ints(looked)
         if self.touches is not None:  # counted by steps this restore discards; the own state may hold some
             self.touches.clear()
+        if self.manager.feedback is not None:  # as are residuals; the own state of this round holds the run's
+            self.manager.feedback.clear()
         if latest == 0:
             return 0
         published = state.load_global(self.run_store, latest, node, fall_back=True, key=self.key)
@@ -689,7 +698,10 @@ class Replica:
         )
         if not current:  # an older state of its own: its schedule is placed at the round resumed
             self.schedule = self._schedule_at(latest)
-        elif self.touches is not None:
-            self.touches.load_state_dict(saved.get("touched"))
+        else:
+            if self.touches is not None:
+                self.touches.load_state_dict(saved.get("touched"))
+            if self.manager.feedback is not None:
+                self.manager.feedback.load_state_dict(saved.get("residual"))
         self.log.info("resumed from round %d (own state of round %d)", latest, own_round)
         return latest

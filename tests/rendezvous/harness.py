@@ -26,7 +26,8 @@ REFERENCE_SETTINGS: dict[str, Any] = {
     "fragments": 2,
     "fragment_sync_delay": 1,
     "fragment_update_alpha": 0.5,
-    "codec": "int8",
+    # The sparse codec with error feedback: the lossiest path, whose residuals a resume must restore exactly.
+    "codec": "sparse",
 }
 
 REPO = Path(__file__).resolve().parents[2]

@@ -115,7 +115,8 @@ def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
 ) -> None:
     """Replica 2 is killed when it starts uploading in round 3. The other two commit round 3 (and 4) without
     it and are then held before round 5 until the restarted replica has loaded the latest state, so that
-    its rejoining is an ordering of events, not a race against the survivors."""
+    its rejoining is an ordering of events, not a race against the survivors. With the sparse codec: the
+    dead replica's residual is gone, and the restarted one starts from zeros (its own state is of round 2)."""
     rounds, killed_in, held_at = 6, 3, 5
     _, run, procs = _three_replicas_one_killed(
         tmp_path,
@@ -126,12 +127,14 @@ def test_kill_9_mid_round_commits_without_the_replica_which_then_rejoins(
         held_at=held_at,
         rounds=rounds,
         checkpoint_every=1,
+        codec="sparse",
     )
     wait_until(lambda: procs[2].poll() is not None, "replica 2 to die")
     assert procs[2].returncode == -signal.SIGKILL
     wait_until(lambda: run.exists(layout.metrics(0, killed_in)), f"round {killed_in} to commit")
     _restart_then_release(run, tmp_path, procs, 2)
     _rejoined(run, 2, killed_in, held_at, rounds)
+    assert "(own state of round 2)" in (tmp_path / "logs" / "rank-2.log").read_text()
 
 
 @pytest.mark.slow
