@@ -29,7 +29,11 @@ all processes on Linux); the JSON reports the median over repeats. ``bound_down_
 ``wire_bytes`` (the encoded size of one replica's tensor) and ``bound_up_bytes`` = ``wire_bytes``: the
 bandwidth-optimal all-reduce's traffic per replica. ``time_ratio_to_bound`` = wall time / the time those
 bound bytes (up and down) need at ``store_MBps``; ``time_ratio_to_down_bound`` counts the download only.
-MB here is 10^6 bytes. ``--store s3`` runs a moto S3 server on loopback (in this process, which only
+``bytes_ratio_to_bound`` counts both directions: a replica's bytes up and down over the object-store
+all-reduce's own bound, its inputs and its reduced shard up (1 + 1/N) and 2(N-1)/N down, in units of its
+wire size; ``--codec sparse`` (``--density``) measures the sparse codec against the bound of its own payload
+size, with the owners' averages re-sparsified, and reports ``compression_vs_fp32``, fp32's wire size over
+its own. MB here is 10^6 bytes. ``--store s3`` runs a moto S3 server on loopback (in this process, which only
 waits) and points the replicas at it through AWS_ENDPOINT_URL_S3.
 
 **On an emulated cloud link** (``--store s3 --latency-ms 20 --link-mbps 50``) the replicas reach moto through
@@ -68,8 +72,9 @@ import torch
 
 from composer_serverless.rendezvous.allreduce import ExchangeSettings, allreduce
 from composer_serverless.rendezvous.codec import checksum as payload_checksum
-from composer_serverless.rendezvous.codec import decode, encode, max_payload_bytes
+from composer_serverless.rendezvous.codec import Codec, decode, encode, max_payload_bytes
 from composer_serverless.rendezvous.sharding import shard_bounds
+from composer_serverless.rendezvous.sparse import DEFAULT_DENSITY, Sparse
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.transfers import Transfers
 from composer_serverless.rendezvous.workspace import Workspace
@@ -84,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, required=True)
     parser.add_argument("--mb", type=float, required=True, help="size of each replica's fp32 tensor, in MiB")
     parser.add_argument("--store", choices=("file", "s3"), required=True)
-    parser.add_argument("--codec", choices=("fp32", "bf16", "int8"), default="fp32")
+    parser.add_argument("--codec", choices=("fp32", "bf16", "int8", "sparse"), default="fp32")
+    parser.add_argument(
+        "--density", type=float, default=DEFAULT_DENSITY, help="with --codec sparse: fraction of values sent"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=Transfers().concurrency, help="requests at once")
     parser.add_argument("--part-mb", type=int, default=Transfers().part_bytes >> 20, help="S3 part size, MiB")
@@ -184,7 +192,7 @@ def _run_replicas(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _replica(url: str, rank: int, args: argparse.Namespace, barrier: Any, queue: Any) -> None:
     torch.set_num_threads(1)
-    n, codec = args.replicas, args.codec
+    n, codec = args.replicas, wire_codec(args)
     values = torch.randn(int(args.mb * 2**20 / 4), generator=torch.Generator().manual_seed(rank))
     transfers = Transfers(concurrency=args.concurrency, part_bytes=args.part_mb << 20)
     store = ObjectStore(url, transfers=transfers)
@@ -412,13 +420,19 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         }
 
     ours_f, naive_f = figures(ours), figures(naive)
+    own_bound = wire * (1 + 1 / n) + bound
     return {
         "replicas": n,
         "mb": args.mb,
         "store": args.store,
         "codec": args.codec,
+        **({"density": args.density} if args.codec == "sparse" else {}),
         "payload_bytes": values * 4,
         "wire_bytes": wire,
+        "compression_vs_fp32": _wire(values, n, "fp32") / wire,
+        "bytes_per_replica": ours_f["bytes_up_per_replica"] + ours_f["bytes_down_per_replica"],
+        "bound_bytes_per_replica": own_bound,
+        "bytes_ratio_to_bound": (ours_f["bytes_up_per_replica"] + ours_f["bytes_down_per_replica"]) / own_bound,
         "bytes_up_per_replica": ours_f["bytes_up_per_replica"],
         "bytes_down_per_replica": ours_f["bytes_down_per_replica"],
         "bound_up_bytes": wire,
@@ -444,10 +458,19 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
     }
 
 
+def wire_codec(args: argparse.Namespace) -> Codec:
+    return Sparse(args.density) if args.codec == "sparse" else args.codec
+
+
+def _wire(values: int, n: int, codec: Codec) -> int:
+    """One replica's wire bytes: its N encoded shards (a sparse payload's size depends on its length only)."""
+    return sum(len(encode(torch.zeros(b - a), IDENTITY, codec)) for a, b in shard_bounds(values, n))
+
+
 def _bound(args: argparse.Namespace) -> tuple[int, int, float]:
     """The values per replica, one replica's wire bytes (``bound_up_bytes``) and ``bound_down_bytes``."""
     n, values = args.replicas, int(args.mb * 2**20 / 4)
-    wire = sum(len(encode(torch.zeros(b - a), IDENTITY, args.codec)) for a, b in shard_bounds(values, n))
+    wire = _wire(values, n, wire_codec(args))
     return values, wire, 2 * (n - 1) / n * wire
 
 
