@@ -256,7 +256,15 @@ class _Exchange:
             bits = self.rows.bits(self.spans[shard]) if self.rows else None
             parts = encode_parts(self.sending[start:end], identity, self.settings.codec, self.key, bits)
             if self.unsent is not None:
-                sent = decode(parts, identity, self.settings.codec, end - start, verify=False, key=self.key)
+                sent = decode(
+                    parts,
+                    identity,
+                    self.settings.codec,
+                    end - start,
+                    verify=False,
+                    key=self.key,
+                    rows=self.row_bits[shard],
+                )
                 torch.sub(self.sending[start:end], sent, out=self.unsent[start:end])
             if self.store.create(layout.sync_input(self.rank, shard, self.local), parts):
                 self._count(up=sum(len(p) for p in parts))

@@ -250,6 +250,7 @@ def decode(
     *,
     verify: bool = True,
     key: RunKey | None = None,
+    rows: int = 0,
 ) -> torch.Tensor:
     """Return the fp32 values in ``data`` after checking identity, codec, layout, size and checksum.
 
@@ -263,11 +264,12 @@ def decode(
         verify: check the checksum (or MAC). Only a payload this process encoded itself, in memory, may skip
             it: the checksum guards what crossed the store, and hashing is most of a decode's cost.
         key: the run key: the payload must carry a valid MAC under it (a checksum alone is rejected).
+        rows: the row bits it must carry (``accumulate``), which are not returned.
 
     Raises:
         PayloadError: the payload is not one this reader may average.
     """
-    values = _checked_values(data, expect, codec, numel, verify, key)
+    values = _checked(data, expect, codec, numel, verify, key, rows=rows)[0]
     if out is None:
         return values.to(torch.float32) if codec == "bf16" else values.clone() if codec == "fp32" else values
     return out.copy_(values)
@@ -349,13 +351,6 @@ def measure(
             "whole pseudo-gradient they are part of"
         )
     return Measured(norm, whole)
-
-
-def _checked_values(
-    data: Payload, expect: dict[str, str], codec: Codec, numel: int, verify: bool, key: RunKey | None
-) -> torch.Tensor:
-    """The payload's values after every check: a view of ``data`` (fp32, bf16) or their dequantization."""
-    return _checked(data, expect, codec, numel, verify, key)[0]
 
 
 def _checked(
