@@ -29,7 +29,15 @@ def _config(store: Path) -> dict:
         "store": str(store),
         "model": {"tiny": TINY.model_dump()},
         "data": {"seq_len": 32, "batch_size": 4},
-        "diloco": {"replicas": 2, "sync_every": 2, "rounds": 2, "checkpoint_every": 1, "authenticate": True},
+        # Sparse payloads: their MAC covers the indices, codes and magnitudes as it covers dense values.
+        "diloco": {
+            "replicas": 2,
+            "sync_every": 2,
+            "rounds": 2,
+            "checkpoint_every": 1,
+            "authenticate": True,
+            "codec": "sparse",
+        },
         "eval": {"sequences": 4},
         "executor": {"threads_per_replica": 1},
     }

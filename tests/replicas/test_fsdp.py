@@ -27,7 +27,13 @@ from tests.conftest import TINY, ran_on_the_simulated_accelerator, replicas_on_t
 
 
 def _config(
-    store: Path, run_id: str, model_dir: Path, ranks: int, micro: int | None = None, **model: Any
+    store: Path,
+    run_id: str,
+    model_dir: Path,
+    ranks: int,
+    micro: int | None = None,
+    codec: str = "fp32",
+    **model: Any,
 ) -> Any:
     return validate_config(
         {
@@ -43,7 +49,7 @@ def _config(
                 "fragments": 2,
                 "fragment_sync_delay": 1,
                 "fragment_update_alpha": 0.5,
-                "codec": "fp32",
+                "codec": codec,
                 "checkpoint_every": 1,
                 "min_replicas": 2,
             },
@@ -138,10 +144,11 @@ def test_two_ranks_per_replica_end_where_one_rank_does(
 @pytest.mark.slow
 def test_bf16_over_float32_masters_on_two_ranks(tmp_path: Path, tiny_model_dir: Path) -> None:
     """bf16 compute over float32 masters, sharded, on the accelerator's path (each rank on a device, FSDP2
-    casting each gathered layer): replicas stay bit-identical and the held-out loss falls."""
+    casting each gathered layer), with the sparse codec: replicas stay bit-identical, the held-out loss falls,
+    and each rank keeps the error-feedback residual of its own part of each fragment, in its own state."""
     with replicas_on_the_simulated_accelerator():
         summary = launch(
-            _config(tmp_path, "bf16", tiny_model_dir, 2, dtype="bfloat16"),
+            _config(tmp_path, "bf16", tiny_model_dir, 2, codec="sparse", dtype="bfloat16"),
             "fsdp",
             Console(file=io.StringIO()),
         )
@@ -150,6 +157,17 @@ def test_bf16_over_float32_masters_on_two_ranks(tmp_path: Path, tiny_model_dir: 
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     final = load_file(tmp_path / "bf16" / "final" / "model.safetensors")
     assert {t.dtype for t in final.values()} == {torch.float32}  # the masters are what is exported
+    parameters = sum(t.numel() for t in final.values())
+    residuals = []
+    for local in (0, 1):
+        own = load_file(tmp_path / "bf16" / "replicas" / "0" / "3" / str(local) / "tensors.safetensors")
+        residuals.append({k: t for k, t in own.items() if "residual" in k})
+    # Two fragments per rank, each the rank's part of its bucket: together, every trained value once.
+    assert all(len(r) == 2 for r in residuals), [list(r) for r in residuals]
+    assert sum(t.numel() for r in residuals for t in r.values()) == parameters
+    assert all(t.dtype == torch.float32 and bool(t.abs().sum() > 0) for r in residuals for t in r.values())
+    header = read_header((tmp_path / "bf16" / "rounds" / "3" / "0" / "1" / "in" / "0-1").read_bytes())[0]
+    assert header["__metadata__"]["codec"] == "sparse"
 
 
 def _bf16_weights_alive_after_forward(local_rank: int, rendezvous: str, with_policy: bool, out: str) -> None:
