@@ -30,12 +30,13 @@ an untied head) its shard overlaps, a bit per step bucket of the window: whether
 token then. The reducer combines each such row over the inputs whose data held the token, where any did
 (``rows.RowSums``): a few bytes per row, and the average is still a function of the durable inputs alone.
 
-With a residual (error feedback, ``feedback.py``) a replica sends its pseudo-gradient plus the residual, and
-the result holds the new residual: what the codec left out of what it sent. With the sparse codec the owner
-re-sparsifies the average it publishes (``ExchangeSettings.reduced_codec`` may name a dense codec instead), so
-every object of a sync has the sparse payload's size and the traffic stays at the bound above, for the
-sparse size; the owner's own rounding of the average is nobody's residual: it would make the published
-average depend on which replica reduced it.
+With residuals (error feedback, ``feedback.py``) a replica sends its pseudo-gradient plus its inputs'
+residual, and the result holds the new one: what the codec left out of what it sent. With the sparse codec the
+owner re-sparsifies the average it publishes (``ExchangeSettings.reduced_codec`` may name a dense codec
+instead), so every object of a sync has the sparse payload's size and the traffic stays at the bound above,
+for the sparse size; the owner adds its own residual to the average it encodes and keeps what the encoding
+left out. A substitute or rescuer publishes without one: its output is still one average every replica
+applies alike, whoever wrote it.
 
 A payload that fails its checksum (with a run key, its MAC), header or identity is logged and left out of
 the sum, never averaged; so is one whose pseudo-gradient's norm lies far outside the others' (``robust.py``,
@@ -76,6 +77,7 @@ from composer_serverless.rendezvous.exchange import (
     ExchangeSettings,
     StaleRoundError,
 )
+from composer_serverless.rendezvous.feedback import Residuals
 from composer_serverless.rendezvous.polling import poll_until
 from composer_serverless.rendezvous.replica_log import ReplicaLog
 from composer_serverless.rendezvous.robust import outliers
@@ -109,7 +111,7 @@ def allreduce(
     out: torch.Tensor | None = None,
     workspace: Workspace | None = None,
     rows: RowMask | None = None,
-    residual: torch.Tensor | None = None,
+    residual: Residuals | None = None,
 ) -> ExchangeResult:
     """Average ``values`` (flat fp32) over the quorum of this sync; see the module docstring.
 
@@ -132,8 +134,10 @@ def allreduce(
         rows: the token-indexed blocks of ``values`` and in which step buckets this replica's data held each
             token, to combine those rows over the replicas that trained them (``rows.py``); every replica of a
             sync passes the same blocks and buckets. None: a plain average everywhere.
-        residual: what this replica's earlier inputs left out (``feedback.py``): sent with ``values``, not
-            modified; the result's ``residual`` is the new one. None: no error feedback.
+        residual: what this replica's earlier inputs, and the averages it published as its shard's owner,
+            left out (``feedback.py``): sent with ``values`` and with its shard's average; not modified. The
+            result's ``residual`` holds the new ones (``owned`` None unless this replica published its shard).
+            None: no error feedback.
 
     Raises:
         StaleRoundError: ``is_stale`` said so when this replica was about to fix the quorum.
@@ -168,15 +172,16 @@ class _Exchange:
         out: torch.Tensor | None,
         workspace: Workspace,
         rows: RowMask | None = None,
-        residual: torch.Tensor | None = None,
+        residual: Residuals | None = None,
     ) -> None:
         self.store = store.child(prefix)
         self.is_stale = is_stale
         self.values = values.detach().reshape(-1).to(torch.float32)
         # With error feedback, what is sent: the pseudo-gradient plus the residual; and what of it the encoded
         # inputs leave out, the new residual.
-        self.sending = self.values if residual is None else self.values + residual.reshape(-1)
+        self.sending = self.values if residual is None else self.values + residual.inputs.reshape(-1)
         self.unsent = None if residual is None else torch.empty_like(self.sending)
+        self.owned = None if residual is None else residual.owned
         self.reduced_codec = settings.reduced_codec or settings.codec
         self.identity = identity
         self.rank = rank
@@ -279,7 +284,8 @@ class _Exchange:
 
         try:
             self.store.map(upload, order)
-            self.result.residual = self.unsent
+            if self.unsent is not None:
+                self.result.residual = Residuals(self.unsent, None)
         except (
             Exception
         ) as e:  # a replica that cannot upload still receives the average, as a non-participant
@@ -456,11 +462,19 @@ class _Exchange:
         if row_sums is not None:
             row_sums.apply(total)
         identity = {**self._reduced_identity(shard), "summed": ",".join(map(str, summed))}
+        owned = self.owned is not None and shard == self.rank
+        if owned:
+            total.add_(self.owned)
         parts = encode_parts(total, identity, self.reduced_codec, self.key)
         if self.store.create(layout.sync_output(shard, self.local), parts):
             self._count(up=sum(len(p) for p in parts))
             self._place(shard, parts, verify=False)
             self.result.summed[shard] = summed
+            if owned:  # what the published average left out of the average plus the residual
+                left = total.sub_(self.result.average[start:end]).clone()
+                self.result.residual = Residuals(
+                    self.result.residual.inputs if self.result.residual else None, left
+                )
         else:
             self._place(shard, self._fetch(layout.sync_output(shard, self.local), shard, output=True))
 

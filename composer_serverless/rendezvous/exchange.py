@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from composer_serverless.rendezvous.codec import Codec
+from composer_serverless.rendezvous.feedback import Residuals
 from composer_serverless.rendezvous.runkey import RunKey
 
 
@@ -59,8 +60,9 @@ class ExchangeResult:
     rescued: list[int] = field(default_factory=list)
     # Per shard, the participants whose input went into its average (an input can be rejected).
     summed: dict[int, list[int]] = field(default_factory=dict)
-    # With error feedback: what this replica's inputs left out of the pseudo-gradient plus residual it sent.
-    residual: torch.Tensor | None = None
+    # With error feedback: what this replica's inputs left out of the pseudo-gradient plus residual it sent,
+    # and (if it published its own shard's average) what that left out of the average plus its residual.
+    residual: Residuals | None = None
 
     @property
     def contributors(self) -> list[int]:

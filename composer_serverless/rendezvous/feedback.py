@@ -11,40 +11,84 @@ inner step needs. It is this replica's own: it goes into its own saved state (``
 restarts from the residual the run left, bit-exactly. The residual moves only when a sync commits with this
 replica's inputs averaged; a sync that fails is retried from the same residual (and re-encodes the same
 bytes), and one that averaged without this replica's input (it arrived late, or an input was rejected)
-leaves it as it was. A replica that loads a published state without its own state of that round (it fell
+leaves it as it was.
+
+A shard's owner re-sparsifies the average it publishes (``allreduce.py``), and keeps what that leaves out
+the same way: its second residual, of its own shard's size, is added to the next average it publishes
+(bidirectional error feedback: without it, up to N - 1 of every N entries the inputs carried were lost at the
+owner, every round, for good). A substitute or a rescuer that reduces another replica's shard publishes that
+average without feedback and keeps nothing: the shard's owner keeps its residual for its next turn. A replica that loads a published state without its own state of that round (it fell
 behind, or lost its saved state) starts from zeros: what its residual held is gone, as a dead replica's is,
 and the run goes on without it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
+@dataclass
+class Residuals:
+    """One fragment's residuals on one replica: of its inputs (the fragment's size), and of the average it
+    publishes as its shard's owner (its shard's size)."""
+
+    inputs: torch.Tensor | None
+    owned: torch.Tensor | None
+
+
 class ErrorFeedback:
-    """Each fragment's residual, by fragment index."""
+    """Each fragment's residuals, by fragment index."""
 
     def __init__(self) -> None:
-        self.residuals: dict[int, torch.Tensor] = {}
+        self.residuals: dict[int, Residuals] = {}
 
-    def residual(self, fragment: int, numel: int) -> torch.Tensor:
-        """The residual to add to ``fragment``'s next pseudo-gradient of ``numel`` values (zeros at first)."""
+    def residual(self, fragment: int, numel: int, owned: int) -> Residuals:
+        """The residuals to send with ``fragment``'s next pseudo-gradient of ``numel`` values and with the
+        next average of the ``owned`` values of its shard this replica owns (zeros at first)."""
         kept = self.residuals.get(fragment)
-        if kept is None or kept.numel() != numel:
-            kept = self.residuals[fragment] = torch.zeros(numel)
+        if (
+            kept is None
+            or kept.inputs is None
+            or kept.owned is None
+            or kept.inputs.numel() != numel
+            or kept.owned.numel() != owned
+        ):
+            kept = self.residuals[fragment] = Residuals(torch.zeros(numel), torch.zeros(owned))
         return kept
 
-    def keep(self, fragment: int, residual: torch.Tensor) -> None:
-        """The residual after a sync that averaged this replica's inputs."""
-        self.residual(fragment, residual.numel()).copy_(residual)
+    def keep(self, fragment: int, inputs: torch.Tensor | None, owned: torch.Tensor | None) -> None:
+        """The residuals after a sync that committed: of the inputs if they were averaged, of the owned
+        shard's average if this replica published it; None leaves one as it was."""
+        if fragment not in self.residuals:
+            raise KeyError(f"fragment {fragment} has no residual to update")
+        kept = self.residuals[fragment]
+        assert kept.inputs is not None and kept.owned is not None
+        if inputs is not None:
+            kept.inputs.copy_(inputs)
+        if owned is not None:
+            kept.owned.copy_(owned)
 
     def clear(self) -> None:
         """Forget every residual: the local state it belongs with was replaced by a published one."""
         self.residuals.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {str(f): r.clone() for f, r in sorted(self.residuals.items())}
+        state = {}
+        for f, r in sorted(self.residuals.items()):
+            assert r.inputs is not None and r.owned is not None
+            state[f"{f}/inputs"] = r.inputs.clone()
+            state[f"{f}/owned"] = r.owned.clone()
+        return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor] | None) -> None:
         """Continue from ``state_dict``'s residuals; none (an own state saved without them): zeros."""
-        self.residuals = {int(f): r.to(torch.float32).clone() for f, r in (state or {}).items()}
+        state = state or {}
+        fragments = {key.split("/")[0] for key in state}
+        self.residuals = {
+            int(f): Residuals(
+                state[f"{f}/inputs"].to(torch.float32).clone(), state[f"{f}/owned"].to(torch.float32).clone()
+            )
+            for f in fragments
+        }

@@ -39,10 +39,11 @@ from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.allreduce import allreduce
 from composer_serverless.rendezvous.deadline import ArrivalHistory, GraceSettings
 from composer_serverless.rendezvous.exchange import ExchangeResult, ExchangeSettings, StaleRoundError
-from composer_serverless.rendezvous.feedback import ErrorFeedback
+from composer_serverless.rendezvous.feedback import ErrorFeedback, Residuals
 from composer_serverless.rendezvous.latest import latest_round, newest_round
 from composer_serverless.rendezvous.replica_log import ReplicaLog
 from composer_serverless.rendezvous.rows import RowMask
+from composer_serverless.rendezvous.sharding import shard_bounds
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.workspace import Workspace
 
@@ -75,8 +76,9 @@ class _Sync:
     exchanged: bool = False
     thread: threading.Thread | None = None
     land: Callable[[], None] = lambda: None
-    # With error feedback, the residual the exchange left: kept if the sync commits with this replica's inputs.
-    residual: torch.Tensor | None = None
+    # With error feedback, the residuals the exchange left: kept if the sync commits (the inputs' only if they
+    # were averaged).
+    residual: Residuals | None = None
 
 
 class _ExchangeWork(dist._Work):
@@ -197,11 +199,10 @@ class ObjectStoreManager:
         sync.exchanged = True
         values, copied = self._to_host(tensor)
         rows = self._rows(sync.outcome.fragment) if self._rows is not None else None
-        residual = (
-            self.feedback.residual(sync.outcome.fragment, values.numel())
-            if self.feedback is not None
-            else None
-        )
+        residual = None
+        if self.feedback is not None:
+            start, end = shard_bounds(values.numel(), self._settings.replicas)[self._rank]
+            residual = self.feedback.residual(sync.outcome.fragment, values.numel(), end - start)
         future: torch.futures.Future = torch.futures.Future()
         sync.thread = threading.Thread(
             target=self._exchange,
@@ -258,8 +259,10 @@ class ObjectStoreManager:
         if outcome.committed:
             self._step += 1
             averaged = outcome.contributed and self._rank not in outcome.rejected
-            if self.feedback is not None and averaged and sync.residual is not None:
-                self.feedback.keep(outcome.fragment, sync.residual)
+            if self.feedback is not None and sync.residual is not None:
+                self.feedback.keep(
+                    outcome.fragment, sync.residual.inputs if averaged else None, sync.residual.owned
+                )
         self.syncs_attempted += 1
         self.last_sync = outcome
         if outcome.committed:
@@ -320,7 +323,7 @@ class ObjectStoreManager:
         copied: torch.cuda.Event | None,
         outcome: SyncOutcome,
         rows: RowMask | None = None,
-        residual: torch.Tensor | None = None,
+        residual: Residuals | None = None,
         sync: _Sync | None = None,
     ) -> None:
         """Average ``staged`` (host memory) across the quorum, in place, once its copy has landed; with

@@ -25,6 +25,7 @@ from composer_serverless.rendezvous.allreduce import (
 )
 from composer_serverless.rendezvous.codec import CODECS, NORM, decode, encode, l2_norm, read_header
 from composer_serverless.rendezvous.deadline import GraceSettings, grace_s
+from composer_serverless.rendezvous.feedback import Residuals
 from composer_serverless.rendezvous.robust import outliers
 from composer_serverless.rendezvous.rows import RowMask
 from composer_serverless.rendezvous.runkey import RunKey
@@ -53,7 +54,7 @@ def exchange(
     workspaces: dict[int, Workspace] | None = None,
     prefix: str = PREFIX,
     rows: dict[int, RowMask] | None = None,
-    residuals: dict[int, torch.Tensor] | None = None,
+    residuals: dict[int, Residuals] | None = None,
 ) -> dict[int, ExchangeResult]:
     """Run the exchange of every rank in ``values`` concurrently, one thread and store instance each;
     ``in_place``: each writes the average over a copy of its values (``out=values``, as the manager does)."""
@@ -154,37 +155,49 @@ def test_traffic_is_the_bandwidth_optimal_bound(tmp_path: Path) -> None:
 def test_sparse_inputs_with_their_residuals_average_alike_everywhere(
     tmp_path: Path, reduced: str | None
 ) -> None:
-    """Each replica sends C(values + residual) and gets back the new residual, values + residual minus
-    what it sent; the owners sum the sparse inputs in rank order and publish the average re-sparsified (or,
-    with ``reduced_codec`` fp32, exactly), and every replica ends with the same average, to the bit."""
+    """Each replica sends C(values + residual) and gets back the new residual, values + residual minus what
+    it sent; each owner sums its shard's sparse inputs in rank order, adds its own residual to the average
+    and publishes that re-sparsified, keeping what it left out (or, with ``reduced_codec`` fp32, publishes the
+    average exactly); every replica ends with the same average, to the bit."""
     n, numel = 3, 30_001
     codec = Sparse(0.02)
     values = tensors(n, numel)
-    residuals = {r: torch.randn(numel, generator=torch.Generator().manual_seed(10 + r)) for r in range(n)}
+    bounds = shard_bounds(numel, n)
+
+    def noise(seed: int, size: int) -> torch.Tensor:
+        return torch.randn(size, generator=torch.Generator().manual_seed(seed))
+
+    residuals = {
+        r: Residuals(noise(10 + r, numel), noise(20 + r, bounds[r][1] - bounds[r][0])) for r in range(n)
+    }
     settings = ExchangeSettings(
         replicas=n, min_replicas=n, codec=codec, timeout_s=60, reduced_codec=reduced or None
     )
     results = exchange(f"file://{tmp_path}/run", values, settings, grace=10, residuals=residuals)
     expected = torch.empty(numel)
     sent = {r: torch.empty(numel) for r in range(n)}
-    for start, end in shard_bounds(numel, n):
+    owned = {}
+    for s, (start, end) in enumerate(bounds):
         total = torch.zeros(end - start)
         for r in range(n):
-            sent[r][start:end] = expand(
-                compress((values[r] + residuals[r])[start:end], codec), codec, end - start
-            )
+            sending = (values[r] + residuals[r].inputs)[start:end]
+            sent[r][start:end] = expand(compress(sending, codec), codec, end - start)
             total += sent[r][start:end]
-        average = total / n
+        average = total / n + residuals[s].owned
         expected[start:end] = average if reduced else expand(compress(average, codec), codec, end - start)
+        owned[s] = average - expected[start:end]
     for r, result in results.items():
         assert result.participants == [0, 1, 2]
         assert torch.equal(result.average, expected)
         assert result.residual is not None
-        assert torch.equal(result.residual, values[r] + residuals[r] - sent[r])
-    # The residuals passed in are not modified: the manager keeps a residual only once its sync commits.
-    assert torch.equal(residuals[0], torch.randn(numel, generator=torch.Generator().manual_seed(10)))
-    kept = sum(codec.entries(end - start) for start, end in shard_bounds(numel, n))
-    assert int((expected != 0).sum()) <= (n if reduced else 1) * kept
+        assert torch.equal(result.residual.inputs, values[r] + residuals[r].inputs - sent[r])
+        assert torch.equal(result.residual.owned, owned[r])
+        if reduced:
+            assert not result.residual.owned.any()
+    # The residuals passed in are not modified: the manager keeps them only once the sync commits.
+    assert torch.equal(residuals[0].inputs, noise(10, numel))
+    kept = sum(codec.entries(end - start) for start, end in bounds)
+    assert int((expected != 0).sum()) <= (numel if reduced else kept)
 
 
 def test_sparse_traffic_is_the_bound_of_its_own_size(tmp_path: Path) -> None:
@@ -195,7 +208,9 @@ def test_sparse_traffic_is_the_bound_of_its_own_size(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/run"
     values = tensors(n, numel)
     settings = ExchangeSettings(replicas=n, min_replicas=n, codec=Sparse(), timeout_s=60)
-    results = exchange(url, values, settings, grace=10, residuals={r: torch.zeros(numel) for r in range(n)})
+    bounds = shard_bounds(numel, n)
+    residuals = {r: Residuals(torch.zeros(numel), torch.zeros(bounds[r][1] - bounds[r][0])) for r in range(n)}
+    results = exchange(url, values, settings, grace=10, residuals=residuals)
     size = ObjectStore(url).child(PREFIX).size
     for r, result in results.items():
         wire = sum(size(layout.sync_input(r, s)) for s in range(n))

@@ -215,12 +215,16 @@ def test_error_feedback_keeps_the_residual_of_a_committed_sync_only(tmp_path: Pa
         # k = 2: 4 and 3 are sent (each half one value, so exactly), the rest waits in the residual.
         assert torch.equal(bucket.cpu(), torch.tensor([4.0, 0, 0, 0, 0, 0, 3.0, 0]))
     residual = torch.tensor([0.0, 1.0, -2.0, 0.5, 0.0, 0.0, 0.0, -0.25])
-    assert feedback.residual(0, 8).device.type == "cpu"
-    assert torch.equal(feedback.residual(0, 8), residual)
+    kept = feedback.residual(0, 8, 8)
+    assert kept.inputs.device.type == "cpu"
+    assert torch.equal(kept.inputs, residual)
+    assert not kept.owned.any()  # the average it published, of what it sent, is exactly sparse
 
     # Round 2 completed without this replica (the store says so): its sync fails as stale.
     ObjectStore(f"file://{tmp_path}/run").put(layout.LATEST, json.dumps({"round": 2}).encode())
     manager.start_quorum()
     manager.allreduce(delta.clone()).wait()
     assert not manager.should_commit()
-    assert torch.equal(feedback.residual(0, 8), residual)  # a sync that did not commit moved nothing
+    assert torch.equal(
+        feedback.residual(0, 8, 8).inputs, residual
+    )  # a sync that did not commit moved nothing

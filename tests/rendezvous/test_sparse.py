@@ -146,14 +146,15 @@ def test_error_feedback_sends_every_part_of_a_steady_signal() -> None:
     sent = torch.zeros_like(g)
     errors, residuals = {}, {}
     for t in range(1, 401):
-        sending = g + feedback.residual(0, g.numel())
+        sending = g + feedback.residual(0, g.numel(), 0).inputs
         out = expand(compress(sending, codec), codec, g.numel())
         sent += out
-        feedback.keep(0, sending - out)
+        feedback.keep(0, sending - out, None)
         if t in (200, 400):
-            assert torch.allclose(sent + feedback.residual(0, g.numel()), t * g, rtol=1e-4, atol=1e-2)
+            residual = feedback.residual(0, g.numel(), 0).inputs
+            assert torch.allclose(sent + residual, t * g, rtol=1e-4, atol=1e-2)
             errors[t] = float((sent - t * g).norm() / (t * g).norm())
-            residuals[t] = float(feedback.residual(0, g.numel()).norm() / g.norm())
+            residuals[t] = float(residual.norm() / g.norm())
     once = expand(compress(g, codec), codec, g.numel())
     assert float((once - g).norm() / g.norm()) > 0.9
     assert residuals[400] < 1.05 * residuals[200]
@@ -162,16 +163,19 @@ def test_error_feedback_sends_every_part_of_a_steady_signal() -> None:
 
 def test_error_feedback_state_round_trips_and_clears() -> None:
     feedback = ErrorFeedback()
-    feedback.keep(1, torch.arange(4.0))
-    feedback.keep(0, torch.ones(3))
+    feedback.residual(1, 4, 2)
+    feedback.keep(1, torch.arange(4.0), None)
+    feedback.residual(0, 3, 1)
+    feedback.keep(0, None, torch.ones(1))
     state = feedback.state_dict()
-    assert list(state) == ["0", "1"]
+    assert list(state) == ["0/inputs", "0/owned", "1/inputs", "1/owned"]
     restored = ErrorFeedback()
     restored.load_state_dict(state)
-    assert torch.equal(restored.residual(1, 4), torch.arange(4.0))
-    state["1"].zero_()  # the state is a copy: saving it does not alias the live residual
-    assert torch.equal(feedback.residual(1, 4), torch.arange(4.0))
+    assert torch.equal(restored.residual(1, 4, 2).inputs, torch.arange(4.0))
+    assert torch.equal(restored.residual(0, 3, 1).owned, torch.ones(1))
+    state["1/inputs"].zero_()  # the state is a copy: saving it does not alias the live residual
+    assert torch.equal(feedback.residual(1, 4, 2).inputs, torch.arange(4.0))
     restored.clear()
-    assert torch.equal(restored.residual(1, 4), torch.zeros(4))
+    assert torch.equal(restored.residual(1, 4, 2).inputs, torch.zeros(4))
     restored.load_state_dict(None)
     assert restored.residuals == {}
