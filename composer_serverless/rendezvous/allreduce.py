@@ -179,9 +179,10 @@ class _Exchange:
         self.values = values.detach().reshape(-1).to(torch.float32)
         # With error feedback, what is sent: the pseudo-gradient plus the residual; and what of it the encoded
         # inputs leave out, the new residual.
-        self.sending = self.values if residual is None else self.values + residual.inputs.reshape(-1)
+        decay = settings.feedback_decay
+        self.sending = self.values if residual is None else self.values + decay * residual.inputs.reshape(-1)
         self.unsent = None if residual is None else torch.empty_like(self.sending)
-        self.owned = None if residual is None else residual.owned
+        self.owned = None if residual is None else decay * residual.owned
         self.reduced_codec = settings.reduced_codec or settings.codec
         self.identity = identity
         self.rank = rank
