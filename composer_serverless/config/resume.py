@@ -72,7 +72,6 @@ REFUSED: dict[str, str] = {
         (
             "diloco.codec",
             "diloco.sparse_density",
-            "diloco.feedback_decay",
             "diloco.reduced_codec",
             "diloco.fragment_update_alpha",
             "diloco.outlier_norm_factor",

@@ -153,13 +153,6 @@ class DiLoCoConfig(StrictModel):
         le=0.25,
         description="with codec 'sparse': the fraction of each chunk's values a pseudo-gradient sends",
     )
-    feedback_decay: float = Field(
-        1.0,
-        gt=0,
-        le=1,
-        description="with codec 'sparse': the factor on the error-feedback residual before it is added to the "
-        "next pseudo-gradient (SparseLoCo's beta); 1 keeps all of it",
-    )
     reduced_codec: Literal["fp32", "bf16", "int8", "sparse"] | None = Field(
         None,
         description="wire format of the averages the shard owners publish; unset: the codec's (with 'sparse', "

@@ -39,8 +39,6 @@ class ExchangeSettings:
     outlier_factor: float | None = None
     # The codec of the averages owners publish; None: ``codec`` (with the sparse codec: re-sparsified).
     reduced_codec: Codec | None = None
-    # With error feedback: the factor on a residual before it is added to what is sent (SparseLoCo's beta).
-    feedback_decay: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.replicas:

@@ -129,8 +129,9 @@ class ObjectStoreManager:
             rows of its bucket and when this replica trained on each token (``rows.py``); None, or a None
             answer, averages every value plainly.
         feedback: the residuals of error feedback (``feedback.py``), for a lossy codec that drops much (the
-            sparse one): each sync sends its fragment's residual with the pseudo-gradient, and keeps the new
-            one if the sync commits with this replica's inputs averaged. None: no feedback.
+            sparse one): a sync that commits keeps what its inputs left out (if they were averaged; the local
+            weights restart from the global ones minus it, ``host_diloco.py``) and what the average this
+            replica published as its shard's owner left out. None: no feedback.
     """
 
     # DiLoCo refuses an asynchronous quorum; ours is decided inside each exchange.

@@ -165,7 +165,6 @@ def exchange_settings(
         local_ranks=local_ranks,
         key=key,
         outlier_factor=config.outlier_norm_factor,
-        feedback_decay=config.feedback_decay,
     )
 
 

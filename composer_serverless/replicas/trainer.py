@@ -61,6 +61,7 @@ from composer_serverless.replicas.diloco import (
     split_fragments,
     transfer_settings,
 )
+from composer_serverless.replicas.host_diloco import offset_local
 from composer_serverless.replicas.meter import RoundMeter, read_step
 from composer_serverless.replicas.node import SOLO, Node
 from composer_serverless.replicas.shards import full_state_dict, local, reshard, shard_model
@@ -703,5 +704,9 @@ class Replica:
                 self.touches.load_state_dict(saved.get("touched"))
             if self.manager.feedback is not None:
                 self.manager.feedback.load_state_dict(saved.get("residual"))
+                for fragment, residual in self.manager.feedback.residuals.items():
+                    assert residual.inputs is not None
+                    # The local weights as the sync left them: the global ones minus what was not sent.
+                    offset_local(self.fragments[fragment], residual.inputs)
         self.log.info("resumed from round %d (own state of round %d)", latest, own_round)
         return latest

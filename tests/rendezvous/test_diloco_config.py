@@ -38,7 +38,7 @@ def test_defaults_keep_a_run_going_through_a_dead_replica() -> None:
         ({"min_replicas": 5}, "min_replicas (5) cannot exceed replicas (4)"),
         ({"min_replicas": 0}, "greater than or equal to 1"),
         ({"codec": "fp8"}, "'fp32', 'bf16', 'int8' or 'sparse'"),
-            ({"sparse_density": 0.5}, "less than or equal to 0.25"),
+        ({"sparse_density": 0.5}, "less than or equal to 0.25"),
         ({"quorum_grace_min_s": 10, "quorum_grace_max_s": 5}, "cannot exceed quorum_grace_max_s"),
         ({"quorum_grace_max_s": 600}, "must be below sync_timeout_s"),
         ({"max_failed_syncs": 0}, "greater than or equal to 1"),

@@ -192,9 +192,9 @@ def test_on_an_accelerator_the_exchange_thread_touches_host_memory_only(tmp_path
 
 
 def test_error_feedback_keeps_the_residual_of_a_committed_sync_only(tmp_path: Path) -> None:
-    """A sync that commits with this replica's inputs averaged keeps the new residual, pseudo-gradient plus
-    residual minus what was sent (from a tensor on the simulated accelerator: the residual stays in host
-    memory); a failed one leaves the residual as it was, so its retry re-encodes the same bytes."""
+    """A sync that commits with this replica's inputs averaged keeps the new residual, the pseudo-gradient
+    minus what was sent (from a tensor on the simulated accelerator: the residual stays in host memory); a
+    failed one leaves the residual as it was."""
     codec = Sparse(density=0.25, chunk=8)
     feedback = ErrorFeedback()
     manager = ObjectStoreManager(
@@ -225,6 +225,4 @@ def test_error_feedback_keeps_the_residual_of_a_committed_sync_only(tmp_path: Pa
     manager.start_quorum()
     manager.allreduce(delta.clone()).wait()
     assert not manager.should_commit()
-    assert torch.equal(
-        feedback.residual(0, 8, 8).inputs, residual
-    )  # a sync that did not commit moved nothing
+    assert torch.equal(feedback.residual(0, 8, 8).inputs, residual)  # a failed sync moved nothing

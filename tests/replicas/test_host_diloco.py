@@ -14,7 +14,9 @@ from torchft.local_sgd import DiLoCo
 from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import validate_config
 from composer_serverless.rendezvous.allreduce import ExchangeSettings
+from composer_serverless.rendezvous.feedback import ErrorFeedback
 from composer_serverless.rendezvous.manager import ObjectStoreManager
+from composer_serverless.rendezvous.sparse import Sparse
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.diloco import (
     grace_settings,
@@ -23,6 +25,7 @@ from composer_serverless.replicas.diloco import (
     outer_optimizer,
     split_fragments,
 )
+from composer_serverless.replicas.host_diloco import offset_local
 from tests.test_equivalence import batches, in_threads, tiny_llama
 
 
@@ -212,3 +215,49 @@ def test_a_sync_allocates_nothing_on_the_accelerator(alpha) -> None:
     assert len(peaks) == 2
     for before, peak in peaks:
         assert peak - before == (weights if alpha else 0), (before, peak, weights)
+
+
+def test_with_error_feedback_the_local_weights_restart_from_global_minus_the_residual() -> None:
+    """After a committed sync the local weights (on the simulated accelerator) are the new global ones minus
+    what this replica's input left out, so the next pseudo-gradient carries that again; ``offset_local``,
+    which a resume applies to the published global weights, gives the same weights to the bit."""
+    config = _config(1, 0, 0.0)
+    dl = config.diloco
+    feedback = ErrorFeedback()
+    with simulated():
+        model = tiny_llama().to("cuda")
+        inner = make_inner_optimizer(model, config.train)
+        fragments = split_fragments(model, 1)
+        manager = ObjectStoreManager(
+            ObjectStore(f"memory://feedback-{uuid.uuid4().hex}"),
+            run_id="feedback",
+            rank=0,
+            fragments=1,
+            settings=ExchangeSettings(replicas=1, min_replicas=1, codec=Sparse(), timeout_s=60),
+            grace=grace_settings(dl),
+            feedback=feedback,
+        )
+        with make_diloco(manager, fragments, inner, dl) as diloco:
+            for batch in batches(0, dl.sync_every):
+                batch = batch.to("cuda")
+                model(input_ids=batch, labels=batch).loss.backward()
+                inner.step()
+        assert manager.current_step() == 1
+        local = [p.detach().cpu().reshape(-1) for p in fragments[0].parameters()]
+        global_now = list(diloco._fragments[0].original_parameters.values())
+        residual = feedback.residuals[0].inputs
+        assert residual.device.type == "cpu" and float(residual.abs().sum()) > 0
+        offset = 0
+        for mine, glob in zip(local, global_now, strict=True):
+            expected = glob.reshape(-1) - residual[offset : offset + glob.numel()]
+            assert torch.equal(mine, expected)
+            offset += glob.numel()
+        # What a resume does: the published global weights, then the residual of the replica's own state.
+        with torch.no_grad():
+            for p, glob in zip(fragments[0].parameters(), global_now, strict=True):
+                p.copy_(glob)
+        offset_local(fragments[0], residual)
+        assert all(
+            torch.equal(p.detach().cpu().reshape(-1), mine)
+            for p, mine in zip(fragments[0].parameters(), local, strict=True)
+        )
