@@ -11,8 +11,8 @@ fp32 against 22 % with ``e`` added to the next pseudo-gradient only).
 
 The residual is one fp32 tensor per fragment (per rank of an FSDP replica: the rank's part of the fragment's
 bucket), in host memory: it is as large as the fragment, and on an accelerator it would take the memory the
-inner step needs. It is this replica's own: it goes into its own saved state (``state.py``), and a resume
-restarts the local weights from the global ones minus it, bit-exactly. The residual moves only when a sync commits with this
+inner step needs. It is this replica's own: it goes into its own saved state (``state.py``), beside the local
+weights that differ from the global ones (all of them, then), so a resume continues bit-exactly. The residual moves only when a sync commits with this
 replica's inputs averaged; a sync that fails is retried from the same residual (and re-encodes the same
 bytes), and one that averaged without this replica's input (it arrived late, or an input was rejected)
 leaves it as it was.

@@ -61,7 +61,6 @@ from composer_serverless.replicas.diloco import (
     split_fragments,
     transfer_settings,
 )
-from composer_serverless.replicas.host_diloco import offset_local
 from composer_serverless.replicas.meter import RoundMeter, read_step
 from composer_serverless.replicas.node import SOLO, Node
 from composer_serverless.replicas.shards import full_state_dict, local, reshard, shard_model
@@ -703,10 +702,7 @@ class Replica:
             if self.touches is not None:
                 self.touches.load_state_dict(saved.get("touched"))
             if self.manager.feedback is not None:
+                # The local weights, global minus the residual, are among the local parameters restored above.
                 self.manager.feedback.load_state_dict(saved.get("residual"))
-                for fragment, residual in self.manager.feedback.residuals.items():
-                    assert residual.inputs is not None
-                    # The local weights as the sync left them: the global ones minus what was not sent.
-                    offset_local(self.fragments[fragment], residual.inputs)
         self.log.info("resumed from round %d (own state of round %d)", latest, own_round)
         return latest
