@@ -101,6 +101,39 @@ def test_without_data_parallel_there_are_no_gaps_to_check() -> None:
     }
 
 
+def test_compression_is_against_the_fp32_run_of_the_same_seed_n_and_h() -> None:
+    """compression_vs_fp32 divides the fp32 Nesterov run's bytes of the same seed, N and H by the run's own;
+    the sparse check needs both >= 100 and the loss within +0.5 % of fp32's mean."""
+
+    def row(name: str, seed: int, loss: float, bytes_: float, h: int, codec: str) -> dict:
+        return run_row(name, seed, loss, 0.0, bytes_, replicas=4, sync_every=h, codec=codec, outer="nesterov")
+
+    runs = [
+        row("diloco-h10", 1, 4.0, 12_000.0, 10, "fp32"),
+        row("diloco-h10", 2, 5.0, 12_000.0, 10, "fp32"),
+        row("diloco-h50", 1, 4.4, 2_400.0, 50, "fp32"),
+        row("diloco-h10-sparse", 1, 4.02, 100.0, 10, "sparse"),
+        row("diloco-h10-sparse", 2, 5.02, 120.0, 10, "sparse"),
+        row("diloco-h50-sparse", 1, 4.84, 30.0, 50, "sparse"),
+    ]
+    runs = [{**r, "gap_vs_dp": None} for r in runs]
+    bench.compression(runs)
+    assert [r.get("compression_vs_fp32") for r in runs] == [1.0, 1.0, 1.0, 120.0, 100.0, 80.0]
+    means = bench.mean_over_seeds(runs)
+    assert means["diloco-h10-sparse"]["compression_vs_fp32"] == 110.0
+    checks = bench.checks(means, runs)
+    # 4.52 against 4.5: +0.44 %, at 110x: met; at H = 50, 4.84 against 4.4 (+10 %) at 80x: reported.
+    assert checks["sparse_h10_100x_within_half_pct_of_fp32"] == {
+        "relative": pytest.approx(4.52 / 4.5 - 1),
+        "compression_vs_fp32": 110.0,
+        "threshold": 0.005,
+        "met": True,
+    }
+    assert checks["sparse_h50_vs_fp32"]["relative"] == pytest.approx(0.1)
+    assert checks["sparse_h50_vs_fp32"]["compression_vs_fp32"] == 80.0
+    assert "met" not in checks["sparse_h50_vs_fp32"]
+
+
 def test_variant_configs_change_one_thing_and_keep_the_tokens() -> None:
     base = load_config(DEMO)
     budget = bench.Budget(steps=1000, batch_size=8, seq_len=64, eval_every=50, eval_sequences=256, seeds=(0,))
@@ -130,6 +163,17 @@ def test_variant_configs_change_one_thing_and_keep_the_tokens() -> None:
     assert (fedavg.diloco.outer_lr, fedavg.diloco.outer_momentum, fedavg.diloco.nesterov) == (1.0, 0.0, False)
     assert (h10.diloco.outer_lr, h10.diloco.outer_momentum, h10.diloco.nesterov) == (0.7, 0.3, True)
     assert int8.diloco.codec == "int8" and h10.diloco.codec == "fp32"
+    sparse, dense = config("diloco-h50-sparse"), config("diloco-h10-sparse-dense")
+    assert (sparse.diloco.codec, sparse.diloco.sync_every, sparse.diloco.reduced_codec) == (
+        "sparse",
+        50,
+        None,
+    )
+    assert (dense.diloco.codec, dense.diloco.reduced_codec, h10.diloco.reduced_codec) == (
+        "sparse",
+        "fp32",
+        None,
+    )
     assert h10.train == base.train == n1.train
 
 

@@ -23,9 +23,14 @@ def load_benchmark():
     return module
 
 
-def test_phases_and_summary_report_bytes_against_the_bound(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["int8", "sparse"])
+def test_phases_and_summary_report_bytes_against_the_bound(tmp_path: Path, name: str) -> None:
+    """int8, and the sparse codec against the bound of its own payload size (the owners' averages
+    re-sparsified: every object of the exchange is the sparse size)."""
     bench = load_benchmark()
-    n, mb, codec = 3, 1.0, "int8"
+    n, mb = 3, 1.0
+    args = argparse.Namespace(replicas=n, mb=mb, store="file", codec=name, density=0.015, repeats=1)
+    codec = bench.wire_codec(args)
     samples = []
 
     def replica(rank: int, phase: str) -> None:
@@ -51,17 +56,21 @@ def test_phases_and_summary_report_bytes_against_the_bound(tmp_path: Path) -> No
             t.start()
         for t in threads:
             t.join(timeout=120)
-    args = argparse.Namespace(replicas=n, mb=mb, store="file", codec=codec, repeats=1)
     result = bench.summarise(samples, args)
 
     wire = result["wire_bytes"]
     assert result["payload_bytes"] == 2**20
-    assert result["payload_bytes"] / wire >= 3.9
+    assert result["payload_bytes"] / wire >= (3.9 if name == "int8" else 100)
+    assert result["compression_vs_fp32"] == pytest.approx(result["payload_bytes"] / wire, rel=0.01)
     assert result["bound_down_bytes"] == 2 * (n - 1) / n * wire
     assert 1.0 <= result["ratio_to_bound"] <= 1.05
-    # The raw phase moves exactly the bound's download; everyone-reads-everything moves N/2 times it.
+    # Both directions: the inputs and the owned reduced shard up, the peers' inputs and reduced shards down.
+    assert result["bound_bytes_per_replica"] == pytest.approx(wire * (1 + 1 / n) + result["bound_down_bytes"])
+    assert 1.0 <= result["bytes_ratio_to_bound"] <= 1.05
+    # The raw phase moves exactly the bound's download; everyone-reads-everything moves N/2 times it (one
+    # header per replica where the shards have N: a little less, for the sparse codec's small payloads).
     assert abs(result["phases"]["raw"]["bytes_down_per_replica"] / result["bound_down_bytes"] - 1) < 1e-3
-    assert abs(result["naive_ratio_to_bound"] - n / 2) < 0.01
+    assert abs(result["naive_ratio_to_bound"] - n / 2) < (0.01 if name == "int8" else 0.15)
     for key in ("wall_s", "naive_wall_s", "store_MBps", "time_ratio_to_bound", "time_ratio_to_down_bound"):
         assert result[key] > 0
     # The bound's time counts its upload (S_wire) and its download at the raw phase's throughput.
@@ -71,8 +80,10 @@ def test_phases_and_summary_report_bytes_against_the_bound(tmp_path: Path) -> No
     # The checksum phase hashes what the exchange hashes: every byte it writes and every byte it reads.
     hashed = result["phases"]["checksum"]
     ours = result["phases"]["allreduce"]
+    # (The exchange also reads the quorum record, and a reduced shard's header names whose inputs it sums: a
+    # few hundred bytes, 2.5 % of the sparse codec's payloads of 1 MiB.)
     assert hashed["bytes_up_per_replica"] + hashed["bytes_down_per_replica"] == pytest.approx(
-        ours["bytes_up_per_replica"] + ours["bytes_down_per_replica"], rel=1e-3
+        ours["bytes_up_per_replica"] + ours["bytes_down_per_replica"], rel=1e-3 if name == "int8" else 0.05
     )
     expected = result["wall_s"] / (result["bound_s"] + result["checksum_s"])
     assert result["time_ratio_to_bound_with_checksums"] == pytest.approx(expected)
