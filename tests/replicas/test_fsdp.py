@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from composer_serverless.config import validate_config
 from composer_serverless.exports import export
 from composer_serverless.launcher import launch
+from composer_serverless.rendezvous.checkpoint import read_snapshot
 from composer_serverless.rendezvous.codec import read_header
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
@@ -158,13 +159,12 @@ def test_bf16_over_float32_masters_on_two_ranks(tmp_path: Path, tiny_model_dir: 
     final = load_file(tmp_path / "bf16" / "final" / "model.safetensors")
     assert {t.dtype for t in final.values()} == {torch.float32}  # the masters are what is exported
     parameters = sum(t.numel() for t in final.values())
-    residuals = []
-    for local in (0, 1):
-        own = load_file(tmp_path / "bf16" / "replicas" / "0" / "3" / str(local) / "tensors.safetensors")
-        residuals.append({k: t for k, t in own.items() if "residual" in k})
-    # Two fragments per rank, each the rank's part of its bucket: together, every trained value once.
-    assert all(len(r) == 2 for r in residuals), [list(r) for r in residuals]
-    assert sum(t.numel() for r in residuals for t in r.values()) == parameters
+    run = ObjectStore(str(tmp_path / "bf16"))
+    residuals = [read_snapshot(run, "replicas/0/3/" + str(local))["residual"] for local in (0, 1)]
+    # Two fragments per rank, each the rank's part of its bucket: together, every trained value once; and
+    # each rank's part of each fragment's shard it owns.
+    assert all(sorted(r) == ["0/inputs", "0/owned", "1/inputs", "1/owned"] for r in residuals), residuals
+    assert sum(r[f"{f}/inputs"].numel() for r in residuals for f in (0, 1)) == parameters
     assert all(t.dtype == torch.float32 and bool(t.abs().sum() > 0) for r in residuals for t in r.values())
     header = read_header((tmp_path / "bf16" / "rounds" / "3" / "0" / "1" / "in" / "0-1").read_bytes())[0]
     assert header["__metadata__"]["codec"] == "sparse"

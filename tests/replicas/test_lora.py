@@ -16,6 +16,7 @@ from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import LoraConfig, ModelConfig, validate_config
 from composer_serverless.exports import export
 from composer_serverless.models import load_model
+from composer_serverless.rendezvous.checkpoint import read_snapshot
 from composer_serverless.rendezvous.codec import read_header
 from composer_serverless.rendezvous.store import ObjectStore
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
@@ -90,11 +91,13 @@ def test_only_the_adapters_travel_and_are_checkpointed(lora_run, tiny_model_dir)
     global_state = load_file(run.local_dir("state/2/0") / "tensors.safetensors")
     assert sum(t.numel() for t in global_state.values()) == 2 * adapters  # parameters and outer momentum
     own = load_file(run.local_dir("replicas/0/2/0") / "tensors.safetensors")
-    # AdamW's two moments and its step counts, and the residual of the adapters; the RNG states are the uint8
-    # tensors.
+    # AdamW's two moments and its step counts; the local adapters (the global ones minus the residual, so they
+    # all differ from the global ones); the residual of the adapters and of the half of them replica 0 owns.
+    # The RNG states are the uint8 tensors.
     floats = sum(t.numel() for t in own.values() if t.is_floating_point())
-    assert 3 * adapters <= floats <= 3 * adapters + len(own)
-    assert sum(t.numel() for k, t in own.items() if "residual" in k) == adapters
+    expected = 2 * adapters + adapters + adapters + adapters // 2
+    assert expected <= floats <= expected + len(own)
+    assert read_snapshot(run, "replicas/0/2/0")["residual"]["0/inputs"].numel() == adapters
     assert (run.local_dir("final") / "adapter_model.safetensors").exists()
 
 
