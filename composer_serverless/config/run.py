@@ -144,8 +144,9 @@ class DiLoCoConfig(StrictModel):
         "fp32",
         description="wire format of pseudo-gradients: fp32, bf16, int8 with blockwise absmax scales, or sparse: "
         "per chunk of 4,096 values the top sparse_density of them, in 2 bits each with 12-bit indices, the rest "
-        "kept by each replica as an error-feedback residual and sent in later rounds (about 140 times fewer "
-        "bytes than fp32 at 1.5 %)",
+        "kept by each replica as an error-feedback residual and sent in later rounds (about 120-140 times fewer "
+        "bytes than fp32 at 1.5 %; on the demo's 100 rounds it trains well behind fp32, docs/RESULTS.md "
+        "section 17: for long runs, where int8 is not small enough)",
     )
     sparse_density: float = Field(
         0.015,
