@@ -71,8 +71,8 @@ from typing import Any
 import torch
 
 from composer_serverless.rendezvous.allreduce import ExchangeSettings, allreduce
-from composer_serverless.rendezvous.codec import checksum as payload_checksum
 from composer_serverless.rendezvous.codec import Codec, decode, encode, max_payload_bytes
+from composer_serverless.rendezvous.codec import checksum as payload_checksum
 from composer_serverless.rendezvous.sharding import shard_bounds
 from composer_serverless.rendezvous.sparse import DEFAULT_DENSITY, Sparse
 from composer_serverless.rendezvous.store import ObjectStore
@@ -432,7 +432,8 @@ def summarise(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         "compression_vs_fp32": _wire(values, n, "fp32") / wire,
         "bytes_per_replica": ours_f["bytes_up_per_replica"] + ours_f["bytes_down_per_replica"],
         "bound_bytes_per_replica": own_bound,
-        "bytes_ratio_to_bound": (ours_f["bytes_up_per_replica"] + ours_f["bytes_down_per_replica"]) / own_bound,
+        "bytes_ratio_to_bound": (ours_f["bytes_up_per_replica"] + ours_f["bytes_down_per_replica"])
+        / own_bound,
         "bytes_up_per_replica": ours_f["bytes_up_per_replica"],
         "bytes_down_per_replica": ours_f["bytes_down_per_replica"],
         "bound_up_bytes": wire,
