@@ -32,12 +32,11 @@ token then. The reducer combines each such row over the inputs whose data held t
 
 With residuals (error feedback, ``feedback.py``) the result holds what the codec left out of the
 pseudo-gradient this replica sent (its inputs' residual, which its local weights keep: the next
-pseudo-gradient carries it again). With the sparse codec the
-owner re-sparsifies the average it publishes (``ExchangeSettings.reduced_codec`` may name a dense codec
-instead), so every object of a sync has the sparse payload's size and the traffic stays at the bound above,
-for the sparse size; the owner adds its own residual to the average it encodes and keeps what the encoding
-left out. A substitute or rescuer publishes without one: its output is still one average every replica
-applies alike, whoever wrote it.
+pseudo-gradient carries it again). With the sparse codec the owner re-sparsifies the average it publishes
+(``ExchangeSettings.reduced_codec`` may name a dense codec instead), so every object of a sync has the sparse
+payload's size and the traffic stays at the bound above, for the sparse size; the owner adds its own residual
+to the average it encodes and keeps what the encoding left out. A substitute or rescuer publishes without one:
+its output is still one average every replica applies alike, whoever wrote it.
 
 A payload that fails its checksum (with a run key, its MAC), header or identity is logged and left out of
 the sum, never averaged; so is one whose pseudo-gradient's norm lies far outside the others' (``robust.py``,
