@@ -72,6 +72,7 @@ REFUSED: dict[str, str] = {
         (
             "diloco.codec",
             "diloco.sparse_density",
+            "diloco.error_feedback",
             "diloco.reduced_codec",
             "diloco.fragment_update_alpha",
             "diloco.outlier_norm_factor",

@@ -30,9 +30,8 @@ an untied head) its shard overlaps, a bit per step bucket of the window: whether
 token then. The reducer combines each such row over the inputs whose data held the token, where any did
 (``rows.RowSums``): a few bytes per row, and the average is still a function of the durable inputs alone.
 
-With residuals (error feedback, ``feedback.py``) the result holds what the codec left out of the
-pseudo-gradient this replica sent (its inputs' residual, which its local weights keep: the next
-pseudo-gradient carries it again). With the sparse codec the owner re-sparsifies the average it publishes
+With residuals (error feedback, ``feedback.py``) a replica sends its pseudo-gradient plus its inputs'
+residual (none when its local weights keep it), and the result holds what the codec left out of that. With the sparse codec the owner re-sparsifies the average it publishes
 (``ExchangeSettings.reduced_codec`` may name a dense codec instead), so every object of a sync has the sparse
 payload's size and the traffic stays at the bound above, for the sparse size; the owner adds its own residual
 to the average it encodes and keeps what the encoding left out. A substitute or rescuer publishes without one:
@@ -134,10 +133,11 @@ def allreduce(
         rows: the token-indexed blocks of ``values`` and in which step buckets this replica's data held each
             token, to combine those rows over the replicas that trained them (``rows.py``); every replica of a
             sync passes the same blocks and buckets. None: a plain average everywhere.
-        residual: the residuals of error feedback (``feedback.py``): ``owned``, what the averages this
-            replica published as its shard's owner left out, is added to its shard's average; not modified.
-            The result's ``residual`` holds what its inputs left out of ``values`` and the new ``owned`` (None
-            unless this replica published its shard). None: no error feedback.
+        residual: the residuals of error feedback (``feedback.py``): ``inputs`` (None when the local weights
+            hold it) is added to ``values`` before encoding, ``owned``, what the averages this replica
+            published as its shard's owner left out, to its shard's average; neither is modified. The
+            result's ``residual`` holds what the inputs left out of what they were to send and the new
+            ``owned`` (None unless this replica published its shard). None: no error feedback.
 
     Raises:
         StaleRoundError: ``is_stale`` said so when this replica was about to fix the quorum.
@@ -177,7 +177,10 @@ class _Exchange:
         self.store = store.child(prefix)
         self.is_stale = is_stale
         self.values = values.detach().reshape(-1).to(torch.float32)
-        # With error feedback, what the encoded inputs leave out of the values (the inputs' new residual).
+        # With error feedback, what is to be sent (the values plus the inputs' residual), and what of it the
+        # encoded inputs leave out (the inputs' new residual).
+        kept = None if residual is None else residual.inputs
+        self.sending = self.values if kept is None else self.values + kept.reshape(-1)
         self.unsent = None if residual is None else torch.empty_like(self.values)
         self.owned = None if residual is None else residual.owned
         self.reduced_codec = settings.reduced_codec or settings.codec
@@ -251,13 +254,13 @@ class _Exchange:
 
         # The whole pseudo-gradient's norm, in every input's header: each shard's owner compares whole
         # contributions (``robust.py``), and sees only its shard of each.
-        whole = repr(l2_norm(self.values))
+        whole = repr(l2_norm(self.sending))
 
         def upload(shard: int) -> None:
             start, end = self.bounds[shard]
             identity = {**self._input_identity(self.rank, shard), NORM: whole}
             bits = self.rows.bits(self.spans[shard]) if self.rows else None
-            parts = encode_parts(self.values[start:end], identity, self.settings.codec, self.key, bits)
+            parts = encode_parts(self.sending[start:end], identity, self.settings.codec, self.key, bits)
             if self.unsent is not None:
                 sent = decode(
                     parts,
@@ -268,7 +271,7 @@ class _Exchange:
                     key=self.key,
                     rows=self.row_bits[shard],
                 )
-                torch.sub(self.values[start:end], sent, out=self.unsent[start:end])
+                torch.sub(self.sending[start:end], sent, out=self.unsent[start:end])
             if self.store.create(layout.sync_input(self.rank, shard, self.local), parts):
                 self._count(up=sum(len(p) for p in parts))
                 self.mine[shard] = parts

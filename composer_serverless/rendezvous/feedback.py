@@ -1,29 +1,34 @@
-"""Error feedback: what a replica's sparse inputs left out, sent again with its next pseudo-gradient.
+"""Error feedback: what a replica's sparse inputs left out, sent again in later syncs.
 
 The sparse codec (``sparse.py``) sends about 1.5 % of each chunk; without feedback the other 98.5 % would be
-lost every sync and small coordinates would never move. With it, what a replica's inputs did not send, ``e =
-delta - C(delta)``, is not lost: after the sync the replica's local weights restart from the global ones minus
-``e`` (``host_diloco.offset_local``), so its next pseudo-gradient, global minus local, is ``e`` plus the new
-progress, and every part of every pseudo-gradient reaches the average eventually (error feedback: SparseLoCo,
-arXiv 2508.15706; Karimireddy et al. 2019; kept in the local weights as CSER's error reset, Xie et al. 2020,
-so the replica trains on from its own unsent progress instead of as if it were undone: measured 14 % above
-fp32 against 22 % with ``e`` added to the next pseudo-gradient only).
+lost every sync and small coordinates would never move. With it, what a replica's inputs did not send, ``e``,
+is not lost (SparseLoCo, arXiv 2508.15706; Karimireddy et al. 2019), in one of two ways
+(``diloco.error_feedback``):
+
+* ``resend`` (the default): the replica sends ``C(delta + e)`` and keeps ``e = delta + e - C(delta + e)``; its
+  local weights restart from the global ones, as without feedback.
+* ``reset`` (CSER's error reset, Xie et al. 2020): it sends ``C(delta)`` and its local weights restart from
+  the global ones minus ``e = delta - C(delta)`` (``host_diloco.offset_local``), so the next pseudo-gradient,
+  global minus local, carries ``e`` with the new progress, and the replica trains on from its own unsent
+  progress. Measured on the demo: 14 % above fp32 at H = 10 against resend's 22 %, but at H = 50 the global
+  model ended worse than it started (the local weights drift from a global model that gets a few
+  coordinates at a time), where resend's is 33 % above fp32 (docs/RESULTS.md, section 17).
 
 The residual is one fp32 tensor per fragment (per rank of an FSDP replica: the rank's part of the fragment's
 bucket), in host memory: it is as large as the fragment, and on an accelerator it would take the memory the
 inner step needs. It is this replica's own: it goes into its own saved state (``state.py``), beside the local
-weights that differ from the global ones (all of them, then), so a resume continues bit-exactly. The residual moves only when a sync commits with this
-replica's inputs averaged; a sync that fails is retried from the same residual (and re-encodes the same
-bytes), and one that averaged without this replica's input (it arrived late, or an input was rejected)
-leaves it as it was.
+weights that differ from the global ones (with ``reset``, all of them), so a resume continues bit-exactly.
+The residual moves only when a sync commits with this replica's inputs averaged; a sync that fails leaves it
+as it was, and so does one that averaged without this replica's input (it arrived late, or an input was
+rejected).
 
 A shard's owner re-sparsifies the average it publishes (``allreduce.py``), and keeps what that leaves out:
-its second residual, of its own shard's size, is added to the next average it publishes
-(bidirectional error feedback: without it, up to N - 1 of every N entries the inputs carried were lost at the
-owner, every round, for good). A substitute or a rescuer that reduces another replica's shard publishes that
-average without feedback and keeps nothing: the shard's owner keeps its residual for its next turn. A replica that loads a published state without its own state of that round (it fell
-behind, or lost its saved state) starts from zeros: what its residual held is gone, as a dead replica's is,
-and the run goes on without it.
+its second residual, of its own shard's size, is added to the next average it publishes (bidirectional error
+feedback: without it, up to N - 1 of every N entries the inputs carried would be lost at the owner for good).
+A substitute or a rescuer that reduces another replica's shard publishes that average without feedback and
+keeps nothing: the shard's owner keeps its residual for its next turn. A replica that loads a published state
+without its own state of that round (it fell behind, or lost its saved state) starts from zeros: what its
+residual held is gone, as a dead replica's is, and the run goes on without it.
 """
 
 from __future__ import annotations
@@ -43,10 +48,18 @@ class Residuals:
 
 
 class ErrorFeedback:
-    """Each fragment's residuals, by fragment index."""
+    """Each fragment's residuals, by fragment index; with ``reset``, the inputs' residual is kept in the local
+    weights instead of being added to the next pseudo-gradient."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, reset: bool = False) -> None:
+        self.reset = reset
         self.residuals: dict[int, Residuals] = {}
+
+    def to_send(self, fragment: int, numel: int, owned: int) -> Residuals:
+        """What the exchange adds: the inputs' residual to the pseudo-gradient (none with ``reset``: the local
+        weights hold it, so the pseudo-gradient does), and the owned residual to the published average."""
+        kept = self.residual(fragment, numel, owned)
+        return Residuals(None if self.reset else kept.inputs, kept.owned)
 
     def residual(self, fragment: int, numel: int, owned: int) -> Residuals:
         """``fragment``'s residuals: of its pseudo-gradient of ``numel`` values, and of the average of the

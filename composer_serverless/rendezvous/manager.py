@@ -203,7 +203,7 @@ class ObjectStoreManager:
         residual = None
         if self.feedback is not None:
             start, end = shard_bounds(values.numel(), self._settings.replicas)[self._rank]
-            residual = self.feedback.residual(sync.outcome.fragment, values.numel(), end - start)
+            residual = self.feedback.to_send(sync.outcome.fragment, values.numel(), end - start)
         future: torch.futures.Future = torch.futures.Future()
         sync.thread = threading.Thread(
             target=self._exchange,

@@ -19,12 +19,11 @@ torchft version works on the device:
 * ``_set_grads``: the averaged pseudo-gradient becomes the gradient of the host copy, not of the parameter.
 * ``perform_sync``: the outer optimizer steps the host copy, which is then copied into the parameters once;
   torchft restores the parameters from the host copy, steps them on the device and copies them back. The
-  local weights are cloned for the merge only when ``fragment_update_alpha`` > 0. With error feedback (the
-  sparse codec) the local weights restart from the global ones minus the replica's residual
-  (``offset_local``): what its inputs have not sent yet stays in its own weights, so the next pseudo-gradient
-  carries it again and the replica trains on from its own progress (CSER's error reset, Xie et al. 2020);
-  a replica that restarted from the global weights alone trained as if its unsent progress were undone,
-  measured 14 % above fp32 against 22 % (docs/RESULTS.md).
+  local weights are cloned for the merge only when ``fragment_update_alpha`` > 0. With error feedback kept in
+  the local weights (``diloco.error_feedback = "reset"``, the sparse codec) they restart from the global ones
+  minus the replica's residual (``offset_local``): what its inputs have not sent yet stays in its own
+  weights, so the next pseudo-gradient carries it again and the replica trains on from its own progress
+  (CSER's error reset, Xie et al. 2020).
 
 The outer optimizer therefore holds the host copy's tensors, not the model's: ``HostDiLoCo`` builds one per
 fragment with the factory it is given. torchft's ``DiLoCo`` constructor names its fragment class, so
@@ -142,7 +141,7 @@ class HostFragment(_StreamingDiLoCoFragment):
         self._grads.clear()
         self.restore_parameters()  # the new global parameters if committed, else the last ones
         feedback = getattr(self._manager, "feedback", None)
-        if feedback is not None and self._index in feedback.residuals:
+        if feedback is not None and feedback.reset and self._index in feedback.residuals:
             offset_local(self._model_fragment, feedback.residuals[self._index].inputs)
         if committed and merge:
             self._merge_parameters()

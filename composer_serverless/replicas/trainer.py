@@ -195,7 +195,7 @@ class Replica:
             agree=node.all_true,
             rows=self.touches.take if self.touches is not None else None,
             # The sparse codec drops most of each pseudo-gradient; the rest waits in a residual for later rounds.
-            feedback=ErrorFeedback() if dl.codec == "sparse" else None,
+            feedback=ErrorFeedback(reset=dl.error_feedback == "reset") if dl.codec == "sparse" else None,
         )
         self.meter = RoundMeter(self.manager, self.device)
         self.epoch = 0  # the run's rollback epoch this replica's state is from (recovery.py)
@@ -702,7 +702,8 @@ class Replica:
             if self.touches is not None:
                 self.touches.load_state_dict(saved.get("touched"))
             if self.manager.feedback is not None:
-                # The local weights, global minus the residual, are among the local parameters restored above.
+                # With error reset the local weights, global minus the residual, are among the local
+                # parameters restored above.
                 self.manager.feedback.load_state_dict(saved.get("residual"))
         self.log.info("resumed from round %d (own state of round %d)", latest, own_round)
         return latest

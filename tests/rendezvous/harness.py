@@ -26,8 +26,11 @@ REFERENCE_SETTINGS: dict[str, Any] = {
     "fragments": 2,
     "fragment_sync_delay": 1,
     "fragment_update_alpha": 0.5,
-    # The sparse codec with error feedback: the lossiest path, whose residuals a resume must restore exactly.
+    # The sparse codec with error feedback kept in the local weights: the lossiest path, whose residuals and
+    # local weights a resume must restore exactly (the default, "resend", runs in the kill -9, FSDP, LoRA and
+    # keyed tests).
     "codec": "sparse",
+    "error_feedback": "reset",
 }
 
 REPO = Path(__file__).resolve().parents[2]

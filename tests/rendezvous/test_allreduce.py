@@ -155,11 +155,11 @@ def test_traffic_is_the_bandwidth_optimal_bound(tmp_path: Path) -> None:
 def test_sparse_inputs_with_their_residuals_average_alike_everywhere(
     tmp_path: Path, reduced: str | None
 ) -> None:
-    """Each replica sends C(values) and gets back its inputs' new residual, values minus what it sent (the
-    old one is in its values already: its local weights carry it); each owner sums its shard's sparse inputs
-    in rank order, adds its own residual to the average and publishes that re-sparsified, keeping what it
-    left out (or, with ``reduced_codec`` fp32, publishes the average exactly); every replica ends with the
-    same average, to the bit."""
+    """Each replica sends C(values + residual) and gets back its inputs' new residual, values + residual
+    minus what it sent (replica 2's local weights hold its residual: it sends C(values)); each owner sums its
+    shard's sparse inputs in rank order, adds its own residual to the average and publishes that
+    re-sparsified, keeping what it left out (or, with ``reduced_codec`` fp32, publishes the average exactly);
+    every replica ends with the same average, to the bit."""
     n, numel = 3, 30_001
     codec = Sparse(0.02)
     values = tensors(n, numel)
@@ -169,8 +169,10 @@ def test_sparse_inputs_with_their_residuals_average_alike_everywhere(
         return torch.randn(size, generator=torch.Generator().manual_seed(seed))
 
     residuals = {
-        r: Residuals(noise(10 + r, numel), noise(20 + r, bounds[r][1] - bounds[r][0])) for r in range(n)
+        r: Residuals(noise(10 + r, numel) if r < 2 else None, noise(20 + r, bounds[r][1] - bounds[r][0]))
+        for r in range(n)
     }
+    sending = {r: values[r] + residuals[r].inputs if r < 2 else values[r] for r in range(n)}
     settings = ExchangeSettings(
         replicas=n, min_replicas=n, codec=codec, timeout_s=60, reduced_codec=reduced or None
     )
@@ -181,8 +183,7 @@ def test_sparse_inputs_with_their_residuals_average_alike_everywhere(
     for s, (start, end) in enumerate(bounds):
         total = torch.zeros(end - start)
         for r in range(n):
-            sending = values[r][start:end]
-            sent[r][start:end] = expand(compress(sending, codec), codec, end - start)
+            sent[r][start:end] = expand(compress(sending[r][start:end], codec), codec, end - start)
             total += sent[r][start:end]
         average = total / n + residuals[s].owned
         expected[start:end] = average if reduced else expand(compress(average, codec), codec, end - start)
@@ -191,11 +192,12 @@ def test_sparse_inputs_with_their_residuals_average_alike_everywhere(
         assert result.participants == [0, 1, 2]
         assert torch.equal(result.average, expected)
         assert result.residual is not None
-        assert torch.equal(result.residual.inputs, values[r] - sent[r])
+        assert torch.equal(result.residual.inputs, sending[r] - sent[r])
         assert torch.equal(result.residual.owned, owned[r])
         if reduced:
             assert not result.residual.owned.any()
     # The residuals passed in are not modified: the manager keeps them only once the sync commits.
+    assert torch.equal(residuals[0].inputs, noise(10, numel))
     assert torch.equal(residuals[0].owned, noise(20, bounds[0][1] - bounds[0][0]))
     kept = sum(codec.entries(end - start) for start, end in bounds)
     assert int((expected != 0).sum()) <= (numel if reduced else kept)

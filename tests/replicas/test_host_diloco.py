@@ -216,12 +216,14 @@ def test_a_sync_allocates_nothing_on_the_accelerator(alpha) -> None:
         assert peak - before == (weights if alpha else 0), (before, peak, weights)
 
 
-def test_with_error_feedback_the_local_weights_restart_from_global_minus_the_residual() -> None:
-    """After a committed sync the local weights (on the simulated accelerator) are the new global ones minus
-    what this replica's input left out, so the next pseudo-gradient carries that again."""
+@pytest.mark.parametrize("reset", [True, False], ids=["reset", "resend"])
+def test_with_error_reset_the_local_weights_restart_from_global_minus_the_residual(reset: bool) -> None:
+    """With error reset, after a committed sync the local weights (on the simulated accelerator) are the new
+    global ones minus what this replica's input left out, so the next pseudo-gradient carries that again;
+    with resend (the default) they are the global ones."""
     config = _config(1, 0, 0.0)
     dl = config.diloco
-    feedback = ErrorFeedback()
+    feedback = ErrorFeedback(reset=reset)
     with simulated():
         model = tiny_llama().to("cuda")
         inner = make_inner_optimizer(model, config.train)
@@ -247,7 +249,9 @@ def test_with_error_feedback_the_local_weights_restart_from_global_minus_the_res
         assert residual.device.type == "cpu" and float(residual.abs().sum()) > 0
         offset = 0
         for mine, glob in zip(local, global_now, strict=True):
-            expected = glob.reshape(-1) - residual[offset : offset + glob.numel()]
+            expected = (
+                glob.reshape(-1) - residual[offset : offset + glob.numel()] if reset else glob.reshape(-1)
+            )
             assert torch.equal(mine, expected)
             offset += glob.numel()
         assert offset == residual.numel()
