@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,3 +180,40 @@ def test_error_feedback_state_round_trips_and_clears() -> None:
     assert torch.equal(restored.residual(1, 4, 2).inputs, torch.zeros(4))
     restored.load_state_dict(None)
     assert restored.residuals == {}
+
+
+@pytest.mark.parametrize("density", [0.015, 0.25, 0.5, 1.0])
+def test_the_selection_is_what_a_stable_descending_sort_keeps(density: float) -> None:
+    """The oracle: sort each chunk's magnitudes descending, stably (ties to the lower position), keep the
+    first k, the first ceil(k / 2) of them in the larger class. Values rounded to halves and a zero half make
+    ties at both cuts."""
+    codec = Sparse(density)
+    g = torch.Generator().manual_seed(4)
+    x = torch.round(torch.randn(3 * 4096 + 1000, generator=g) * 2) / 2
+    x[:5000] = 0
+    encoded = compress(x, codec)
+    decoded = expand(encoded, codec, x.numel())
+    expected_positions, expected_larger = [], []
+    for start in range(0, x.numel(), codec.chunk):
+        chunk = x[start : start + codec.chunk]
+        k = codec.kept(chunk.numel())
+        order = torch.sort(chunk.abs(), descending=True, stable=True).indices[:k]
+        larger = set((order[: -(-k // 2)] + start).tolist())
+        for position in sorted((order + start).tolist()):
+            expected_positions.append(position)
+            expected_larger.append(position in larger)
+    mask = torch.zeros(x.numel(), dtype=torch.bool)
+    mask[expected_positions] = True
+    # Positions kept with a zero value decode to zero; every other kept position is exactly the nonzero ones.
+    assert not decoded[~mask].any()
+    bits = np.unpackbits(encoded.codes.numpy(), bitorder="little")[: 2 * len(expected_positions)]
+    codes = torch.from_numpy(bits).view(-1, 2)
+    assert codes[:, 1].bool().tolist() == expected_larger
+    assert (codes[:, 0].bool() == (x[expected_positions] < 0)).all()
+
+
+def test_non_finite_values_are_not_encoded() -> None:
+    x = torch.randn(5000)
+    x[7] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        encode(x, IDENTITY, Sparse())
