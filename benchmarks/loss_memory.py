@@ -153,7 +153,7 @@ def _worker(spec: dict) -> dict:
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / spec["steps"]
     return {
-        "peak_bytes": peak(device) - baseline,
+        "peak_bytes": peak(device, baseline),
         "step_s": seconds,
         "loss": losses[-1],
         "params": sum(p.numel() for p in model.parameters()),

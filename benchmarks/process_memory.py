@@ -60,6 +60,11 @@ def start_peak(device: torch.device) -> int:
     return rss_bytes()
 
 
-def peak(device: torch.device) -> int:
-    """The peak since ``start_peak``: CUDA's most allocated bytes, or the process's high-water mark."""
-    return torch.cuda.max_memory_allocated() if device.type == "cuda" else hwm_bytes()
+def peak(device: torch.device, baseline: int) -> int:
+    """The peak since ``start_peak``, above its ``baseline``: CUDA's most allocated bytes, or the process's
+    high-water mark. On a CPU never below 0: Linux counts each thread's resident pages lazily (synced every 64
+    page faults), so a step that freed memory could read a few pages under the baseline (-16 KiB in a suite
+    run), which no peak can be."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() - baseline
+    return max(hwm_bytes() - baseline, 0)

@@ -114,7 +114,7 @@ def _worker(spec: dict) -> dict:
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
         "first_token_s": first_token_s,
-        "peak_bytes": peak(device) - baseline,
+        "peak_bytes": peak(device, baseline),
         "params": sum(p.numel() for p in model.parameters()),
     }
 
@@ -179,7 +179,7 @@ def _sharded_worker(local_rank: int, spec: dict, rendezvous: str, out: str) -> N
             torch.cuda.synchronize()
         dist.barrier()  # the replica's rollouts are done when its slowest rank is
         seconds = time.perf_counter() - start
-        total = torch.tensor([float(tokens), float(peak(device) - baseline)])
+        total = torch.tensor([float(tokens), float(peak(device, baseline))])
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         results[mode] = {
             "tokens": int(total[0]),
