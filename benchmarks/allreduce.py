@@ -252,10 +252,7 @@ def link_phase_functions(
     bounds = shard_bounds(values.numel(), n)
     raw = memoryview(values.numpy()).cast("B")
     wire = [len(encode(torch.zeros(b - a), IDENTITY, codec)) for a, b in bounds]
-    # A shard's wire size: its data (the tensor's own bytes) behind a stand-in for its header.
-    blobs = [
-        [bytes(size - 4 * (b - a)), raw[4 * a : 4 * b]] for (a, b), size in zip(bounds, wire, strict=True)
-    ]
+    blobs = [_stand_in(raw, a, b, size) for (a, b), size in zip(bounds, wire, strict=True)]
     out, workspace = torch.empty_like(values), Workspace()
     reads = min(transfers.concurrency, 2 * (n - 1))
     size = max(max_payload_bytes(b - a, codec) for a, b in bounds)  # what the gather asks of these slots
@@ -265,6 +262,14 @@ def link_phase_functions(
         "allreduce": partial(_allreduce, out=out, workspace=workspace),
         "sequential": partial(_allreduce, out=out, workspace=workspace, through=sequential),
     }
+
+
+def _stand_in(raw: memoryview, start: int, end: int, size: int) -> list[bytes | memoryview]:
+    """``size`` bytes (a shard's wire size) for the probe, without encoding anything: the shard's own fp32
+    memory, cut to ``size`` where the codec's wire is smaller (int8, sparse), behind zeros standing in for a
+    header where it is larger (fp32)."""
+    data = raw[4 * start : 4 * start + min(size, 4 * (end - start))]
+    return [bytes(size - len(data)), data] if size > len(data) else [data]
 
 
 def _probe(

@@ -94,3 +94,42 @@ def test_phases_and_summary_report_bytes_against_the_bound(tmp_path: Path, name:
         )
         < 1e-9
     )
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8", "sparse"])
+def test_link_phases_move_each_codecs_wire_size(tmp_path: Path, name: str) -> None:
+    """The emulated link's probe moves the bound's traffic at the codec's own wire size (it once built its
+    objects as fp32 data behind a header, and failed for any codec smaller than fp32), and the exchange runs
+    beside it with that codec."""
+    bench = load_benchmark()
+    n, numel = 3, 300_000
+    args = argparse.Namespace(codec=name, density=0.015)
+    codec = bench.wire_codec(args)
+    url = f"file://{tmp_path}/store"
+    shards = bench.shard_bounds(numel, n)
+    wire = [len(bench.encode(torch.zeros(b - a), bench.IDENTITY, codec)) for a, b in shards]
+    moved: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def replica(rank: int, phase: str) -> None:
+        values = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        sequential = bench.ObjectStore(url, transfers=bench.Transfers(1))
+        phases = bench.link_phase_functions(values, n, codec, bench.Transfers(2), sequential)
+        store = bench.ObjectStore(url, transfers=bench.Transfers(2))
+        moved[phase, rank] = phases[phase](store, phase, values, rank, n, codec)
+
+    for phase in bench.LINK_PHASES:
+        threads = [threading.Thread(target=replica, args=(r, phase)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    for rank in range(n):
+        up, down = moved["probe", rank]
+        # Up: one object per owner; down: the other replicas' objects for this owner, and their own shards.
+        assert up == sum(wire)
+        assert down == sum(wire[rank] for p in range(n) if p != rank) + sum(
+            wire[p] for p in range(n) if p != rank
+        )
+        # Both exchanges read the same objects with their real headers (and the quorum record): within 5 %.
+        for exchange in ("allreduce", "sequential"):
+            assert moved[exchange, rank][1] == pytest.approx(down, rel=0.05)
