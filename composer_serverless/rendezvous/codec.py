@@ -33,9 +33,10 @@ Codecs (the decoded values are always fp32, and every sum over them is fp32):
   density and chunk, and a reader accepts only its own.
 
 An input may also carry bits for the rows of the token-indexed blocks its shard overlaps (``ROWS``, packed
-eight to a byte, their count in the header): in which step buckets the replica's data held each token
-(``rows.py``). A reader that expects them (``rows`` > 0) accepts only a payload with exactly that many; one
-that expects none, only a payload without.
+eight to a byte and zlib-deflated, their count and coding in the header): in which step buckets the
+replica's data held each token (``rows.py``). A reader that expects them (``rows`` > 0) accepts only a payload
+with exactly that many, in one zlib stream no longer than zlib's bound for them, which it never inflates past
+their size; one that expects none, only a payload without.
 
 An input (one shard of a replica's pseudo-gradient) may state the L2 norm of the whole pseudo-gradient it is
 a shard of (``NORM``): a shard's owner sees only its shard, and a robust average compares whole contributions
@@ -57,7 +58,7 @@ import torch
 import xxhash
 
 from composer_serverless.rendezvous import sparse
-from composer_serverless.rendezvous.rows import pack, unpack
+from composer_serverless.rendezvous.rows import deflate, deflated_bound, inflate
 from composer_serverless.rendezvous.runkey import MAC_FIELD, RunKey, framed
 from composer_serverless.rendezvous.sparse import Sparse
 
@@ -68,6 +69,7 @@ Codec = CodecName | Sparse
 VALUES = "values"
 SCALES = "scales"
 ROWS = "rows"
+ROWS_CODING = "rows_coding"
 # The sparse codec's tensors (``sparse.Encoded``).
 INDEX = "index"
 CODES = "codes"
@@ -105,13 +107,18 @@ class PayloadError(ValueError):
 
 
 def data_bytes(numel: int, codec: Codec, rows: int = 0) -> int:
-    """Size of the data section (everything after the header) of a payload of ``numel`` values and ``rows``
-    row bits."""
+    """Size of the data section (everything after the header) of a payload of ``numel`` values; with ``rows``
+    row bits, the most it can be (their deflated size varies with the bits)."""
     if isinstance(codec, Sparse):
-        return sum(codec.sizes(numel)) + _row_bytes(rows)
+        return sum(codec.sizes(numel)) + _most_row_bytes(rows)
     if codec == "int8":
-        return numel + 4 * _blocks(numel) + _row_bytes(rows)
-    return numel * _DTYPES[codec][1].itemsize + _row_bytes(rows)
+        return numel + 4 * _blocks(numel) + _most_row_bytes(rows)
+    return numel * _DTYPES[codec][1].itemsize + _most_row_bytes(rows)
+
+
+def _most_row_bytes(rows: int) -> int:
+    """The most bytes ``rows`` deflated row bits take: what a reader allocates for them."""
+    return deflated_bound(rows) if rows else 0
 
 
 def max_payload_bytes(numel: int, codec: Codec, rows: int = 0) -> int:
@@ -184,8 +191,8 @@ def encode_parts(
         tensors = [(VALUES, name, flat.to(dtype))]
     metadata = {**identity, **_codec_fields(codec), "numel": str(numel)}
     if rows is not None and rows.numel():
-        tensors.append((ROWS, "U8", pack(rows)))
-        metadata[ROWS] = str(rows.numel())
+        tensors.append((ROWS, "U8", deflate(rows)))
+        metadata.update({ROWS: str(rows.numel()), ROWS_CODING: "zlib"})
     data = [_bytes_of(t) for _, _, t in tensors]
     if key is None:
         metadata[CHECKSUM] = checksum(data)
@@ -371,17 +378,18 @@ def _checked(
     assert isinstance(metadata, dict)
     wanted = {**expect, **_codec_fields(codec), "numel": str(numel)}
     if rows:
-        wanted[ROWS] = str(rows)
+        wanted.update({ROWS: str(rows), ROWS_CODING: "zlib"})
     mismatched = {k: (metadata.get(k), v) for k, v in wanted.items() if metadata.get(k) != v}
     if mismatched:
         raise PayloadError(f"payload header mismatch (got, expected): {mismatched}")
-    layout = _layout(numel, codec, rows)
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    row_bytes = _row_bytes(tensors, rows)
+    layout = _layout(numel, codec, row_bytes)
     if tensors != layout:
         raise PayloadError(
             f"payload tensors {tensors} are not the {codec} layout of {numel} values and {rows} row bits {layout}"
         )
-    size = data_bytes(numel, codec, rows)
+    size = data_bytes(numel, codec) + row_bytes
     if len(body) != size:
         raise PayloadError(f"payload data is {len(body)} bytes, expected {size}")
     if verify and key is not None:
@@ -405,8 +413,10 @@ def _checked(
         raise PayloadError(NON_FINITE)
     bits = torch.zeros(0, dtype=torch.bool)
     if rows:
-        packed = _row_bytes(rows)
-        bits = unpack(_view(body, torch.uint8, len(body) - packed, packed), rows)
+        try:
+            bits = inflate(body[len(body) - row_bytes :], rows)
+        except ValueError as e:
+            raise PayloadError(str(e)) from e
     return values, metadata, bits
 
 
@@ -447,7 +457,8 @@ def _expanded(body: memoryview, codec: Sparse, numel: int) -> torch.Tensor:
         raise PayloadError(str(e)) from e
 
 
-def _layout(numel: int, codec: Codec, rows: int = 0) -> dict[str, dict[str, object]]:
+def _layout(numel: int, codec: Codec, row_bytes: int = 0) -> dict[str, dict[str, object]]:
+    """The tensors a payload of ``numel`` values has, with ``row_bytes`` bytes of deflated row bits."""
     if isinstance(codec, Sparse):
         out: dict[str, dict[str, object]] = {}
         offset = 0
@@ -466,18 +477,29 @@ def _layout(numel: int, codec: Codec, rows: int = 0) -> dict[str, dict[str, obje
     else:
         name, dtype = _DTYPES[codec]
         out = {VALUES: {"dtype": name, "shape": [numel], "data_offsets": [0, numel * dtype.itemsize]}}
-    if rows:
+    if row_bytes:
         end = data_bytes(numel, codec)
-        out[ROWS] = {
-            "dtype": "U8",
-            "shape": [_row_bytes(rows)],
-            "data_offsets": [end, end + _row_bytes(rows)],
-        }
+        out[ROWS] = {"dtype": "U8", "shape": [row_bytes], "data_offsets": [end, end + row_bytes]}
     return out
 
 
-def _row_bytes(rows: int) -> int:
-    return -(-rows // 8)
+def _row_bytes(tensors: dict[str, object], rows: int) -> int:
+    """How many bytes of deflated row bits the header says the payload carries: 0 without ``rows``; with them,
+    a whole number from 1 to zlib's bound for ``rows`` bits (anything else is refused by the layout check)."""
+    if not rows:
+        return 0
+    entry = tensors.get(ROWS)
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    if (
+        isinstance(shape, list)
+        and len(shape) == 1
+        and type(shape[0]) is int
+        and 0 < shape[0] <= deflated_bound(rows)
+    ):
+        return shape[0]
+    raise PayloadError(
+        f"payload row bits {entry} are not 1 to {deflated_bound(rows)} bytes of {rows} deflated bits"
+    )
 
 
 def _view(body: memoryview, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:

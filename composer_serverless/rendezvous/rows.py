@@ -18,8 +18,13 @@ token is anywhere in the union batch, and each replica moved it over its own suc
 held at every step gets the plain mean; one that two replicas held at different steps, the sum of their
 updates; one that a single replica held, that replica's update. A row no replica's data held keeps the plain
 average, the same on every replica. Everything else in the tensor is averaged as before. The bits cost
-``V x buckets / 8`` bytes per replica and block per sync (1.2 MB for a 151,936-token vocabulary at the most,
-64 buckets, against the 2 GB of its fp32 pseudo-gradient).
+at most ``V x buckets / 8`` bytes per replica and block per sync (1.2 MB for a 151,936-token vocabulary at 64
+buckets, against the 2 GB of its fp32 pseudo-gradient), and less: they travel deflated (``deflate``). A row's
+buckets lie side by side, so the rows a replica's data did not hold are runs of zero bytes. zlib's fastest
+level writes 2.3-2.5 times fewer bytes than the packed bits on the demo's data and 4.4 times fewer on a
+151,936-token vocabulary with Zipf-like token counts (11 ms a replica for its 1.2 MB; level 9 saved another 25 %
+and took 2.5 s). That matters beside the sparse codec's small payloads: at H = 50 the packed bits were half of
+one.
 
 All of it is pure and deterministic: every reducer sums the same inputs in the same order, so the average is
 the same bytes whoever computes it.
@@ -27,6 +32,7 @@ the same bytes whoever computes it.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,6 +133,33 @@ def pack(bits: torch.Tensor) -> torch.Tensor:
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     """``pack``'s inverse: the first ``n`` bits, as a bool tensor."""
     return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little")).bool()
+
+
+def deflate(bits: torch.Tensor) -> torch.Tensor:
+    """The bits packed (``pack``), then zlib-deflated at its fastest level: the bytes a payload carries."""
+    return torch.frombuffer(bytearray(zlib.compress(pack(bits).numpy().tobytes(), 1)), dtype=torch.uint8)
+
+
+def deflated_bound(n: int) -> int:
+    """The most bytes ``deflate`` writes for ``n`` bits: zlib's own bound (``compressBound``) for the packed
+    size, which incompressible bits reach."""
+    size = -(-n // 8)
+    return size + (size >> 12) + (size >> 14) + (size >> 25) + 13
+
+
+def inflate(data: bytes | memoryview, n: int) -> torch.Tensor:
+    """``deflate``'s inverse: the ``n`` bits, as a bool tensor. Raises ValueError unless ``data`` is one whole
+    zlib stream of exactly the packed size of ``n`` bits; it never inflates more than that (a payload cannot
+    make its reader allocate more than the bits it expects)."""
+    size = -(-n // 8)
+    stream = zlib.decompressobj()
+    try:
+        packed = stream.decompress(data, size)
+    except zlib.error as e:
+        raise ValueError(f"row bits do not inflate: {e}") from e
+    if len(packed) != size or not stream.eof or stream.unconsumed_tail or stream.unused_data:
+        raise ValueError(f"row bits are not one zlib stream of {size} bytes ({n} bits)")
+    return unpack(torch.frombuffer(bytearray(packed), dtype=torch.uint8), n)
 
 
 class RowSums:

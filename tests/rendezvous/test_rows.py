@@ -3,15 +3,28 @@ codec and through the store's all-reduce: hand-computed sums, bit for bit."""
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 from test_allreduce import NUMEL, exchange, tensors
 
+from composer_serverless.rendezvous import codec
 from composer_serverless.rendezvous.codec import PayloadError, accumulate, data_bytes, encode, measure
 from composer_serverless.rendezvous.exchange import ExchangeSettings
-from composer_serverless.rendezvous.rows import RowBlock, RowMask, RowSums, Span, pack, spans, unpack
+from composer_serverless.rendezvous.rows import (
+    RowBlock,
+    RowMask,
+    RowSums,
+    Span,
+    deflate,
+    deflated_bound,
+    inflate,
+    pack,
+    spans,
+    unpack,
+)
 from composer_serverless.rendezvous.sharding import shard_bounds
 
 
@@ -28,6 +41,58 @@ def test_bits_pack_eight_to_a_byte_lowest_first() -> None:
     bits = torch.tensor([1, 0, 0, 0, 0, 0, 0, 1, 1, 1], dtype=torch.bool)
     assert pack(bits).tolist() == [129, 3]
     assert torch.equal(unpack(pack(bits), 10), bits)
+
+
+def test_bits_travel_deflated_and_inflate_to_exactly_what_was_sent() -> None:
+    # A 2,048-row block of 10 buckets where the data held the first 100 tokens at every step: 2,560 packed
+    # bytes, mostly runs of zeros.
+    bits = torch.zeros(2048, 10, dtype=torch.bool)
+    bits[:100] = True
+    bits = bits.reshape(-1)
+    deflated = deflate(bits)
+    assert deflated.numel() < 40 and torch.equal(inflate(deflated.numpy().tobytes(), bits.numel()), bits)
+    # Incompressible bits reach zlib's bound and no further; one bit takes one byte and zlib's 13.
+    noise = torch.rand(20_480, generator=torch.Generator().manual_seed(0)) < 0.5
+    assert 2560 < deflate(noise).numel() <= deflated_bound(20_480) == 2560 + 13
+    assert deflated_bound(1) == 14
+    assert torch.equal(inflate(memoryview(deflate(noise).numpy()), 20_480), noise)
+
+
+def test_inflate_refuses_anything_but_one_stream_of_the_expected_size() -> None:
+    bits = torch.ones(80, dtype=torch.bool)
+    good = deflate(bits).numpy().tobytes()
+    with pytest.raises(ValueError, match=r"not one zlib stream of 9 bytes \(72 bits\)"):
+        inflate(good, 72)  # inflates past the 9 bytes of 72 bits: refused without inflating the rest
+    with pytest.raises(ValueError, match="not one zlib stream"):
+        inflate(good, 88)  # inflates to fewer
+    with pytest.raises(ValueError, match="not one zlib stream"):
+        inflate(good + b"\x00", 80)  # trailing bytes
+    with pytest.raises(ValueError, match="not one zlib stream"):
+        inflate(good[:-3], 80)  # cut short
+    with pytest.raises(ValueError, match="do not inflate"):
+        inflate(b"not zlib at all", 80)
+    # A stream that would inflate to a gigabyte stops at the bytes asked for.
+    bomb = zlib.compress(bytes(1 << 30), 9)
+    with pytest.raises(ValueError, match="not one zlib stream of 10 bytes"):
+        inflate(bomb, 80)
+
+
+def test_a_payload_whose_row_bits_do_not_inflate_to_their_count_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Written with a valid checksum (the writer's own bytes), so only the row-bit checks can catch it."""
+    values = torch.arange(12, dtype=torch.float32)
+    bits = torch.tensor([True, False, True], dtype=torch.bool)
+    monkeypatch.setattr(codec, "deflate", lambda b: deflate(torch.cat([b, b, b, b])))  # 12 bits for 3
+    wrong = encode(values, {"rank": "0"}, "fp32", rows=bits)
+    with pytest.raises(PayloadError, match="not one zlib stream"):
+        accumulate(torch.zeros(12), wrong, {"rank": "0"}, "fp32", rows=3)
+    monkeypatch.setattr(
+        codec, "deflate", lambda b: torch.zeros(deflated_bound(b.numel()) + 1, dtype=torch.uint8)
+    )
+    too_long = encode(values, {"rank": "0"}, "fp32", rows=bits)
+    with pytest.raises(PayloadError, match="not 1 to 14 bytes of 3 deflated bits"):
+        accumulate(torch.zeros(12), too_long, {"rank": "0"}, "fp32", rows=3)
 
 
 def test_row_sums_average_each_row_over_the_inputs_that_touched_it() -> None:
@@ -60,8 +125,8 @@ def test_a_payload_carries_exactly_the_row_bits_its_reader_expects() -> None:
     values = torch.arange(12, dtype=torch.float32)
     bits = torch.tensor([True, False, True], dtype=torch.bool)
     payload = encode(values, {"rank": "0"}, "int8", rows=bits)
-    header_free = data_bytes(12, "int8", 3)
-    assert header_free == 12 + 4 + 1  # int8 values, one scale, three bits in one byte
+    # int8 values, one scale, and at most three bits in one byte deflated (zlib's bound: 1 + 13)
+    assert data_bytes(12, "int8", 3) == 12 + 4 + 14
     total = torch.zeros(12)
     added, got = accumulate(total, payload, {"rank": "0"}, "int8", rows=3)
     assert torch.equal(got, bits) and torch.equal(total, added)
@@ -115,11 +180,12 @@ def test_every_replica_averages_each_row_over_the_replicas_that_trained_it(tmp_p
     )
     for result in results.values():
         assert torch.equal(result.average, want)
-    # What the bits cost: each replica's three inputs carry 5 + 16 + 10 bits (1 + 2 + 2 bytes), and their
-    # headers name them (about 75 bytes with the padding), against 4 x 1001 bytes of values.
+    # What the bits cost: each replica's three inputs carry 5 + 16 + 10 bits, deflated to 9-11 bytes each
+    # (zlib's framing is most of it at this size), and their headers name them and their coding (about 90
+    # bytes with the padding), against 4 x 1001 bytes of values.
     plain = exchange(f"file://{tmp_path}/plain", values, settings, grace=10)
     extra = results[0].bytes_up - plain[0].bytes_up
-    assert 3 * 60 < extra <= 3 * 96
+    assert 3 * 90 < extra <= 3 * 115
 
 
 @pytest.mark.parametrize("codec", ["bf16", "int8"])
