@@ -17,9 +17,9 @@ the buckets in the union (``RowSums.apply``): data-parallel AdamW takes a step o
 token is anywhere in the union batch, and each replica moved it over its own such steps. A token every replica
 held at every step gets the plain mean; one that two replicas held at different steps, the sum of their
 updates; one that a single replica held, that replica's update. A row no replica's data held keeps the plain
-average, the same on every replica. Everything else in the tensor is averaged as before. The bits cost
-at most ``V x buckets / 8`` bytes per replica and block per sync (1.2 MB for a 151,936-token vocabulary at 64
-buckets, against the 2 GB of its fp32 pseudo-gradient), and less: they travel deflated (``deflate``). A row's
+average, the same on every replica. Everything else in the tensor is averaged as before. Packed, the bits
+are ``V x buckets / 8`` bytes per replica and block per sync (1.2 MB for a 151,936-token vocabulary at 64
+buckets, against the 2 GB of its fp32 pseudo-gradient), and they travel deflated (``deflate``). A row's
 buckets lie side by side, so the rows a replica's data did not hold are runs of zero bytes. zlib's fastest
 level writes 2.3-2.5 times fewer bytes than the packed bits on the demo's data and 4.4 times fewer on a
 151,936-token vocabulary with Zipf-like token counts (11 ms a replica for its 1.2 MB; level 9 saved another 25 %
