@@ -23,6 +23,16 @@ def load_benchmark():
     return module
 
 
+def each_phase(phases: tuple[str, ...], n: int, replica) -> None:
+    """Run ``replica(rank, phase)`` for N ranks at once (threads), one phase after the other."""
+    for phase in phases:
+        threads = [threading.Thread(target=replica, args=(r, phase)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+
+
 @pytest.mark.parametrize("name", ["int8", "sparse"])
 def test_phases_and_summary_report_bytes_against_the_bound(tmp_path: Path, name: str) -> None:
     """int8, and the sparse codec against the bound of its own payload size (the owners' averages
@@ -50,12 +60,7 @@ def test_phases_and_summary_report_bytes_against_the_bound(tmp_path: Path, name:
             }
         )
 
-    for phase in bench.PHASES:
-        threads = [threading.Thread(target=replica, args=(r, phase)) for r in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+    each_phase(bench.PHASES, n, replica)
     result = bench.summarise(samples, args)
 
     wire = result["wire_bytes"]
@@ -117,12 +122,7 @@ def test_link_phases_move_each_codecs_wire_size(tmp_path: Path, name: str) -> No
         store = bench.ObjectStore(url, transfers=bench.Transfers(2))
         moved[phase, rank] = phases[phase](store, phase, values, rank, n, codec)
 
-    for phase in bench.LINK_PHASES:
-        threads = [threading.Thread(target=replica, args=(r, phase)) for r in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+    each_phase(bench.LINK_PHASES, n, replica)
     for rank in range(n):
         up, down = moved["probe", rank]
         # Up: one object per owner; down: the other replicas' objects for this owner, and their own shards.
