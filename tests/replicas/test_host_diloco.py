@@ -80,6 +80,19 @@ class FailingManager(ObjectStoreManager):
         super()._exchange(staged, copied, outcome, rows, residual, sync)
 
 
+def one_replica(dl, codec, feedback: ErrorFeedback | None = None) -> ObjectStoreManager:
+    """The manager of a run of one replica and one fragment, in a fresh in-memory store."""
+    return ObjectStoreManager(
+        ObjectStore(f"memory://host-diloco-{uuid.uuid4().hex}"),
+        run_id="host",
+        rank=0,
+        fragments=1,
+        settings=ExchangeSettings(replicas=1, min_replicas=1, codec=codec, timeout_s=60),
+        grace=grace_settings(dl),
+        feedback=feedback,
+    )
+
+
 def mixed_dtypes(model):
     """bf16 decoder layers, a float32 final norm and head: the fragment's bucket is float32 (its widest dtype
     first) and carries bf16 pseudo-gradients."""
@@ -180,14 +193,7 @@ def test_a_sync_allocates_nothing_on_the_accelerator(alpha) -> None:
         model = tiny_llama().to("cuda")
         inner = make_inner_optimizer(model, config.train)
         fragments = split_fragments(model, 1)
-        manager = ObjectStoreManager(
-            ObjectStore(f"memory://host-diloco-{uuid.uuid4().hex}"),
-            run_id="host",
-            rank=0,
-            fragments=1,
-            settings=ExchangeSettings(replicas=1, min_replicas=1, codec="fp32", timeout_s=60),
-            grace=grace_settings(dl),
-        )
+        manager = one_replica(dl, "fp32")
         starts: list[int] = []
 
         def free_gradients(optimizer, args, kwargs) -> None:
@@ -228,15 +234,7 @@ def test_with_error_reset_the_local_weights_restart_from_global_minus_the_residu
         model = tiny_llama().to("cuda")
         inner = make_inner_optimizer(model, config.train)
         fragments = split_fragments(model, 1)
-        manager = ObjectStoreManager(
-            ObjectStore(f"memory://feedback-{uuid.uuid4().hex}"),
-            run_id="feedback",
-            rank=0,
-            fragments=1,
-            settings=ExchangeSettings(replicas=1, min_replicas=1, codec=Sparse(), timeout_s=60),
-            grace=grace_settings(dl),
-            feedback=feedback,
-        )
+        manager = one_replica(dl, Sparse(), feedback)
         with make_diloco(manager, fragments, inner, dl) as diloco:
             for batch in batches(0, dl.sync_every):
                 batch = batch.to("cuda")
