@@ -31,11 +31,12 @@ token then. The reducer combines each such row over the inputs whose data held t
 (``rows.RowSums``): a few bytes per row, and the average is still a function of the durable inputs alone.
 
 With residuals (error feedback, ``feedback.py``) a replica sends its pseudo-gradient plus its inputs'
-residual (none when its local weights keep it), and the result holds what the codec left out of that. With the sparse codec the owner re-sparsifies the average it publishes
-(``ExchangeSettings.reduced_codec`` may name a dense codec instead), so every object of a sync has the sparse
-payload's size and the traffic stays at the bound above, for the sparse size; the owner adds its own residual
-to the average it encodes and keeps what the encoding left out. A substitute or rescuer publishes without one:
-its output is still one average every replica applies alike, whoever wrote it.
+residual (none when its local weights keep it), and the result holds what the codec left out of that. With
+the sparse codec the owner re-sparsifies the average it publishes (``ExchangeSettings.reduced_codec`` may name
+a dense codec instead), so every object of a sync has the sparse payload's size and the traffic stays at the
+bound above, for the sparse size; the owner adds its own residual to the average it encodes and keeps what the
+encoding left out. A substitute or rescuer publishes without one: its output is still one average every
+replica applies alike, whoever wrote it.
 
 A payload that fails its checksum (with a run key, its MAC), header or identity is logged and left out of
 the sum, never averaged; so is one whose pseudo-gradient's norm lies far outside the others' (``robust.py``,
@@ -177,10 +178,17 @@ class _Exchange:
         self.store = store.child(prefix)
         self.is_stale = is_stale
         self.values = values.detach().reshape(-1).to(torch.float32)
-        # With error feedback, what is to be sent (the values plus the inputs' residual), and what of it the
-        # encoded inputs leave out (the inputs' new residual).
+        # With error feedback, what is to be sent (the values plus the inputs' residual, summed into a buffer
+        # kept between syncs: fragment-sized, it is the largest thing an exchange would otherwise allocate
+        # anew), and what of it the encoded inputs leave out (the inputs' new residual, which the caller keeps).
         kept = None if residual is None else residual.inputs
-        self.sending = self.values if kept is None else self.values + kept.reshape(-1)
+        self.sending = (
+            self.values
+            if kept is None
+            else torch.add(
+                self.values, kept.reshape(-1), out=workspace.floats("sending", self.values.numel())
+            )
+        )
         self.unsent = None if residual is None else torch.empty_like(self.values)
         self.owned = None if residual is None else residual.owned
         self.reduced_codec = settings.reduced_codec or settings.codec

@@ -11,8 +11,9 @@ density of 1.5 % that is 0.23 bits per value, 140 times fewer than fp32.
 
 Deterministic: the selection keeps what a stable descending sort would (ties go to the lower index), the kept
 entries are stored in index order, and the magnitudes are means over fixed sets; the same input gives the
-same bytes, which is what lets a resume re-encode an input bit-exactly. A decoder accepts only strictly increasing in-range
-indices per chunk and finite, non-negative magnitudes, so no hostile payload can write one position twice.
+same bytes, which is what lets a resume re-encode an input bit-exactly. A decoder accepts only strictly
+increasing in-range indices per chunk and finite, non-negative magnitudes, so no hostile payload can write
+one position twice.
 """
 
 from __future__ import annotations
