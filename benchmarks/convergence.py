@@ -28,7 +28,8 @@ held-out sequences every ``eval_every`` steps. Within a seed all variants start 
 - ``diloco-h10-sparse-dense``: ``diloco-h10-sparse`` with the averages published dense (fp32).
 
 ``compression_vs_fp32`` of a run is the bytes of the fp32 run of the same seed, N and H over its own, both
-measured (headers, indices and row bits included).
+measured (headers, indices and row bits included). A sparse run's ``codec_carried`` is the mean over its
+replicas and rounds of the share of the update (pseudo-gradient plus residual) its inputs carried.
 
 Each ablation changes one thing from ``diloco-h10``. The DiLoCo variants are real launches
 (``launcher.launch``: replica subprocesses exchanging through a ``file://`` store under ``--out``) with
@@ -173,6 +174,9 @@ def mean_over_seeds(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "bytes_communicated": statistics.fmean(r["bytes_communicated"] for r in mine),
             "rounds": mine[0]["rounds"],
         }
+        carried = [r["codec_carried"] for r in mine if "codec_carried" in r]
+        if carried:
+            out[name]["codec_carried"] = statistics.fmean(carried)
         ratios = [r.get("compression_vs_fp32") for r in mine]
         if None not in ratios:
             out[name]["compression_vs_fp32"] = statistics.fmean(ratios)
@@ -332,12 +336,15 @@ def run_diloco(
         raise RuntimeError(f"{config.run_id}: {summary['rounds_committed']}/{rounds} rounds committed")
     # Cumulative bytes per round, from the same per-round rows the summary adds up.
     per_round: dict[int, int] = {}
+    carried = []  # with the sparse codec: each replica's share of its update carried, per round
     for rows in read_metrics(ObjectStore(config.store).child(config.run_id or "")).values():
         for row in rows:
             if row["round"] > 0:
                 per_round[row["round"]] = (
                     per_round.get(row["round"], 0) + row.get("bytes_up", 0) + row.get("bytes_down", 0)
                 )
+            if "codec_carried" in row:
+                carried.append(row["codec_carried"])
     total = summary["bytes_uploaded"] + summary["bytes_downloaded"]
     cumulative, running = {0: 0}, 0
     for k in range(1, rounds + 1):
@@ -356,6 +363,7 @@ def run_diloco(
         "curve": curve,
         "replicas_bit_identical": summary["replicas_bit_identical"],
         "sync_blocked_fraction": summary["sync_blocked_fraction"],
+        **({"codec_carried": statistics.fmean(carried)} if carried else {}),
     }
 
 

@@ -77,7 +77,7 @@ from composer_serverless.rendezvous.exchange import (
     ExchangeSettings,
     StaleRoundError,
 )
-from composer_serverless.rendezvous.feedback import Residuals
+from composer_serverless.rendezvous.feedback import Residuals, carried_share
 from composer_serverless.rendezvous.polling import poll_until
 from composer_serverless.rendezvous.replica_log import ReplicaLog
 from composer_serverless.rendezvous.robust import outliers
@@ -295,6 +295,7 @@ class _Exchange:
             self.store.map(upload, order)
             if self.unsent is not None:
                 self.result.residual = Residuals(self.unsent, None)
+                self.result.carried = carried_share(self.sending, self.unsent)
         except (
             Exception
         ) as e:  # a replica that cannot upload still receives the average, as a non-participant

@@ -63,6 +63,9 @@ class ExchangeResult:
     # With error feedback: what this replica's inputs left out of the pseudo-gradient plus residual it sent,
     # and (if it published its own shard's average) what that left out of the average plus its residual.
     residual: Residuals | None = None
+    # With error feedback: the share of the squared norm of what this replica's inputs were to send that they
+    # carried (``feedback.carried_share``).
+    carried: float | None = None
 
     @property
     def contributors(self) -> list[int]:

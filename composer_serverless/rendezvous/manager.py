@@ -79,6 +79,7 @@ class _Sync:
     # With error feedback, the residuals the exchange left: kept if the sync commits (the inputs' only if they
     # were averaged).
     residual: Residuals | None = None
+    carried: float | None = None  # and the share of what the inputs were to send that they carried
 
 
 class _ExchangeWork(dist._Work):
@@ -172,6 +173,10 @@ class ObjectStoreManager:
         self.bytes_up = 0
         self.bytes_down = 0
         self.blocked_s = 0.0
+        # With error feedback, over the committed syncs whose inputs were averaged: the sum of the shares of
+        # what the inputs were to send that they carried, and how many (the meter reports their mean per round).
+        self.carried_total = 0.0
+        self.carried_syncs = 0
 
     # --- the interface DiLoCo uses -------------------------------------------------------------------
 
@@ -264,6 +269,9 @@ class ObjectStoreManager:
                 self.feedback.keep(
                     outcome.fragment, sync.residual.inputs if averaged else None, sync.residual.owned
                 )
+            if averaged and sync.carried is not None:
+                self.carried_total += sync.carried
+                self.carried_syncs += 1
         self.syncs_attempted += 1
         self.last_sync = outcome
         if outcome.committed:
@@ -358,6 +366,7 @@ class ObjectStoreManager:
             )
             if sync is not None:
                 sync.residual = result.residual
+                sync.carried = result.carried
             if values.data_ptr() != staged.data_ptr():
                 staged.copy_(values)
             outcome.participants = result.participants

@@ -3,7 +3,8 @@
 Per inner step (``step_rows``, what the trackers draw): the loss and the objective's metrics, the learning
 rate, the gradient norm, the tokens trained and their rate, generation's rate, the step's time split
 (generation, forward and backward, optimizer, sync) and the device's peak memory. Per round: their means,
-the traffic, the time blocked on the store. Values that live on the device (the losses, the gradient norms)
+the traffic, the time blocked on the store, and with error feedback (the sparse codec) how much of what the
+inputs were to send they carried. Values that live on the device (the losses, the gradient norms)
 and the device's clock are read once a round, so measuring never makes the host wait for the device after a
 step; only the loss is read at every step, to discard a non-finite one before the optimizer sees it.
 """
@@ -95,6 +96,7 @@ class RoundMeter:
         self._blocked = self._manager.blocked_s
         self._up = self._manager.bytes_up
         self._down = self._manager.bytes_down
+        self._carried = (self._manager.carried_total, self._manager.carried_syncs)
         self.clock.read()  # laps of the discarded steps
         self._step_blocked = self._blocked
         self._last_step_end = self._started
@@ -146,6 +148,7 @@ class RoundMeter:
             for s, norm, phases in zip(self._steps, norms, stretches, strict=True)
         ]
         peaks = [s["device_peak_bytes"] for s in steps if s["device_peak_bytes"] is not None]
+        carried = self._manager.carried_syncs - self._carried[1]
         return {
             "train_loss": float(torch.stack(self.losses).float().mean()) if self.losses else None,
             "train": mean_metrics(self.metrics),
@@ -159,6 +162,13 @@ class RoundMeter:
             "device_peak_bytes": max(peaks) if peaks else None,
             "step_rows": steps,
             "time": time.time(),
+            # With error feedback (the sparse codec): the mean share of what this rank's inputs were to send
+            # that they carried, over the round's syncs (``feedback.carried_share``).
+            **(
+                {"codec_carried": (self._manager.carried_total - self._carried[0]) / carried}
+                if carried
+                else {}
+            ),
         }
 
 

@@ -82,7 +82,8 @@ def flat_step(step: Mapping[str, Any]) -> dict[str, float]:
 
 def round_point(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """The round's own figures: its held-out evaluation, the exchange's bytes (summed over replicas), sync
-    time, blocked fraction and quorum size (means over replicas)."""
+    time, blocked fraction, quorum size and, with the sparse codec, the share of the update its inputs
+    carried (means over replicas)."""
     out: dict[str, float] = {}
     for row in rows:
         out.update({name: float(v) for name, v in row.get("eval", {}).items()})
@@ -96,6 +97,7 @@ def round_point(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         [row["blocked_s"] / row["round_s"] for row in trained if row["round_s"] > 0]
     )
     out["round/quorum"] = float(max(len(row.get("participants", ())) for row in trained))
+    out["round/codec_carried"] = _mean([row["codec_carried"] for row in trained if "codec_carried" in row])
     out["round/seconds"] = _mean([row["round_s"] for row in trained])
     return {name: value for name, value in out.items() if value == value}  # no NaN of an empty mean
 

@@ -112,8 +112,8 @@ def test_compression_is_against_the_fp32_run_of_the_same_seed_n_and_h() -> None:
         row("diloco-h10", 1, 4.0, 12_000.0, 10, "fp32"),
         row("diloco-h10", 2, 5.0, 12_000.0, 10, "fp32"),
         row("diloco-h50", 1, 4.4, 2_400.0, 50, "fp32"),
-        row("diloco-h10-sparse", 1, 4.02, 100.0, 10, "sparse"),
-        row("diloco-h10-sparse", 2, 5.02, 120.0, 10, "sparse"),
+        {**row("diloco-h10-sparse", 1, 4.02, 100.0, 10, "sparse"), "codec_carried": 0.1},
+        {**row("diloco-h10-sparse", 2, 5.02, 120.0, 10, "sparse"), "codec_carried": 0.3},
         row("diloco-h50-sparse", 1, 4.84, 30.0, 50, "sparse"),
     ]
     runs = [{**r, "gap_vs_dp": None} for r in runs]
@@ -121,6 +121,8 @@ def test_compression_is_against_the_fp32_run_of_the_same_seed_n_and_h() -> None:
     assert [r.get("compression_vs_fp32") for r in runs] == [1.0, 1.0, 1.0, 120.0, 100.0, 80.0]
     means = bench.mean_over_seeds(runs)
     assert means["diloco-h10-sparse"]["compression_vs_fp32"] == 110.0
+    assert means["diloco-h10-sparse"]["codec_carried"] == pytest.approx(0.2)
+    assert "codec_carried" not in means["diloco-h10"]
     checks = bench.checks(means, runs)
     # 4.52 against 4.5: +0.44 %, at 110x: met; at H = 50, 4.84 against 4.4 (+10 %) at 80x: reported.
     assert checks["sparse_h10_100x_within_half_pct_of_fp32"] == {

@@ -215,6 +215,8 @@ def test_error_feedback_keeps_the_residual_of_a_committed_sync_only(tmp_path: Pa
         # k = 2: 4 and 3 are sent (each half one value, so exactly), the rest waits in the residual.
         assert torch.equal(bucket.cpu(), torch.tensor([4.0, 0, 0, 0, 0, 0, 3.0, 0]))
     residual = torch.tensor([0.0, 1.0, -2.0, 0.5, 0.0, 0.0, 0.0, -0.25])
+    # What it carried of the pseudo-gradient's squared norm: (16 + 9) / 30.3125.
+    assert (manager.carried_syncs, manager.carried_total) == (1, pytest.approx(25 / 30.3125))
     kept = feedback.residual(0, 8, 8)
     assert kept.inputs.device.type == "cpu"
     assert torch.equal(kept.inputs, residual)
@@ -226,3 +228,4 @@ def test_error_feedback_keeps_the_residual_of_a_committed_sync_only(tmp_path: Pa
     manager.allreduce(delta.clone()).wait()
     assert not manager.should_commit()
     assert torch.equal(feedback.residual(0, 8, 8).inputs, residual)  # a failed sync moved nothing
+    assert manager.carried_syncs == 1  # and counts for nothing

@@ -21,7 +21,7 @@ from composer_serverless.rendezvous.codec import (
     measure,
     read_header,
 )
-from composer_serverless.rendezvous.feedback import ErrorFeedback
+from composer_serverless.rendezvous.feedback import ErrorFeedback, carried_share
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.sparse import Sparse, compress, expand
 
@@ -160,6 +160,24 @@ def test_error_feedback_sends_every_part_of_a_steady_signal() -> None:
     assert float((once - g).norm() / g.norm()) > 0.9
     assert residuals[400] < 1.05 * residuals[200]
     assert errors[400] < 0.55 * errors[200] and errors[400] < 0.1
+
+
+def test_the_carried_share_is_what_top_k_keeps_of_the_squared_norm() -> None:
+    """1 - |unsent|^2 / |sending|^2: by hand, then the sparse codec at 1.5 % on Gaussian values (the share of
+    a normal distribution's second moment beyond its 98.5th percentile of |x|, 2 (t phi(t) + 1 - Phi(t)) at
+    t = 2.43: 0.116; the two-magnitude fit loses almost nothing of it) and on values whose mass sits in 1 %
+    of the coordinates, most of which it carries."""
+    assert carried_share(torch.tensor([3.0, 4.0]), torch.tensor([0.0, 4.0])) == pytest.approx(0.36)
+    assert carried_share(torch.zeros(3), torch.zeros(3)) is None
+    codec = Sparse()
+    g = torch.randn(409_600, generator=torch.Generator().manual_seed(0))
+    assert carried_share(g, g - expand(compress(g, codec), codec, g.numel())) == pytest.approx(
+        0.116, abs=0.002
+    )
+    spiky = g * 0.01
+    heavy = torch.randperm(g.numel(), generator=torch.Generator().manual_seed(1))[: g.numel() // 100]
+    spiky[heavy] = 10 * g[heavy]
+    assert carried_share(spiky, spiky - expand(compress(spiky, codec), codec, g.numel())) > 0.7
 
 
 def test_error_feedback_state_round_trips_and_clears() -> None:

@@ -19,6 +19,7 @@ from composer_serverless.models import load_model
 from composer_serverless.rendezvous.checkpoint import read_snapshot
 from composer_serverless.rendezvous.codec import read_header
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.telemetry import read_metrics
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 
 
@@ -98,6 +99,9 @@ def test_only_the_adapters_travel_and_are_checkpointed(lora_run, tiny_model_dir)
     expected = 2 * adapters + adapters + adapters // 2
     assert expected <= floats <= expected + len(own)
     assert read_snapshot(run, "replicas/0/2/0")["residual"]["0/inputs"].numel() == adapters
+    # Every round's row says how much of its update the sparse inputs carried.
+    trained = [row for rows in read_metrics(run).values() for row in rows if row["round"] > 0]
+    assert len(trained) == 4 and all(0 < row["codec_carried"] <= 1 for row in trained)
     assert (run.local_dir("final") / "adapter_model.safetensors").exists()
 
 

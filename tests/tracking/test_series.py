@@ -1,6 +1,8 @@
 """The points the trackers get from the replicas' rows: means over replicas, one axis of global inner steps,
 rounds relayed only once complete."""
 
+import pytest
+
 from composer_serverless.tracking import series
 from composer_serverless.tracking.trackers import markdown_table
 
@@ -68,6 +70,12 @@ def test_the_round_point_sums_traffic_and_averages_the_rest() -> None:
         "round/quorum": 2.0,
         "round/seconds": 4.0,
     }
+
+
+def test_the_sparse_codecs_carried_share_is_the_mean_over_the_replicas_that_report_it() -> None:
+    rows = [_row(0, 1, [1.0], codec_carried=0.2), _row(1, 1, [2.0], codec_carried=0.3), _row(2, 1, [2.0])]
+    assert series.round_point(rows)["round/codec_carried"] == pytest.approx(0.25)
+    assert "round/codec_carried" not in series.round_point(rows[2:])
 
 
 def test_a_round_is_ready_once_every_participant_wrote_its_row() -> None:
