@@ -262,7 +262,8 @@ class _Exchange:
 
         # The whole pseudo-gradient's norm, in every input's header: each shard's owner compares whole
         # contributions (``robust.py``), and sees only its shard of each.
-        whole = repr(l2_norm(self.sending))
+        norm = l2_norm(self.sending)
+        whole = repr(norm)
 
         def upload(shard: int) -> None:
             start, end = self.bounds[shard]
@@ -295,7 +296,7 @@ class _Exchange:
             self.store.map(upload, order)
             if self.unsent is not None:
                 self.result.residual = Residuals(self.unsent, None)
-                self.result.carried = carried_share(self.sending, self.unsent)
+                self.result.carried = carried_share(norm, l2_norm(self.unsent))
         except (
             Exception
         ) as e:  # a replica that cannot upload still receives the average, as a non-participant

@@ -47,18 +47,19 @@ class Residuals:
     owned: torch.Tensor | None
 
 
-def carried_share(sending: torch.Tensor, unsent: torch.Tensor) -> float | None:
-    """The share of the squared norm of ``sending`` (what the inputs were to carry: the pseudo-gradient plus
-    the residual) that they carried, ``1 - |unsent|^2 / |sending|^2``; None for an all-zero ``sending``.
+def carried_share(sending: float, unsent: float) -> float | None:
+    """The share of the squared norm of what the inputs were to carry (the pseudo-gradient plus the residual,
+    of L2 norm ``sending``) that they carried, ``1 - (unsent / sending)^2``, from the norm ``unsent`` of what
+    they left out; None for an all-zero input. Norms, not tensors: the exchange has the first already (it is in
+    every input's header), and a fragment-sized fp64 copy to square would be gigabytes on a real model.
 
     Why it is reported: it is what a round of a lossy codec actually moved. In [0, 1] for the sparse codec,
     whose chunk magnitudes are least-squares fits (no worse than sending zeros); at 1.5 % of a Gaussian's
     entries it would be about 0.12, and the more a pseudo-gradient's mass sits in few coordinates, the more
     top-k carries (docs/RESULTS.md, section 17, against the model's width)."""
-    total = float(sending.double().square().sum())
-    if total == 0:
+    if sending == 0:
         return None
-    return 1.0 - float(unsent.double().square().sum()) / total
+    return 1.0 - (unsent / sending) ** 2
 
 
 class ErrorFeedback:

@@ -194,7 +194,7 @@ def test_sparse_inputs_with_their_residuals_average_alike_everywhere(
         assert result.residual is not None
         assert torch.equal(result.residual.inputs, sending[r] - sent[r])
         unsent = (sending[r] - sent[r]).double().square().sum() / sending[r].double().square().sum()
-        assert result.carried == pytest.approx(1 - float(unsent))
+        assert result.carried == pytest.approx(1 - float(unsent), abs=1e-5)  # from fp32 norms
         assert torch.equal(result.residual.owned, owned[r])
         if reduced:
             assert not result.residual.owned.any()
