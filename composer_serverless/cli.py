@@ -12,10 +12,8 @@ import contextlib
 import enum
 import json
 import logging
-import signal
 import sys
 import textwrap
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -118,32 +116,6 @@ def _user_errors() -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
-@contextlib.contextmanager
-def _cancel_on_sigterm() -> Iterator[None]:
-    """Make SIGTERM (``kill``, ``timeout``, a CI job being stopped) cancel the run's replicas, as Ctrl-C with
-    nobody to answer does.
-
-    Local replicas run in their own sessions, so that a Ctrl-C meant for the launcher does not kill them
-    before the user chooses; SIGTERM's default action would end the launcher without a word and leave them
-    training (and cloud replicas billing). Raised as ``Terminated``, it goes through the launcher's
-    cleanup, which cancels every replica it started (and records the cancellation, for ``status``).
-    """
-    from composer_serverless.supervisor import Terminated
-
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-
-    def terminate(signum: int, frame: object) -> None:
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _print_table(table: Table) -> None:
     """Print ``table`` at its natural width even on a narrower terminal: a cropped cell (``diloco.outer…``)
     loses what it says, a line the terminal wraps does not."""
@@ -198,7 +170,7 @@ def launch(
     """
     from composer_serverless import launcher
 
-    with _user_errors(), _cancel_on_sigterm():
+    with _user_errors():
         if resume is not None:
             if config is not None or replicas is not None or executor is not None or dry_run:
                 raise ConfigError(
@@ -373,7 +345,7 @@ def sweep(
     """Run every combination of the --grid values as its own run, side by side; print a results table."""
     from composer_serverless import sweep as grid_sweep
 
-    with _user_errors(), _cancel_on_sigterm():
+    with _user_errors():
         cells = grid_sweep.plan_sweep(
             config, grid, _overrides(set_, replicas), executor.value if executor else None
         )

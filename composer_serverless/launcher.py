@@ -52,7 +52,7 @@ from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 from composer_serverless.run_keys import checked_run_key, new_run_key
 from composer_serverless.runs import STORE_HINT, absolute_store, open_created, open_store
-from composer_serverless.supervisor import Supervisor
+from composer_serverless.supervisor import Supervisor, sigterm_cancels
 from composer_serverless.tracking import trackers
 from composer_serverless.watch import Choice, Followed, ReplicaView, cancel_on_interrupt
 
@@ -296,6 +296,7 @@ def _start_replicas(
     return supervisor
 
 
+@sigterm_cancels()
 def launch(
     config: RunConfig, source: str, console: Console, on_interrupt: Callable[[], Choice] = cancel_on_interrupt
 ) -> dict[str, Any] | None:
@@ -305,13 +306,16 @@ def launch(
         ConfigError: the config, the plan or this machine's setup cannot work; nothing was launched.
         StoreError: the store cannot be written; nothing was launched.
         RunFailed: a replica failed for good; the others were cancelled.
-        RunCancelled: the run was cancelled, here (Ctrl-C, then "cancel") or from elsewhere.
+        RunCancelled: the run was cancelled, here (Ctrl-C, then "cancel"; SIGTERM while it was watched) or
+            from elsewhere.
+        Terminated: SIGTERM before the run was watched; any replica started was cancelled.
     """
     prepared = prepare(config, source)
     supervisor = start(prepared, console)
     return follow(supervisor, prepared.config, console, on_interrupt)
 
 
+@sigterm_cancels()
 def resume(
     run_url: str,
     console: Console,

@@ -67,6 +67,36 @@ class Terminated(BaseException):
 
 
 @contextlib.contextmanager
+def sigterm_cancels() -> Iterator[None]:
+    """Make SIGTERM (``kill``, ``timeout``, a CI job or a scheduler stopping the caller) cancel the replicas
+    that a launch starts, as Ctrl-C with nobody to answer does.
+
+    Local replicas run in their own sessions, so that a Ctrl-C meant for the launcher does not kill them
+    before the user chooses; SIGTERM's default action would end the caller without a word and leave them
+    training (and cloud replicas billing). Raised as ``Terminated``, it goes through the watch's cleanup,
+    which cancels every replica started (and records the cancellation, for ``status``). ``launch``,
+    ``resume`` and ``run_sweep`` install it themselves, so every caller has it: the CLI, the benchmarks, a
+    user's own script. A handler the caller set (anything but the default, ignoring included) is theirs and
+    stays; outside the main thread, where signals cannot be caught, nothing is installed.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def interrupts_held(note: Callable[[str], None]) -> Iterator[list[BaseException]]:
     """Hold Ctrl-C and SIGTERM while replicas are being created, so that no replica is created and then
     forgotten half-way through its recording; a second signal acts at once.

@@ -22,6 +22,7 @@ from rich.table import Table
 from composer_serverless import watch
 from composer_serverless.config import RUN_ID_PATTERN, ConfigError, load_config
 from composer_serverless.launcher import Prepared, new_run_id, prepare, start
+from composer_serverless.supervisor import sigterm_cancels
 from composer_serverless.watch import Choice, Followed, RunView, cancel_on_interrupt
 
 
@@ -99,6 +100,7 @@ def plan_sweep(path: Path, grid: list[str], overrides: list[str], executor_type:
     return cells
 
 
+@sigterm_cancels()
 def run_sweep(
     cells: list[Cell], console: Console, on_interrupt: Callable[[], Choice] = cancel_on_interrupt
 ) -> list[Cell] | None:

@@ -143,15 +143,18 @@ def cli(*args: str, env: dict[str, str], stdin: str | None = None) -> subprocess
     )
 
 
-def cli_background(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    """The CLI in its own session (so Ctrl-C reaches it alone), stdin open for the cancel/detach prompt.
+def cli_background(
+    *args: str, env: dict[str, str], module: str = "composer_serverless.cli"
+) -> subprocess.Popen[str]:
+    """The CLI (or another ``module`` run with ``python -m``) in its own session (so Ctrl-C reaches it
+    alone), stdin open for the cancel/detach prompt.
 
     Its SIGINT is reset to the default first: a shell starts background jobs with SIGINT ignored, which a
     child inherits (and Python then never raises KeyboardInterrupt), so ``make test &`` would fail the
     Ctrl-C tests for a reason that has nothing to do with the launcher.
     """
     return subprocess.Popen(
-        [sys.executable, "-m", "composer_serverless.cli", *args],
+        [sys.executable, "-m", module, *args],
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

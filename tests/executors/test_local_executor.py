@@ -144,9 +144,12 @@ def test_replica_that_keeps_failing_fails_the_run_with_its_log(tmp_path, crash):
     assert _state(rank0.backend_id) in ("Z", "gone")  # its peer was ended
 
 
-def _launch_until_training(tmp_path: Path, run_id: str) -> tuple[Path, subprocess.Popen, dict[str, str]]:
-    """Start ``composer-serverless launch`` of a long 2-replica local run in the background and return once
-    both replicas are training: (the store directory, the launcher process, its environment)."""
+def _launch_until_training(
+    tmp_path: Path, run_id: str, *, script: bool = False
+) -> tuple[Path, subprocess.Popen, dict[str, str]]:
+    """Start ``composer-serverless launch`` (or, with ``script``, a script calling ``launcher.launch``) of a
+    long 2-replica local run in the background and return once both replicas are training: (the store
+    directory, the launcher process, its environment)."""
     store = tmp_path / "store"
     config = write_config(
         tmp_path / f"{run_id}.toml",
@@ -166,7 +169,10 @@ def _launch_until_training(tmp_path: Path, run_id: str) -> tuple[Path, subproces
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "COLUMNS": "200",
     }
-    launcher = cli_background("launch", str(config), env=env)
+    if script:
+        launcher = cli_background(str(config), env=env, module="tests.executors.launch_script")
+    else:
+        launcher = cli_background("launch", str(config), env=env)
     members = store / run_id / "members"
     while not all(_beat(members / f"{r}.json").get("state") == "training" for r in (0, 1)):
         assert launcher.poll() is None, launcher.communicate()
@@ -213,6 +219,22 @@ def test_sigterm_to_the_launcher_cancels_its_replicas(tmp_path):
     assert launcher.returncode == 1 and "SIGTERM" in err and "cancelled" in err, out + err
     assert all(_state(pid) in ("Z", "gone") for pid in pids)  # the replicas' own sessions did not save them
     status = cli("status", str(store / "local-term"), env=env)
+    assert "(cancelled)" in status.stdout, status.stdout + status.stderr
+
+
+def test_sigterm_to_a_script_calling_launch_cancels_its_replicas(tmp_path):
+    """The benchmarks (and a user's own script) call ``launcher.launch`` without the CLI; SIGTERM to them must
+    cancel the replicas as well, not end the script and leave them training in their own sessions."""
+    store, script, env = _launch_until_training(tmp_path, "script-term", script=True)
+    pids = [
+        h.backend_id
+        for h in LaunchRecord.from_json((store / "script-term" / layout.LAUNCH_RECORD).read_bytes()).current()
+    ]
+    script.send_signal(signal.SIGTERM)
+    out, err = script.communicate(timeout=60)
+    assert script.returncode == 1 and "RunCancelled: the launcher was sent SIGTERM" in err, out + err
+    assert all(_state(pid) in ("Z", "gone") for pid in pids)
+    status = cli("status", str(store / "script-term"), env=env)
     assert "(cancelled)" in status.stdout, status.stdout + status.stderr
 
 
