@@ -169,8 +169,11 @@ def launch(
     or with the keys a resume may change changed by --set (a finished run: --set diloco.rounds=<more>).
     """
     from composer_serverless import launcher
+    from composer_serverless.supervisor import sigterm_cancels
 
-    with _user_errors():
+    # From the start, not only inside ``launch``: SIGTERM while the config is read or a run prepared ends
+    # with the message, not silently.
+    with _user_errors(), sigterm_cancels():
         if resume is not None:
             if config is not None or replicas is not None or executor is not None or dry_run:
                 raise ConfigError(
@@ -344,8 +347,9 @@ def sweep(
 ) -> None:
     """Run every combination of the --grid values as its own run, side by side; print a results table."""
     from composer_serverless import sweep as grid_sweep
+    from composer_serverless.supervisor import sigterm_cancels
 
-    with _user_errors():
+    with _user_errors(), sigterm_cancels():
         cells = grid_sweep.plan_sweep(
             config, grid, _overrides(set_, replicas), executor.value if executor else None
         )

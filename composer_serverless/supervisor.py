@@ -75,8 +75,8 @@ def sigterm_cancels() -> Iterator[None]:
     before the user chooses; SIGTERM's default action would end the caller without a word and leave them
     training (and cloud replicas billing). Raised as ``Terminated``, it goes through the watch's cleanup,
     which cancels every replica started (and records the cancellation, for ``status``). ``launch``,
-    ``resume`` and ``run_sweep`` install it themselves, so every caller has it: the CLI, the benchmarks, a
-    user's own script. A handler the caller set (anything but the default, ignoring included) is theirs and
+    ``resume`` and ``run_sweep`` install it themselves, so every caller has it: the CLI (which also installs
+    it from its start, for the work before a launch), the benchmarks, a user's own script. A handler the caller set (anything but the default, ignoring included) is theirs and
     stays; outside the main thread, where signals cannot be caught, nothing is installed.
     """
     if (

@@ -78,3 +78,11 @@ def test_a_handler_the_caller_set_is_kept(monkeypatch) -> None:
         assert signal.getsignal(signal.SIGTERM) is theirs
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_cli_handles_sigterm_before_any_launch_starts(monkeypatch) -> None:
+    """``--dry-run`` prepares outside ``launch``: the CLI's own handler still turns SIGTERM into the message."""
+    monkeypatch.setattr(launcher, "prepare", _terminated)
+    result = CliRunner().invoke(cli.app, ["launch", str(DEMO), "--dry-run"])
+    assert result.exit_code == 1 and "SIGTERM" in result.output, result.output
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
