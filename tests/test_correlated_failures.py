@@ -26,6 +26,10 @@ from composer_serverless.rendezvous.telemetry import read_heartbeats
 pytestmark = pytest.mark.slow
 
 ROUNDS, KILL_IN, REPLICAS = 8, 4, 2
+# Steps per round: the killer must see both replicas training round 4 at once, between the later one's first
+# step and the earlier one's sync. At 2 steps that window was one step and a sync long, and a busy machine
+# once let it pass unseen (the full suite, not the test alone); 5 steps make it four steps longer.
+SYNC_EVERY = 5
 WAIT_S = 300
 
 
@@ -62,7 +66,12 @@ def test_every_replica_killed_at_once_rolls_back_by_itself_and_finishes(
             "data": {"seq_len": 16, "batch_size": 2},
             "train": {"lr": 1e-2},
             # Both replicas in every round (min_replicas 2): what the run does does not depend on timing.
-            "diloco": {"replicas": REPLICAS, "min_replicas": REPLICAS, "sync_every": 2, "rounds": ROUNDS},
+            "diloco": {
+                "replicas": REPLICAS,
+                "min_replicas": REPLICAS,
+                "sync_every": SYNC_EVERY,
+                "rounds": ROUNDS,
+            },
             "eval": {"sequences": 2},
             "executor": {"threads_per_replica": 1, "max_restarts": 1},
         }
