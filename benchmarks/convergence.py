@@ -62,8 +62,8 @@ from rich.console import Console
 
 from composer_serverless.config import ConfigError, RunConfig, load_config, validate_config
 from composer_serverless.data.corpus import stdlib_corpus, training_text
-from composer_serverless.launcher import launch
-from composer_serverless.models import build_tiny, load_pretrained
+from composer_serverless.launch.launcher import launch
+from composer_serverless.models.loading import build_tiny, load_pretrained
 from composer_serverless.objectives.lm import LMObjective
 from composer_serverless.objectives.objective import evaluate, step_loss
 from composer_serverless.rendezvous.store import ObjectStore

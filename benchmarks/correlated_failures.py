@@ -45,7 +45,7 @@ from rich.console import Console
 
 from composer_serverless.config import ConfigError, RunConfig, load_config, validate_config
 from composer_serverless.executors.base import LaunchRecord
-from composer_serverless.launcher import launch
+from composer_serverless.launch.launcher import launch
 from composer_serverless.rendezvous import layout, recovery
 from composer_serverless.rendezvous.codec import NORM, encode, l2_norm
 from composer_serverless.rendezvous.sharding import shard_bounds

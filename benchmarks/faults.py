@@ -54,7 +54,7 @@ from rich.console import Console
 
 from composer_serverless.config import ConfigError, RunConfig, load_config, validate_config
 from composer_serverless.executors.base import LaunchRecord
-from composer_serverless.launcher import launch
+from composer_serverless.launch.launcher import launch
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.store import ObjectStore

@@ -316,7 +316,7 @@ class Check:
 
         from composer_serverless.config import TinyModelConfig
         from composer_serverless.data.corpus import stdlib_corpus, training_text
-        from composer_serverless.models import build_tiny
+        from composer_serverless.models.loading import build_tiny
 
         tokenizer_dir = self.work / "tokenizer"
         if not tokenizer_dir.exists():

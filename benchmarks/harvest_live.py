@@ -33,7 +33,7 @@ from typing import Any
 from rich.console import Console
 
 from composer_serverless.config import RunConfig
-from composer_serverless.launcher import launch
+from composer_serverless.launch.launcher import launch
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics

@@ -39,7 +39,7 @@ from typing import Any
 from rich.console import Console
 
 from composer_serverless.config import TinyModelConfig, validate_config
-from composer_serverless.launcher import launch
+from composer_serverless.launch.launcher import launch
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 
@@ -74,7 +74,7 @@ def build_teachers(out: Path) -> list[Path]:
     import torch
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
-    from composer_serverless.models import build_tiny
+    from composer_serverless.models.loading import build_tiny
 
     dirs = [out / "teacher-a", out / "teacher-a-copy", out / "teacher-b"]
     for path, seed in ((dirs[0], 0), (dirs[2], 1)):

@@ -124,7 +124,7 @@ PER_LAYER = "activation_bytes_per_token_per_layer_per_hidden"
 def build_model(out: Path, shape: dict[str, int]) -> Path:
     from composer_serverless.config import TinyModelConfig
     from composer_serverless.data.corpus import stdlib_corpus, training_text
-    from composer_serverless.models import build_tiny
+    from composer_serverless.models.loading import build_tiny
 
     config = TinyModelConfig(
         hidden_size=shape["hidden"],
@@ -208,7 +208,7 @@ def _measure(
 
     from composer_serverless.accelerator.device import replica_device
     from composer_serverless.config import validate_config
-    from composer_serverless.models import load_model
+    from composer_serverless.models.loading import load_model
     from composer_serverless.rendezvous.store import ObjectStore
     from composer_serverless.rendezvous.telemetry import Reporter
     from composer_serverless.replicas.trainer import Replica

@@ -26,13 +26,13 @@ from rich.prompt import Prompt
 from rich.table import Table
 
 from composer_serverless.config import ConfigError, RunConfig, load_config, load_harvest_config
+from composer_serverless.launch.report import outcome
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore, StoreError
-from composer_serverless.report import outcome
 
 if TYPE_CHECKING:
     from composer_serverless.harvest.plan import Prepared as HarvestPrepared
-    from composer_serverless.launcher import Prepared
+    from composer_serverless.launch.launcher import Prepared
 
 app = typer.Typer(
     add_completion=False,
@@ -91,7 +91,7 @@ def _main(
 def _user_errors() -> Iterator[None]:
     """Wrong input -> exit 2 with its message; a failed or cancelled run -> exit 1."""
     from composer_serverless.executors.base import BackendError
-    from composer_serverless.supervisor import RunCancelled, RunFailed, Terminated
+    from composer_serverless.launch.supervisor import RunCancelled, RunFailed, Terminated
 
     try:
         yield
@@ -168,8 +168,8 @@ def launch(
     from its latest published state and their own saved state, with the configuration it was created with,
     or with the keys a resume may change changed by --set (a finished run: --set diloco.rounds=<more>).
     """
-    from composer_serverless import launcher
-    from composer_serverless.supervisor import sigterm_cancels
+    from composer_serverless.launch import launcher
+    from composer_serverless.launch.supervisor import sigterm_cancels
 
     # From the start, not only inside ``launch``: SIGTERM while the config is read or a run prepared ends
     # with the message, not silently.
@@ -208,7 +208,7 @@ def _print_dry_run(prepared: Prepared) -> None:
 @app.command()
 def status(run: RunArgument) -> None:
     """Each replica's state, round, step, loss, last heartbeat and backend job id."""
-    from composer_serverless import runs
+    from composer_serverless.launch import runs
 
     with _user_errors():
         opened, rows, reported = runs.status(run)
@@ -243,7 +243,7 @@ def status(run: RunArgument) -> None:
     if reported and opened.config.output.push_to_hub is not None:
         # The launcher pushes the model of a run it watched to the end; of one it detached from, the status
         # that writes its report does.
-        from composer_serverless import exports
+        from composer_serverless.outputs import export as exports
 
         with _user_errors():
             exports.publish(opened.store.url, opened.config.output, console)
@@ -272,7 +272,7 @@ def logs(
     ] = False,
 ) -> None:
     """Print a replica's log (its latest attempt)."""
-    from composer_serverless import runs
+    from composer_serverless.launch import runs
 
     with _user_errors():
         for line in runs.logs(run, rank, follow):
@@ -282,7 +282,7 @@ def logs(
 @app.command()
 def cancel(run: RunArgument) -> None:
     """Cancel every replica of the run; replicas that already ended are left as they are."""
-    from composer_serverless import runs
+    from composer_serverless.launch import runs
 
     with _user_errors():
         statuses = runs.cancel(run)
@@ -321,7 +321,7 @@ def export(
     ] = None,
 ) -> None:
     """Copy a model of the run out of the store with its model card, and optionally push it to the Hub."""
-    from composer_serverless import exports
+    from composer_serverless.outputs import export as exports
 
     with _user_errors():
         done = exports.export(
@@ -346,8 +346,8 @@ def sweep(
     set_: SetOption = [],  # noqa: B006
 ) -> None:
     """Run every combination of the --grid values as its own run, side by side; print a results table."""
-    from composer_serverless import sweep as grid_sweep
-    from composer_serverless.supervisor import sigterm_cancels
+    from composer_serverless.launch import sweep as grid_sweep
+    from composer_serverless.launch.supervisor import sigterm_cancels
 
     with _user_errors(), sigterm_cancels():
         cells = grid_sweep.plan_sweep(

@@ -57,7 +57,7 @@ def corpus():
 def tiny_model_dir(tmp_path_factory, corpus):
     """A tiny Llama and its tokenizer, built once per session and saved with save_pretrained."""
     from composer_serverless.data.corpus import training_text
-    from composer_serverless.models import build_tiny
+    from composer_serverless.models.loading import build_tiny
 
     out = tmp_path_factory.mktemp("tiny-model")
     return build_tiny(TINY, training_text(corpus, int(TINY.tokenizer_corpus_mb * 1e6), seed=0), out, seed=0)

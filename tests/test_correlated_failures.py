@@ -18,7 +18,7 @@ from rich.console import Console
 
 from composer_serverless.config import validate_config
 from composer_serverless.executors.base import LaunchRecord
-from composer_serverless.launcher import launch
+from composer_serverless.launch.launcher import launch
 from composer_serverless.rendezvous import layout, recovery
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats

@@ -5,7 +5,7 @@ import torch
 
 from composer_serverless.data.corpus import shuffled, stdlib_corpus
 from composer_serverless.data.packing import Batches, TokenStream
-from composer_serverless.models import load_pretrained
+from composer_serverless.models.loading import load_pretrained
 
 
 def test_split_is_deterministic_and_disjoint(corpus):

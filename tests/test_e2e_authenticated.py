@@ -13,11 +13,11 @@ import pytest
 from rich.console import Console
 
 from composer_serverless.config import ConfigError, validate_config
-from composer_serverless.launcher import launch, prepare, resume
+from composer_serverless.launch.launcher import launch, prepare, resume
 from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.run_keys import key_path
 from composer_serverless.rendezvous.runkey import ENV, MAC_FIELD, RunKey
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.run_keys import key_path
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from composer_serverless.config import validate_config
-from composer_serverless.launcher import launch
+from composer_serverless.launch.launcher import launch
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 from tests.conftest import TINY, cli_in_fresh_process

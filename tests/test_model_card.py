@@ -9,7 +9,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from composer_serverless.config import RunConfig, load_config, validate_config
-from composer_serverless.model_card import card_text, reproduce_toml
+from composer_serverless.outputs.model_card import card_text, reproduce_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_CONFIGS = sorted(

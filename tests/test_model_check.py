@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from composer_serverless.cli import app
 from composer_serverless.config import ModelConfig
-from composer_serverless.models import load_model
+from composer_serverless.models.loading import load_model
 from composer_serverless.objectives.composer import same_function_twice
 from tests.archs import build
 

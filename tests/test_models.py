@@ -4,7 +4,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from composer_serverless.models import EOS_TOKEN, PAD_TOKEN, load_pretrained
+from composer_serverless.models.loading import EOS_TOKEN, PAD_TOKEN, load_pretrained
 from tests.conftest import TINY
 
 
@@ -37,7 +37,7 @@ def test_load_pretrained_bfloat16(tiny_model_dir):
 
 def test_same_seed_same_weights(tmp_path, corpus):
     from composer_serverless.data.corpus import training_text
-    from composer_serverless.models import build_tiny
+    from composer_serverless.models.loading import build_tiny
 
     dirs = [
         build_tiny(TINY, training_text(corpus, 200_000, seed=0), tmp_path / str(i), seed=7) for i in range(2)

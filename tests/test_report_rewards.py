@@ -3,10 +3,10 @@
 import pytest
 
 from composer_serverless.config import validate_config
+from composer_serverless.launch.report import eval_headline, summarise, write_report
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
-from composer_serverless.report import eval_headline, summarise, write_report
 
 CONFIG = validate_config(
     {

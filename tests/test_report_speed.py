@@ -1,6 +1,6 @@
 """The report's speed figures, from the step rows the trackers also show: hand-computed."""
 
-from composer_serverless.report import speed, throughput
+from composer_serverless.launch.report import speed, throughput
 
 
 def _step(tokens: float, generate: float, forward_backward: float, sync: float, peak: int | None, **extra):

@@ -12,9 +12,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from composer_serverless import cli, launcher, sweep
+from composer_serverless import cli
 from composer_serverless.config import load_config
-from composer_serverless.supervisor import Terminated
+from composer_serverless.launch import launcher, sweep
+from composer_serverless.launch.supervisor import Terminated
 
 DEMO = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "local-demo.toml"
 

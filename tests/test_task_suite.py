@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_serverless import task_suite
+from composer_serverless.data import task_suite
 from composer_serverless.data.records import read_pairs, read_prompts
 
 COMMITTED = Path(__file__).resolve().parents[1] / "deploy" / "data" / "composer-tasks"

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from composer_serverless import watch
 from composer_serverless.config import validate_config
 from composer_serverless.executors.base import ReplicaStatus
+from composer_serverless.launch import watch
+from composer_serverless.launch.supervisor import Poll
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.supervisor import Poll
 from tests.conftest import TINY
 
 

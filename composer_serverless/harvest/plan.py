@@ -11,6 +11,7 @@ from fractions import Fraction
 from typing import Any
 
 from composer_serverless.config import ConfigError, HarvestConfig, TeacherConfig
+from composer_serverless.executors.opening import open_created, open_store
 from composer_serverless.harvest.cache import AnswerCache, CachedAnswer, cache_key
 from composer_serverless.harvest.client import UnusableKey, read_key
 from composer_serverless.harvest.costs import Budget, Price, worst_case
@@ -25,7 +26,6 @@ from composer_serverless.harvest.states import (
 from composer_serverless.harvest.stats import HarvestResult
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore, validate_key
-from composer_serverless.runs import open_created, open_store
 
 # OpenAI's rule of thumb for English text (help.openai.com, "What are tokens"): about 4 characters a token;
 # and its cookbook's count of the chat format: 3 tokens around each message, 3 to start the reply.

@@ -1,5 +1,5 @@
 """The launcher's check of a run's rewards, run in a child process (``python -m
-composer_serverless.objectives.reward_check``, the resolved config on stdin, by ``launcher.py`` as it runs the
+composer_serverless.objectives.reward_check``, the resolved config on stdin, by ``launch/launcher.py`` as it runs the
 model check): every reward imported and called as TRL calls rewards, on the first training records with
 placeholder completions, before anything is written or paid for. A wrong signature, a reward that raises, a
 missing package or a missing file is reported with its fix. It also says whether any reward gave feedback in

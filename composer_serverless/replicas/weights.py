@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from composer_serverless.config import RunConfig
-from composer_serverless.models import Loaded, load_model
+from composer_serverless.models.loading import Loaded, load_model
 from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.node import SOLO, Node

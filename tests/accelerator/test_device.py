@@ -25,7 +25,7 @@ from composer_serverless.config import validate_config
 from composer_serverless.executors import local
 from composer_serverless.executors.hf_jobs import HFJobsExecutor
 from composer_serverless.executors.local import LocalProcessExecutor
-from composer_serverless.launcher import create_run
+from composer_serverless.launch.launcher import create_run
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 

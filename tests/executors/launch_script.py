@@ -9,7 +9,7 @@ import sys
 from rich.console import Console
 
 from composer_serverless.config import load_config
-from composer_serverless.launcher import launch
+from composer_serverless.launch.launcher import launch
 
 if __name__ == "__main__":
     launch(load_config(sys.argv[1]), sys.argv[1], Console(stderr=True))

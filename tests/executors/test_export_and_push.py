@@ -26,10 +26,10 @@ from typer.testing import CliRunner
 from composer_serverless.cli import app
 from composer_serverless.config import RunConfig, load_config
 from composer_serverless.executors.base import BackendError
-from composer_serverless.exports import Source, choose, export
+from composer_serverless.executors.opening import open_created
+from composer_serverless.outputs.export import Source, choose, export
+from composer_serverless.rendezvous.run_keys import key_path
 from composer_serverless.rendezvous.runkey import ENV, RunKey
-from composer_serverless.run_keys import key_path
-from composer_serverless.runs import open_created
 from tests.executors.conftest import REPO, cli, write_config
 from tests.executors.fake_hub import FakeHub
 

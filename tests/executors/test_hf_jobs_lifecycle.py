@@ -74,8 +74,8 @@ def test_a_resume_ends_a_job_still_scheduling_before_it_starts_another(s3_store,
     before it starts the rank again; never two live jobs of one rank."""
     from huggingface_hub import constants
 
-    from composer_serverless.launcher import resume
-    from composer_serverless.supervisor import RunFailed
+    from composer_serverless.launch.launcher import resume
+    from composer_serverless.launch.supervisor import RunFailed
 
     monkeypatch.setattr(constants, "ENDPOINT", fake_hf.url)  # read when HfApi is made
     monkeypatch.setenv("HF_TOKEN", HF_TOKEN)

@@ -24,10 +24,10 @@ from composer_serverless.config import validate_config
 from composer_serverless.executors import base
 from composer_serverless.executors.base import LaunchRecord, ReplicaHandle
 from composer_serverless.executors.local import LocalProcessExecutor, _identity_meta, _worker_processes
-from composer_serverless.launcher import launch
+from composer_serverless.launch.launcher import launch
+from composer_serverless.launch.supervisor import RunFailed
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.supervisor import RunFailed
 from tests.conftest import TINY
 from tests.executors.conftest import (
     HF_TOKEN,

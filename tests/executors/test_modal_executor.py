@@ -18,7 +18,6 @@ import tomllib
 from modal import exception as mx
 from rich.console import Console
 
-from composer_serverless import runs, watch
 from composer_serverless.config import validate_config
 from composer_serverless.executors.base import (
     BackendError,
@@ -30,10 +29,11 @@ from composer_serverless.executors.base import (
 from composer_serverless.executors.modal import ModalExecutor, whole_lines
 from composer_serverless.executors.modal_image import IMAGE_REQUIREMENTS
 from composer_serverless.executors.runtime import torch_build
-from composer_serverless.launcher import create_run, launch, prepare, resume, start
+from composer_serverless.launch import runs, watch
+from composer_serverless.launch.launcher import create_run, launch, prepare, resume, start
+from composer_serverless.launch.supervisor import RunCancelled, RunFailed, Supervisor
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
-from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor
 from tests.conftest import TINY
 from tests.executors.fake_modal import FakeModal, interrupt_points, unrecorded_live_calls
 

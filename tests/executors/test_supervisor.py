@@ -21,9 +21,9 @@ from composer_serverless.executors.base import (
     ReplicaStatus,
     ServerlessExecutor,
 )
-from composer_serverless.launcher import follow
+from composer_serverless.launch.launcher import follow
+from composer_serverless.launch.supervisor import RunCancelled, RunFailed, Supervisor
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor
 from tests.conftest import TINY
 
 
@@ -126,7 +126,7 @@ def test_dead_replica_is_relaunched_and_recorded(tmp_path):
 def test_a_replica_reported_dead_is_relaunched_only_once_its_attempt_is_seen_ended(tmp_path, monkeypatch):
     """Reported failed, but still running (a listing that missed it): it is cancelled and polled until the
     backend says it ended, and only then started again; never two attempts of one rank alive at once."""
-    from composer_serverless import supervisor as supervisor_module
+    from composer_serverless.launch import supervisor as supervisor_module
 
     monkeypatch.setattr(supervisor_module, "GONE_POLL_S", 0.0)
     executor = ScriptedExecutor(
@@ -141,7 +141,7 @@ def test_a_replica_reported_dead_is_relaunched_only_once_its_attempt_is_seen_end
 def test_an_unscheduled_attempt_is_not_taken_for_ended(tmp_path, monkeypatch):
     """`unscheduled` is past a deadline, not over: a job still SCHEDULING may get hardware. Restarting its
     rank waits until the backend says the cancelled attempt ended."""
-    from composer_serverless import supervisor as supervisor_module
+    from composer_serverless.launch import supervisor as supervisor_module
 
     monkeypatch.setattr(supervisor_module, "GONE_POLL_S", 0.0)
     executor = ScriptedExecutor({(0, 1): ["running"], (1, 1): ["unscheduled"], (1, 2): ["running"]}, ending=2)
@@ -152,7 +152,7 @@ def test_an_unscheduled_attempt_is_not_taken_for_ended(tmp_path, monkeypatch):
 
 
 def test_a_replica_that_will_not_end_is_not_started_twice(tmp_path, monkeypatch):
-    from composer_serverless import supervisor as supervisor_module
+    from composer_serverless.launch import supervisor as supervisor_module
 
     monkeypatch.setattr(supervisor_module, "GONE_POLL_S", 0.0)
     monkeypatch.setattr(supervisor_module, "GONE_TIMEOUT_S", 0.0)

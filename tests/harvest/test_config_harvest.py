@@ -106,7 +106,7 @@ def test_the_shipped_example_dry_runs_offline_without_the_training_stack(monkeyp
 
 
 def test_a_launch_with_a_live_harvest_needs_the_keys_here(monkeypatch, tmp_path):
-    from composer_serverless.launcher import prepare
+    from composer_serverless.launch.launcher import prepare
 
     tasks = "deploy/data/composer-tasks"
     raw = copy.deepcopy(RUN)
@@ -129,7 +129,7 @@ def test_a_launch_with_a_live_harvest_needs_the_keys_here(monkeypatch, tmp_path)
 def test_what_the_model_check_validates_of_a_live_run_is_valid():
     """The model check validates a run's model, data and objective tables on their own: a live harvest's
     replay channel without a pairs file is valid only with the harvest table beside them."""
-    from composer_serverless.launcher import _CHECKED
+    from composer_serverless.launch.launcher import _CHECKED
 
     config = validate_config(RUN)
     checked = {k: v for k, v in json.loads(config.resolved_json()).items() if k in _CHECKED}

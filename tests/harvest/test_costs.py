@@ -57,7 +57,7 @@ def _random_text(rng: random.Random) -> str:
 def bpe():
     """A byte-level BPE (GPT-2 style, as tiktoken, Llama 3 and Qwen are) with no merges: a token per byte,
     the most tokens any byte-level tokenizer makes of a text."""
-    from composer_serverless.models import train_tokenizer
+    from composer_serverless.models.loading import train_tokenizer
 
     tokenizer = train_tokenizer(["the quick brown fox jumps over the lazy dog " * 50], vocab_size=258)
     assert len(tokenizer) == 256 + 2  # the bytes and EOS, PAD: nothing merged

@@ -19,7 +19,7 @@ import pytest
 from rich.console import Console
 
 from composer_serverless.harvest import live
-from composer_serverless.launcher import launch
+from composer_serverless.launch.launcher import launch
 from composer_serverless.objectives.harvest_schedule import NO_PAIRS, PAIRS
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore

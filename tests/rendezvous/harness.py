@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 
 from composer_serverless.config import RunConfig, validate_config
-from composer_serverless.launcher import create_run
+from composer_serverless.launch.launcher import create_run
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 from harness import create, digests, logs_of, make_config, run_replicas
 
-from composer_serverless.models import load_pretrained
+from composer_serverless.models.loading import load_pretrained
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.weights import InitialWeightsError, check_initial_weights, digest
 

@@ -166,7 +166,7 @@ def test_a_resumed_run_reports_the_wall_time_of_all_its_launches(
 
     from composer_serverless.executors import make_executor
     from composer_serverless.executors.base import LaunchRecord
-    from composer_serverless.launcher import _wall_so_far
+    from composer_serverless.launch.launcher import _wall_so_far
     from composer_serverless.rendezvous.telemetry import Reporter
 
     config = make_config(f"file://{tmp_path}/runs", "walls", tiny_model_dir)

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 from composer_serverless.cli import app
 from composer_serverless.config import RunConfig, validate_config
 from composer_serverless.executors.base import LaunchRecord, ReplicaHandle, ReplicaStatus
+from composer_serverless.launch.report import write_report
 from composer_serverless.rendezvous import config_changes, layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.report import write_report
 
 WEIGHTS = f"{layout.FINAL}/model.safetensors"
 

@@ -15,6 +15,7 @@ import torch
 from composer_serverless.config import ConfigError
 from composer_serverless.rendezvous.checkpoint import CheckpointError, read_snapshot, write_snapshot
 from composer_serverless.rendezvous.codec import PayloadError, accumulate, decode, encode, read_header
+from composer_serverless.rendezvous.run_keys import key_path, new_run_key, saved_run_key
 from composer_serverless.rendezvous.runkey import (
     ENV,
     MAC_FIELD,
@@ -25,7 +26,6 @@ from composer_serverless.rendezvous.runkey import (
     record_fingerprint,
 )
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.run_keys import key_path, new_run_key, saved_run_key
 
 IDENTITY = {"run_id": "r1", "round": "3", "fragment": "0", "rank": "1", "shard": "2"}
 KEY = RunKey(bytes(range(32)))

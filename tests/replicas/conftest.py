@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from composer_serverless.models import char_tokenizer
+from composer_serverless.models.loading import char_tokenizer
 from tests.composer_tasks import ALPHABET
 
 # Tiny tensors: one thread avoids two OpenMP threads waiting on each other on a shared 2-core machine.

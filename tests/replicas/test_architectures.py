@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from composer_serverless.config import validate_config
+from composer_serverless.launch.report import summarise
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.replicas.trainer import run_replica
-from composer_serverless.report import summarise
 from tests.archs import FAMILIES, build
 from tests.composer_tasks import composer
 from tests.rendezvous.harness import create
@@ -120,7 +120,7 @@ def test_a_mixed_dtype_fragment_puts_its_float32_parameters_first(family_dir) ->
     """torchft packs a fragment into buckets of its first tensor's dtype: float32 first, nothing is rounded."""
     import torch
 
-    from composer_serverless.models import load_pretrained
+    from composer_serverless.models.loading import load_pretrained
     from composer_serverless.replicas.diloco import split_fragments
 
     model, _ = load_pretrained(family_dir("ernie4_5_moe"), "bfloat16")

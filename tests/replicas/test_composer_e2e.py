@@ -7,11 +7,11 @@ from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from composer_serverless.config import validate_config
-from composer_serverless.launcher import launch
+from composer_serverless.data.task_suite import TASKS as TASK_SUITE
+from composer_serverless.launch.launcher import launch
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
-from composer_serverless.task_suite import TASKS as TASK_SUITE
 from tests.composer_tasks import TINY_CHARS, composer
 from tests.conftest import cli_in_fresh_process
 

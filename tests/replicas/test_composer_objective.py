@@ -9,7 +9,7 @@ import torch
 from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import ConfigError, validate_config
 from composer_serverless.data.records import PromptRecord
-from composer_serverless.launcher import prepare
+from composer_serverless.launch.launcher import prepare
 from composer_serverless.objectives.composer import stratified
 from composer_serverless.objectives.inputs import check_composer
 from composer_serverless.objectives.objective import evaluate, make_objective, step_loss

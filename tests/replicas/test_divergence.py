@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import validate_config
-from composer_serverless.launcher import create_run
+from composer_serverless.launch.launcher import create_run
 from composer_serverless.objectives import lm as objective
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from composer_serverless.config import validate_config
-from composer_serverless.models import load_pretrained
+from composer_serverless.models.loading import load_pretrained
 from composer_serverless.objectives.lm import LMObjective
 from composer_serverless.objectives.objective import evaluate
 from composer_serverless.objectives.shares import combine, share

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from composer_serverless.config import validate_config
-from composer_serverless.exports import export
-from composer_serverless.launcher import launch
+from composer_serverless.launch.launcher import launch
+from composer_serverless.outputs.export import export
 from composer_serverless.rendezvous.checkpoint import read_snapshot
 from composer_serverless.rendezvous.codec import read_header
 from composer_serverless.rendezvous.store import ObjectStore

@@ -77,7 +77,7 @@ def _config(data: dict[str, str], ranks: int, loss_type: str) -> Any:
 
 def _steps(data: dict[str, str], ranks: int, node: Any = None) -> dict[str, Any]:
     """Per loss type: the whole gradient of one composer step and its summed metrics, on this rank."""
-    from composer_serverless.models import char_tokenizer
+    from composer_serverless.models.loading import char_tokenizer
     from composer_serverless.replicas.shards import shard_model
     from tests.replicas.conftest import tiny_model
 

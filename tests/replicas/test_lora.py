@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import LoraConfig, ModelConfig, validate_config
-from composer_serverless.exports import export
-from composer_serverless.models import load_model
+from composer_serverless.models.loading import load_model
+from composer_serverless.outputs.export import export
 from composer_serverless.rendezvous.checkpoint import read_snapshot
 from composer_serverless.rendezvous.codec import read_header
 from composer_serverless.rendezvous.store import ObjectStore
@@ -61,7 +61,7 @@ def lora_run(tmp_path_factory, tiny_model_dir):
             "executor": {"threads_per_replica": 1},
         }
     )
-    from composer_serverless.launcher import launch
+    from composer_serverless.launch.launcher import launch
 
     with replicas_on_the_simulated_accelerator():  # LoRA's CUDA path: adapters on the device, base frozen
         summary = launch(config, "lora", Console(file=io.StringIO()))

@@ -11,7 +11,7 @@ import torch
 
 from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import validate_config
-from composer_serverless.models import load_model
+from composer_serverless.models.loading import load_model
 from composer_serverless.objectives.lm import LMObjective
 from composer_serverless.objectives.objective import add_parts, make_objective
 from tests.replicas.conftest import tiny_model

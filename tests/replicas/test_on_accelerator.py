@@ -19,7 +19,7 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from composer_serverless.config import validate_config
-from composer_serverless.launcher import launch
+from composer_serverless.launch.launcher import launch
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 from tests.composer_tasks import TINY_CHARS, composer

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from composer_serverless.config import validate_config
-from composer_serverless.models import load_model
+from composer_serverless.models.loading import load_model
 from composer_serverless.objectives.lm import LMObjective
 from composer_serverless.objectives.objective import step_loss
 from composer_serverless.replicas import precision

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from composer_serverless.config import validate_config
-from composer_serverless.models import load_pretrained
+from composer_serverless.models.loading import load_pretrained
 from composer_serverless.objectives.objective import evaluate
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore

@@ -16,7 +16,7 @@ from composer_serverless.config import ConfigError, validate_config
 from composer_serverless.data.chat import render_chat
 from composer_serverless.data.corpus import documents
 from composer_serverless.data.packing import IGNORE
-from composer_serverless.models import load_pretrained
+from composer_serverless.models.loading import load_pretrained
 from composer_serverless.objectives.inputs import check_text
 from composer_serverless.objectives.lm import LMObjective
 from tests.conftest import CHATML_MARKED, arithmetic_chats
@@ -121,7 +121,7 @@ def test_records_options_are_refused_for_the_demo_corpus() -> None:
 
 @pytest.mark.slow
 def test_a_short_chat_run_lowers_the_held_out_loss(tmp_path: Path, chat_model_dir: Path) -> None:
-    from composer_serverless.launcher import launch
+    from composer_serverless.launch.launcher import launch
 
     train = _jsonl(tmp_path / "train.jsonl", arithmetic_chats(200, seed=2))
     heldout = _jsonl(tmp_path / "heldout.jsonl", arithmetic_chats(16, seed=3))

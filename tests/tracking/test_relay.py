@@ -16,13 +16,13 @@ import pytest
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from composer_serverless import launcher, runs
 from composer_serverless.config import validate_config
+from composer_serverless.launch import launcher, runs
+from composer_serverless.launch.watch import ReplicaView
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
 from composer_serverless.tracking import series
-from composer_serverless.watch import ReplicaView
 from tests.conftest import TINY, cli_in_fresh_process
 from tests.tracking.wandb_records import history
 

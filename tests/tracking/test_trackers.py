@@ -11,9 +11,9 @@ import pytest
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from composer_serverless import launcher
 from composer_serverless.config import ConfigError, validate_config
 from composer_serverless.config.outputs import TrackingConfig
+from composer_serverless.launch import launcher
 from composer_serverless.tracking import trackers
 from tests.conftest import TINY
 

@@ -30,7 +30,6 @@ from typing import Any
 
 from rich.console import Console
 
-from composer_serverless import exports, watch
 from composer_serverless.config import ConfigError, RunConfig, apply_override, validate_config
 from composer_serverless.config.composer import BUILTIN_REWARDS
 from composer_serverless.config.resume import cosine_note, refusal_message, sort_changes
@@ -44,17 +43,19 @@ from composer_serverless.executors.base import (
     ServerlessExecutor,
     model_plan,
 )
+from composer_serverless.executors.opening import STORE_HINT, absolute_store, open_created, open_store
 from composer_serverless.harvest import plan as harvest_plan
+from composer_serverless.launch import watch
+from composer_serverless.launch.supervisor import Supervisor, sigterm_cancels
+from composer_serverless.launch.watch import Choice, Followed, ReplicaView, cancel_on_interrupt
 from composer_serverless.objectives import inputs
+from composer_serverless.outputs import export
 from composer_serverless.rendezvous import config_changes, layout, runkey
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
+from composer_serverless.rendezvous.run_keys import checked_run_key, new_run_key
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
-from composer_serverless.run_keys import checked_run_key, new_run_key
-from composer_serverless.runs import STORE_HINT, absolute_store, open_created, open_store
-from composer_serverless.supervisor import Supervisor, sigterm_cancels
 from composer_serverless.tracking import trackers
-from composer_serverless.watch import Choice, Followed, ReplicaView, cancel_on_interrupt
 
 # Loading a config and a tokenizer from the Hub and building the model on the meta device: seconds to a minute.
 # How long the model check or the reward check (each a child process) may take.
@@ -111,7 +112,7 @@ def create_run(
 
 def _build_tiny_into(run: ObjectStore, config: RunConfig) -> None:
     from composer_serverless.data.corpus import stdlib_corpus, training_text
-    from composer_serverless.models import build_tiny
+    from composer_serverless.models.loading import build_tiny
 
     tiny = config.model.tiny
     assert tiny is not None
@@ -189,7 +190,7 @@ def _preflight(executor: ServerlessExecutor, plan: LaunchPlan, config: RunConfig
         problem = harvest_plan.key_problem(config.harvest)
         if problem is not None:
             problems.append(problem)
-    return problems + exports.push_problems(config.output) + trackers.missing(config.tracking)
+    return problems + export.push_problems(config.output) + trackers.missing(config.tracking)
 
 
 def _plan(executor: ServerlessExecutor, config: RunConfig, run: ObjectStore) -> LaunchPlan:
@@ -221,7 +222,7 @@ def _hand_over_key(executor: ServerlessExecutor, run: ObjectStore, config: RunCo
 
 
 def check_model(config: RunConfig) -> None:
-    """Run the model check (``model_check.py``) in a child process, so this one never imports torch.
+    """Run the model check (``models/check.py``) in a child process, so this one never imports torch.
 
     Raises:
         ConfigError: every problem found, each with its fix; or the check could not run at all.
@@ -243,7 +244,7 @@ _CHECKED = ("model", "data", "train", "composer", "diloco", "harvest")
 def _model_problems(checked: str) -> tuple[str, ...]:
     raw = json.loads(checked)
     config = validate_config({**raw, "executor": {"type": "local"}}, source="the model check")
-    return tuple(_child_check("composer_serverless.model_check", config, "the model check"))
+    return tuple(_child_check("composer_serverless.models.check", config, "the model check"))
 
 
 def _child_check(module: str, config: RunConfig, what: str) -> Any:
@@ -548,5 +549,5 @@ def follow(
     watch.write_reports([run])
     watch.print_report(run, console)
     if config.output.push_to_hub is not None:
-        exports.publish(supervisor.run.url, config.output, console)
+        export.publish(supervisor.run.url, config.output, console)
     return run.summary

@@ -22,17 +22,17 @@ from typing import Any, get_args
 
 from rich.console import Console
 
-from composer_serverless import hub
 from composer_serverless.config import ConfigError, ModelConfig, RunConfig
 from composer_serverless.config.outputs import OutputConfig
 from composer_serverless.executors.base import BackendError
 from composer_serverless.executors.environment import secret_value
-from composer_serverless.model_card import card_text
+from composer_serverless.executors.opening import RUN_URL_HINT, open_created
+from composer_serverless.outputs import hub
+from composer_serverless.outputs.model_card import card_text
 from composer_serverless.rendezvous import latest, layout
+from composer_serverless.rendezvous.run_keys import checked_run_key
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.run_keys import checked_run_key
-from composer_serverless.runs import RUN_URL_HINT, open_created
 
 # The dtypes an export can write the weights in: those a run can hold them in.
 EXPORT_DTYPES: tuple[str, ...] = get_args(ModelConfig.model_fields["dtype"].annotation)
@@ -171,7 +171,7 @@ def _write_model(
     if source.final and not lora and dtype is None:
         store.download_dir(layout.FINAL, out)
         return
-    from composer_serverless import models
+    from composer_serverless.models import loading
 
     with tempfile.TemporaryDirectory(prefix="composer-serverless-export-") as scratch:
         model = Path(scratch) / "model"
@@ -183,10 +183,10 @@ def _write_model(
             base = config.model.path
             if base is None:  # the tiny model the launcher built is in the run
                 base = str(store.download_dir(layout.MODEL, Path(scratch) / "base"))
-            models.merge_adapters(config.model, base, model, out, dtype)
+            loading.merge_adapters(config.model, base, model, out, dtype)
             shutil.copytree(model, out / "adapter")
         elif dtype is not None:
-            models.save_in_dtype(config.model, model, out, dtype)
+            loading.save_in_dtype(config.model, model, out, dtype)
         else:
             shutil.copytree(model, out, dirs_exist_ok=True)
 

@@ -35,10 +35,10 @@ from rich.progress import (
 from composer_serverless.config import RunConfig
 from composer_serverless.executors.base import BackendError
 from composer_serverless.harvest.live import LiveHarvester
+from composer_serverless.launch.report import eval_headline, outcome, speed, write_report
+from composer_serverless.launch.supervisor import RunCancelled, RunFailed, Supervisor, Terminated
 from composer_serverless.rendezvous import layout, recovery
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
-from composer_serverless.report import eval_headline, outcome, speed, write_report
-from composer_serverless.supervisor import RunCancelled, RunFailed, Supervisor, Terminated
 from composer_serverless.tracking.relay import Relay
 
 logger = logging.getLogger(__name__)

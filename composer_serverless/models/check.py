@@ -1,5 +1,5 @@
 """The model check the launcher runs before any replica is paid for: ``python -m
-composer_serverless.model_check`` with the resolved run config (JSON) on stdin, one JSON list of
+composer_serverless.models.check`` with the resolved run config (JSON) on stdin, one JSON list of
 problems on stdout.
 
 Everything that would otherwise fail only once every replica has started (and restarted, ``max_restarts``
@@ -28,7 +28,7 @@ def problems(config: Any) -> list[str]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from composer_serverless.models import hf_config
+    from composer_serverless.models.loading import hf_config
 
     spec = config.model
     hub = {

@@ -1,6 +1,6 @@
 """The composer demo's offline task suite: small arithmetic and string transforms, made deterministically.
 
-``python -m composer_serverless.task_suite OUT_DIR`` writes four JSONL files:
+``python -m composer_serverless.data.task_suite OUT_DIR`` writes four JSONL files:
 
 - ``train.jsonl`` / ``heldout.jsonl``: RL prompts ``{prompt, answer, task}`` scored by exact match; the
   held-out arguments of a task never occur in its training prompts. ``digit`` (repeat the one digit among
@@ -147,7 +147,7 @@ def prefix_credit(completions: list[str], answer: list[str], **columns: Any) -> 
     answer, over the longer of the two. 1 only for the exact answer; a fresh model earns some for a right
     first character, which exact match alone (right character and EOS, about 1 / V^2) almost never pays.
 
-    A user reward (``composer_serverless.task_suite:prefix_credit``) in TRL's form.
+    A user reward (``composer_serverless.data.task_suite:prefix_credit``) in TRL's form.
     """
     credits = []
     for completion, expected in zip(completions, answer, strict=True):

@@ -19,11 +19,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from composer_serverless import watch
 from composer_serverless.config import RUN_ID_PATTERN, ConfigError, load_config
-from composer_serverless.launcher import Prepared, new_run_id, prepare, start
-from composer_serverless.supervisor import sigterm_cancels
-from composer_serverless.watch import Choice, Followed, RunView, cancel_on_interrupt
+from composer_serverless.launch import watch
+from composer_serverless.launch.launcher import Prepared, new_run_id, prepare, start
+from composer_serverless.launch.supervisor import sigterm_cancels
+from composer_serverless.launch.watch import Choice, Followed, RunView, cancel_on_interrupt
 
 
 @dataclass
