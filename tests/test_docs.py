@@ -35,7 +35,7 @@ def test_the_store_layout_table_is_the_layout_module() -> None:
 
 def test_the_layers_are_the_import_contract() -> None:
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    (layers,) = [c["layers"] for c in contracts if c.get("containers") == ["composer_serverless"]]
     assert _code_block_after("## Layers") == layers
 
 
