@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from composer_serverless.config.base import StrictModel
+from composer_serverless.config.model import Dtype
 
 TRACKERS = ("tensorboard", "trackio", "wandb")
 
@@ -53,6 +54,4 @@ class OutputConfig(StrictModel):
         "huggingface_hub's own rule by the launcher, before the run starts: replicas never import it)",
     )
     private: bool = Field(True, description="create the Hub repo private")
-    dtype: Literal["float32", "bfloat16"] | None = Field(
-        None, description="the pushed weights' dtype; as trained when unset"
-    )
+    dtype: Dtype | None = Field(None, description="the pushed weights' dtype; as trained when unset")
