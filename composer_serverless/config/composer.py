@@ -206,7 +206,9 @@ class ComposerDataConfig(StrictModel):
         "messages) and any others, every one passed to the rewards by name (answer, tests, hint and task "
         "are read by the built-ins, SDPO and evaluation)"
     )
-    heldout: str = Field(description="RL prompts the global model is evaluated on (greedy decoding)")
+    heldout: str = Field(
+        description="RL prompts the global model is evaluated on (greedy decoding, or as [eval] samples)"
+    )
     columns: dict[str, str] = Field(
         {},
         description="renames applied to every row first: our name = the dataset's column, e.g. "
