@@ -316,7 +316,8 @@ def export(
     dtype: Annotated[
         str | None,
         typer.Option(
-            help="the weights' dtype in OUT: float32 or bfloat16 (half the size); default: as trained"
+            help="the weights' dtype in OUT: float32 (fp32) or bfloat16 (bf16, half the size); default: as "
+            "trained"
         ),
     ] = None,
 ) -> None:

@@ -225,3 +225,38 @@ def test_an_unreadable_config_file_exits_2(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["launch", str(config)])
     assert result.exit_code == 2, result.output
     assert "cannot read" in result.output and "Permission denied" in result.output
+
+
+@pytest.mark.parametrize(
+    ("key", "given", "stored"),
+    [
+        ("model.dtype", "bf16", "bfloat16"),
+        ("model.dtype", "BF16", "bfloat16"),
+        ("model.master_dtype", "fp32", "float32"),
+        ("model.dtype", "bfloat16", "bfloat16"),
+        ("output.dtype", "bf16", "bfloat16"),
+    ],
+)
+def test_trl_dtype_spellings_are_read_as_ours(tmp_path, key, given, stored):
+    """TRL's and transformers' ``bf16``/``fp32``, in the file and through ``--set``, become the one name
+    run.json holds (and the model loader's table knows)."""
+    path = tmp_path / "c.toml"
+    path.write_text("[model.tiny]\n[diloco]\nsync_every = 4\nrounds = 2\n")
+    table, leaf = key.split(".")
+    for config in (
+        load_config(path, [f"{key}={given}"]),
+        validate_config({**MINIMAL, table: {**MINIMAL.get(table, {}), leaf: given}}),
+    ):
+        assert getattr(getattr(config, table), leaf) == stored
+        assert f'"{leaf}": "{stored}"' in config.resolved_json()
+
+
+def test_fp16_is_refused_with_the_reason_and_the_spelling_to_use(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[model.tiny]\n[diloco]\nsync_every = 4\nrounds = 2\n")
+    result = CliRunner().invoke(app, ["launch", str(path), "--dry-run", "--set", "model.dtype=fp16"])
+    assert result.exit_code == 2
+    assert (
+        "model.dtype: 'fp16' (float16) is not supported: training in it needs loss scaling; use 'bf16' "
+        "(bfloat16: the same memory, float32's range)" in " ".join(result.output.split())
+    )

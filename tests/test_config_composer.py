@@ -51,7 +51,12 @@ def test_the_shipped_composer_config_validates_and_round_trips_through_run_json(
         ("composer.rewards.0.fn", "format", "set pattern exactly when fn = 'format'"),
         ("composer.rewards.0.pattern", "x", "set pattern exactly when fn = 'format'"),
         ("composer.rewards.0.fn", "my rewards:score", "neither a built-in reward"),
-        ("composer.rewards.0.weight", 0, "has weight 0"),
+        (
+            "composer.rewards.0.weight",
+            0,
+            "every reward has weight 0: they are evaluation metrics, and nothing is left to train on; give at "
+            "least one of them a non-zero weight",
+        ),
         ("composer.rewards.0.timout_s", 3, "unknown key; did you mean composer.rewards.0.timeout_s?"),
         ("composer.hints.template", "{hint}", "must contain {prompt}"),
         ("composer.hints.feedback", "{feedback} {oops}", "may use only {feedback}"),
@@ -96,8 +101,13 @@ def test_a_mistake_inside_a_list_item_points_at_the_file_not_at_set():
     assert "fix: change composer.rewards.0.timeout_s in" in str(error.value)
     assert "--set" not in str(error.value)
     with pytest.raises(ConfigError) as error:
-        validate_config(edited("composer.rewards.0.weight", 0))
+        validate_config(edited("composer.rewards.0.pattern", "x"))  # exact_match takes no pattern
     assert "fix: edit the 1st [[composer.rewards]] table in" in str(error.value)
     with pytest.raises(ConfigError) as error:
         validate_config(edited("composer.sdpo.beta", 1.5))
     assert "--set composer.sdpo.beta=<value>" in str(error.value)
+
+
+def test_a_reward_of_weight_0_beside_a_weighted_one_is_an_evaluation_metric():
+    raw = edited("composer.rewards", [{"fn": "exact_match", "weight": 0}, {"fn": "format", "pattern": "x"}])
+    assert [r.weight for r in validate_config(raw).composer.rewards] == [0.0, 1.0]

@@ -33,7 +33,12 @@ class RewardConfig(StrictModel):
     name: str | None = Field(
         None, description="the reward's name in metrics; default: the function's name (or the built-in's)"
     )
-    weight: float = Field(1.0, description="weight of this reward in the sum; negative for a penalty")
+    weight: float = Field(
+        1.0,
+        description="weight of this reward in the sum; negative for a penalty; 0 for an evaluation metric "
+        "(computed and reported, in rollouts and the held-out evaluation, but no part of the advantage nor "
+        "of SDPO's hints)",
+    )
     pattern: str | None = Field(
         None, description="'format' only: the regular expression (Python re, fullmatch)"
     )
@@ -54,8 +59,6 @@ class RewardConfig(StrictModel):
 
     @model_validator(mode="after")
     def _pattern_for_format_only(self) -> RewardConfig:
-        if self.weight == 0:
-            raise ValueError(f"reward {self.fn!r} has weight 0 and would only cost time; remove it")
         if (self.fn == "format") != (self.pattern is not None):
             raise ValueError("set pattern exactly when fn = 'format' (the regex the completion must match)")
         if self.pattern is not None:
@@ -203,7 +206,9 @@ class ComposerDataConfig(StrictModel):
         "messages) and any others, every one passed to the rewards by name (answer, tests, hint and task "
         "are read by the built-ins, SDPO and evaluation)"
     )
-    heldout: str = Field(description="RL prompts the global model is evaluated on (greedy decoding)")
+    heldout: str = Field(
+        description="RL prompts the global model is evaluated on (greedy decoding, or as [eval] samples)"
+    )
     columns: dict[str, str] = Field(
         {},
         description="renames applied to every row first: our name = the dataset's column, e.g. "
@@ -278,6 +283,15 @@ class ComposerConfig(StrictModel):
         description="write each round's rollouts (prompt, sampled completion, reward) to the store, where "
         "`composer-serverless harvest` reads them (harvest.run); always on with a live harvest",
     )
+
+    @model_validator(mode="after")
+    def _something_to_train_on(self) -> ComposerConfig:
+        if all(r.weight == 0 for r in self.rewards):
+            raise ValueError(
+                "every reward has weight 0: they are evaluation metrics, and nothing is left to train on; "
+                "give at least one of them a non-zero weight"
+            )
+        return self
 
     @model_validator(mode="after")
     def _system_prompt_needs_the_template(self) -> ComposerConfig:

@@ -15,6 +15,7 @@ from composer_serverless.config.base import ConfigError, StrictModel
 from composer_serverless.config.executors import EXECUTOR_TYPES
 from composer_serverless.config.harvest import HarvestConfig
 from composer_serverless.config.run import RunConfig
+from composer_serverless.config.trl_names import TRL_NAMES, trl_hint
 
 # Fields whose value an error message never repeats: a key pasted where its variable's name belongs would
 # otherwise be printed (and end up in a terminal's scrollback, a CI log).
@@ -151,7 +152,16 @@ def _explain(error: ValidationError, raw: dict[str, Any], source: str) -> str:
             parent = _display_key(loc[:-1])
             suggestion = ".".join(filter(None, [parent, *close]))
             hint = f"did you mean {suggestion}?" if close else f"known keys here: {', '.join(known)}"
-            lines.append(f"  {key}: unknown key; {hint}")
+            trl = trl_hint(loc[-1])
+            if trl is None:
+                lines.append(f"  {key}: unknown key; {hint}")
+                continue
+            lines.append(f"  {key}: unknown key; {trl}")
+            ours = TRL_NAMES[loc[-1]].ours
+            fix = f"use {ours} instead" if ours else "remove it"
+            lines.append(
+                f"    fix: {fix} (docs/coming-from-trl.md{f'; or did you mean {suggestion}?' if close else ''})"
+            )
             continue
         if item["type"] == "union_tag_invalid":
             lines.append(

@@ -4,15 +4,39 @@ the precision it trains in, and LoRA adapters."""
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from composer_serverless.config.base import StrictModel
 
 # What a config override may set: plain JSON scalars (a dropout, a flag, a rope factor), never objects.
 OverrideValue = bool | int | float | str
 ATTN_IMPLEMENTATION = re.compile(r"^[A-Za-z0-9_./:-]{1,128}$")
+# TRL's and transformers' short names for the dtypes (``--bf16``, ``mixed_precision = "bf16"``), read as ours.
+DTYPE_SPELLINGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def dtype_name(value: Any) -> Any:
+    """A dtype as this project names it: ``bf16`` -> ``bfloat16``, ``fp32`` -> ``float32`` (any case).
+
+    Raises:
+        ValueError: float16 (``fp16``): without loss scaling its gradients underflow, and bfloat16 takes the
+            same memory with float32's range.
+    """
+    if not isinstance(value, str):
+        return value
+    name = DTYPE_SPELLINGS.get(value.strip().lower(), value.strip().lower())
+    if name == "float16":
+        raise ValueError(
+            f"{value!r} (float16) is not supported: training in it needs loss scaling; use 'bf16' "
+            "(bfloat16: the same memory, float32's range)"
+        )
+    return name
+
+
+# A dtype setting: 'float32' or 'bfloat16', also spelt 'fp32' or 'bf16'.
+Dtype = Annotated[Literal["float32", "bfloat16"], BeforeValidator(dtype_name)]
 
 
 class TinyModelConfig(StrictModel):
@@ -126,10 +150,12 @@ class ModelConfig(StrictModel):
         "for fine-tuning, and what SDPO needs: its teacher and student pass must be one function); "
         "'as_published' keeps the checkpoint's",
     )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="compute dtype of the forward and backward passes (and of frozen weights)"
+    dtype: Dtype = Field(
+        "float32",
+        description="compute dtype of the forward and backward passes (and of frozen weights): 'float32' "
+        "('fp32') or 'bfloat16' ('bf16')",
     )
-    master_dtype: Literal["float32", "bfloat16"] = Field(
+    master_dtype: Dtype = Field(
         "float32",
         description="dtype of trainable weights, torchft's global copy, the outer momentum and the inner "
         "optimizer's states; 'bfloat16' halves their memory but rounds away fine-tuning-sized updates",

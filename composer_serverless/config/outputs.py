@@ -3,21 +3,57 @@ pushes to the Hub when it ends (``[output]``). Neither changes training, so both
 
 from __future__ import annotations
 
-from typing import Literal
+import importlib.util
+import logging
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator
 
 from composer_serverless.config.base import StrictModel
+from composer_serverless.config.model import Dtype
+
+logger = logging.getLogger(__name__)
 
 TRACKERS = ("tensorboard", "trackio", "wandb")
+# The package each tracker's client comes in.
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
+
+
+def installed_trackers() -> tuple[str, ...]:
+    """The trackers whose client can be imported here (found, not imported: that costs seconds)."""
+    return tuple(name for name in TRACKERS if importlib.util.find_spec(TRACKER_PACKAGES[name]) is not None)
+
+
+def trackers_named(value: Any) -> Any:
+    """``report_to`` as TRL (transformers' ``TrainingArguments``) takes it: a tracker's name or a list of
+    them, ``"none"`` for none, ``"all"`` for every tracker installed here (which, it logs: run.json holds
+    the trackers chosen, not ``"all"``, so a relay elsewhere logs to the same ones)."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not ({"all", "none"} & set(names)):
+        return names
+    if len(names) > 1:
+        raise ValueError(f"'all' and 'none' stand alone: report_to = {list(names)}")
+    if names[0] == "none":
+        return ()
+    chosen = installed_trackers()
+    logger.warning(
+        "tracking.report_to = 'all': reporting to %s (the trackers installed here, of %s)",
+        ", ".join(chosen) or "none",
+        ", ".join(TRACKERS),
+    )
+    return chosen
 
 
 class TrackingConfig(StrictModel):
     """Experiment trackers the run's metrics are relayed to by the launcher (``tracking/``): one tracker run
     per training run, every inner step logged once, the config with it."""
 
-    report_to: tuple[Literal["tensorboard", "trackio", "wandb"], ...] = Field(
-        (), description=f"trackers to log to: any of {', '.join(TRACKERS)}; none by default"
+    report_to: Annotated[
+        tuple[Literal["tensorboard", "trackio", "wandb"], ...], BeforeValidator(trackers_named)
+    ] = Field(
+        (),
+        description=f"trackers to log to: one of {', '.join(TRACKERS)} or a list of them, 'none', or 'all' "
+        "(every one whose client is installed where the run is launched); none by default",
     )
     project: str = Field(
         "composer-serverless", min_length=1, description="the tracker's project (W&B, trackio)"
@@ -53,6 +89,4 @@ class OutputConfig(StrictModel):
         "huggingface_hub's own rule by the launcher, before the run starts: replicas never import it)",
     )
     private: bool = Field(True, description="create the Hub repo private")
-    dtype: Literal["float32", "bfloat16"] | None = Field(
-        None, description="the pushed weights' dtype; as trained when unset"
-    )
+    dtype: Dtype | None = Field(None, description="the pushed weights' dtype; as trained when unset")

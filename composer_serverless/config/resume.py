@@ -94,6 +94,11 @@ REFUSED: dict[str, str] = {
     "train": "it changes what every inner step computes (of the inner loop, only train.lr may change)",
     "eval.sequences": "every evaluation scores this many held-out sequences: the curve's points before and "
     "after the resume would not compare",
+    **dict.fromkeys(
+        ("eval.temperature", "eval.samples", "eval.pass_at", "eval.pass_threshold"),
+        "every evaluation decodes and scores the held-out prompts this way: the curve's points before and after "
+        "the resume would not compare",
+    ),
     "composer": "the composer objective's data, rewards and schedule, and each replica's saved position in its "
     "prompts and pairs, follow from it",
     "harvest": "the live harvest's schedule and the pairs each replica took follow from it",

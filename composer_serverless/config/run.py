@@ -246,12 +246,53 @@ class DiLoCoConfig(StrictModel):
 
 
 class EvalConfig(StrictModel):
-    """Evaluation of the global model on the held-out files."""
+    """Evaluation of the global model on the held-out files; how the composer objective decodes its held-out
+    prompts (greedy by default, or n samples each, with pass@k)."""
 
     sequences: int = Field(
         64, ge=1, description="held-out sequences (lm) or held-out prompts (composer) scored per evaluation"
     )
     every_rounds: int = Field(1, ge=1, description="evaluate the global model every this many rounds")
+    temperature: float = Field(
+        0.0,
+        ge=0,
+        description="composer: 0 decodes each held-out prompt greedily; > 0 samples its completions at this "
+        "temperature (the same seeds every evaluation, so the curve moves with the model, not the sampler)",
+    )
+    samples: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="composer: completions per held-out prompt (TRL's num_generations_eval); eval/reward is "
+        "their mean; more than 1 needs temperature > 0",
+    )
+    pass_at: tuple[int, ...] = Field(
+        (),
+        description="composer: the k of each pass@k reported beside the mean reward (eval/pass@k): the chance "
+        "that at least one of k completions of a prompt passes, estimated without bias from all its samples "
+        "(Chen et al. 2021); each k at most samples",
+    )
+    pass_threshold: float = Field(
+        1.0, description="composer: reward at or above which a completion passes, for pass@k"
+    )
+
+    @model_validator(mode="after")
+    def _samples_to_count(self) -> EvalConfig:
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(
+                f"samples = {self.samples} with greedy decoding (temperature = 0) scores one completion "
+                f"{self.samples} times: set eval.temperature > 0 (1.0 samples as the model does) or samples = 1"
+            )
+        too_large = [k for k in self.pass_at if not 1 <= k <= self.samples]
+        if too_large:
+            raise ValueError(
+                f"pass_at {list(self.pass_at)}: each k must be between 1 and samples ({self.samples}), since "
+                f"pass@k takes k of a prompt's samples; raise eval.samples to at least {max(too_large)} or drop "
+                f"{too_large}"
+            )
+        if len(set(self.pass_at)) != len(self.pass_at):
+            raise ValueError(f"pass_at names a k twice: {list(self.pass_at)}")
+        return self
 
 
 class RunConfig(StrictModel):
@@ -346,6 +387,17 @@ class RunConfig(StrictModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _sampled_evaluation_is_the_composers(self) -> RunConfig:
+        sampling = ("temperature", "samples", "pass_at", "pass_threshold")
+        given = [f"eval.{n}" for n in sampling if getattr(self.eval, n) != EvalConfig.model_fields[n].default]
+        if given and self.train.objective != "composer":
+            raise ValueError(
+                f"{', '.join(given)} set how the composer objective decodes its held-out prompts; the "
+                f"{self.train.objective!r} objective scores held-out loss: remove them"
+            )
+        return self
+
     @property
     def live_harvest(self) -> bool:
         """Whether the launcher harvests pairs between rounds (and the replicas record rollouts for it)."""
@@ -364,7 +416,8 @@ class RunConfig(StrictModel):
         ):
             raise ValueError(
                 "composer.beta > 0 needs preference pairs: set composer.data.pairs, or harvest them live "
-                "([harvest] with live = true)"
+                "([harvest] with live = true). composer.beta is the replay channel's weight: TRL's beta, "
+                "the KL weight, is composer.grpo.kl here"
             )
         if self.live_harvest and (composer is None or not composer.replay_on):
             raise ValueError(

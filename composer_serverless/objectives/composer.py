@@ -2,8 +2,9 @@
 
 Every inner step draws this replica's next prompts, samples G completions each with the current model, scores
 them with the configured rewards, turns the feedback into SDPO hints, takes the next preference pairs, and
-returns `losses.compose.three_channel_loss` on the lot. Evaluation decodes the held-out prompts greedily and
-reports the mean reward, overall and per task. The data position (two cursors) is the objective's state.
+returns `losses.compose.three_channel_loss` on the lot. Evaluation decodes the held-out prompts greedily (or
+samples `eval.samples` completions each) and reports the mean reward, overall and per task, with pass@k when
+asked. The data position (two cursors) is the objective's state.
 
 The launcher reads the same inputs before any replica starts (`inputs.py`), so a malformed record or a reward
 that does not import is reported with its file and line, or its import path, at launch.
@@ -64,6 +65,7 @@ from composer_serverless.objectives.harvest_schedule import (
 from composer_serverless.objectives.hints import HintBuilder
 from composer_serverless.objectives.lm import Ranks
 from composer_serverless.objectives.pairs import ReplayPairs
+from composer_serverless.objectives.pass_at_k import prompt_pass_at_k
 from composer_serverless.objectives.rewards import RewardSet, code_root, mean
 from composer_serverless.objectives.rollout import Rollout, RolloutSettings, generate, rollout, whole_weights
 from composer_serverless.objectives.shares import EvalPart, share
@@ -74,6 +76,12 @@ logger = logging.getLogger(__name__)
 
 # Held-out prompts decoded per generate call during evaluation.
 EVAL_BATCH = 256
+
+
+def eval_seed(seed: int, part: int, parts: int) -> int:
+    """The seed a sampled evaluation of share ``part`` of ``parts`` draws from: the same every round (the
+    curve moves with the model, not the sampler) and on every rank of a replica (their passes run together)."""
+    return (seed * 1_000_003 + parts * 1_009 + part) % 2**63
 
 
 def loss_settings(config: ComposerConfig, alpha: float) -> LossSettings:
@@ -211,6 +219,8 @@ class ComposerObjective:
         self._prompts = shard_records(train, rank, replicas)
         self._cycle = Cycle(len(self._prompts), seed=config.seed * 7919 + rank)
         self._heldout = stratified(heldout, config.eval.sequences)
+        self._eval = config.eval
+        self._seed = config.seed
         self._micro_batch_size = config.train.micro_batch_size
         self._rollout = RolloutSettings(
             group_size=composer.rollout.group_size,
@@ -338,33 +348,70 @@ class ComposerObjective:
             extra = {}
 
     def evaluate_part(self, model: nn.Module, part: int, parts: int) -> EvalPart:
-        """Reward of greedy completions of a share of the held-out prompts, overall (`eval/reward`) and per
-        task (`eval/task/{task}/reward`), and the same for each reward (`eval/{name}`,
-        `eval/task/{task}/{name}`), as sums and counts."""
+        """Reward of the completions of a share of the held-out prompts (``eval.samples`` each, greedy or
+        sampled at ``eval.temperature``), overall (`eval/reward`) and per task (`eval/task/{task}/reward`),
+        and the same for each reward (`eval/{name}`, `eval/task/{task}/{name}`), as sums and counts; with
+        ``eval.pass_at``, pass@k beside each (`eval/pass@k`, `eval/{name}/pass@k`, ...), a sum over prompts.
+
+        Sampling draws from its own seed, made of the run's seed and the share, and leaves the process's
+        random state as it found it: the lead that scores a late replica's share scores what that replica
+        would have, and an evaluation changes nothing the training samples after it."""
         records = share(self._heldout, part, parts)
         if not records:
             return {}
+        n = self._eval.samples
+        sampled = self._eval.temperature > 0
+        device = next(model.parameters()).device
+        forked = (
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+            if sampled
+            else contextlib.nullcontext()
+        )
         texts: list[str] = []
         token_ids: list[list[int]] = []
-        for start in range(0, len(records), EVAL_BATCH):
-            chunk = records[start : start + EVAL_BATCH]
-            samples = generate(
-                model,
-                self._tokenizer,
-                [self._rollout.render(r.prompt) for r in chunk],
-                max_new_tokens=self._rollout.max_new_tokens,
-                temperature=None,
-            )
-            texts += samples.texts
-            token_ids += samples.token_ids
-        scored = self._rewards.score(texts, records, token_ids)
+        per_call = max(1, EVAL_BATCH // n)  # prompts per generate call: at most EVAL_BATCH rows
+        with forked:
+            if sampled:
+                torch.manual_seed(eval_seed(self._seed, part, parts))
+            for start in range(0, len(records), per_call):
+                chunk = records[start : start + per_call]
+                samples = generate(
+                    model,
+                    self._tokenizer,
+                    [self._rollout.render(r.prompt) for r in chunk],
+                    max_new_tokens=self._rollout.max_new_tokens,
+                    temperature=self._eval.temperature if sampled else None,
+                    repeats=n,
+                )
+                texts += samples.texts
+                token_ids += samples.token_ids
+        rows = [r for r in records for _ in range(n)]
+        scored = self._rewards.score(texts, rows, token_ids)
         out: EvalPart = {}
         for name, values in (("reward", scored.totals), *scored.by_reward.items()):
             out[f"eval/{name}"] = mean(values)  # over the rows a reward applies to
             by_task: dict[str, list[float | None]] = {}
-            for record, value in zip(records, values, strict=True):
+            for record, value in zip(rows, values, strict=True):
                 by_task.setdefault(record.task, []).append(value)
             out.update({f"eval/task/{task}/{name}": mean(v) for task, v in sorted(by_task.items())})
+            out.update(self._pass_at(name, records, values))
+        return out
+
+    def _pass_at(self, name: str, records: list[PromptRecord], values: list[float | None]) -> EvalPart:
+        """pass@k of each k in ``eval.pass_at`` for the reward ``name`` ('reward': the weighted sum), overall
+        and per task: sums over the prompts with at least k scored completions, and their counts."""
+        n, threshold = self._eval.samples, self._eval.pass_threshold
+        prefix = "" if name == "reward" else f"{name}/"
+        out: EvalPart = {}
+        for k in self._eval.pass_at:
+            estimates = [
+                prompt_pass_at_k(values[i * n : (i + 1) * n], k, threshold) for i in range(len(records))
+            ]
+            out[f"eval/{prefix}pass@{k}"] = mean(estimates)
+            by_task: dict[str, list[float | None]] = {}
+            for record, estimate in zip(records, estimates, strict=True):
+                by_task.setdefault(record.task, []).append(estimate)
+            out.update({f"eval/task/{task}/{prefix}pass@{k}": mean(v) for task, v in sorted(by_task.items())})
         return out
 
     def _sample_completions(self, rolled: Rollout) -> None:

@@ -131,9 +131,10 @@ def check_columns(composer: ComposerConfig, train: list[PromptRecord], heldout: 
 
 def sdpo_weight(composer: ComposerConfig, train: list[PromptRecord], feedback: bool) -> float:
     """``composer.alpha``, 'auto' resolved: 1 when the task gives feedback for SDPO's hints (``feedback``: a
-    reward returned some; the built-ins do), or its prompts carry a ``hint`` column; else 0."""
+    reward of non-zero weight returned some; the built-ins do), or its prompts carry a ``hint`` column; else 0.
+    A reward of weight 0 is an evaluation metric, whose feedback no hint shows."""
     if composer.alpha != "auto":
         return composer.alpha
-    builtin = any(r.fn in BUILTIN_REWARDS for r in composer.rewards)
+    builtin = any(r.fn in BUILTIN_REWARDS and r.weight != 0 for r in composer.rewards)
     hinted = any(r.hint for r in train)
     return 1.0 if feedback or builtin or hinted else 0.0

@@ -2,8 +2,8 @@
 composer_serverless.objectives.reward_check``, the resolved config on stdin, by ``launch/launcher.py`` as it runs the
 model check): every reward imported and called as TRL calls rewards, on the first training records with
 placeholder completions, before anything is written or paid for. A wrong signature, a reward that raises, a
-missing package or a missing file is reported with its fix. It also says whether any reward gave feedback in
-words, which decides SDPO's weight when it is 'auto'.
+missing package or a missing file is reported with its fix. It also says whether any reward of non-zero weight
+gave feedback in words, which decides SDPO's weight when it is 'auto'.
 
 A child process, because a user's reward module may import anything (torch, a verifier): the launcher itself
 imports no training stack.
@@ -55,7 +55,7 @@ def check(config: RunConfig) -> dict[str, Any]:
                 "  fix: make it return None for a row it cannot score (TRL: the reward does not apply there)"
             )
         else:
-            feedback = feedback or any(notes)
+            feedback = feedback or (reward.weight != 0 and any(notes))  # weight 0: no hint shows it
     return {"problems": problems, "feedback": feedback}
 
 

@@ -12,7 +12,9 @@ Feedback in words (the expected answer, the first failing test) becomes the SDPO
 of the list: the optional return form, the same length as the batch.
 
 A run sums the configured rewards with their weights, skipping the None ones (TRL's ``nansum``: a row no
-reward applies to scores 0); each reward's mean is logged under its name (the function's, or ``name``).
+reward applies to scores 0); each reward's mean is logged under its name (the function's, or ``name``). A
+reward of weight 0 is an evaluation metric: computed and logged like any, but left out of the sum and its
+feedback out of the hints, so it changes nothing a step trains on.
 
 Built in, in the same form: ``exact_match`` (the ``answer`` column, whitespace at either end ignored),
 ``format`` (a regex the whole completion must match), ``unit_tests`` (the ``tests`` column run against the
@@ -309,7 +311,8 @@ class Scored:
     Attributes:
         totals: the weighted sum per completion, over the rewards that apply to it (0 if none does).
         by_reward: each reward's values by reward name, None where it does not apply.
-        feedback: per completion, the feedback of every reward that gave some, one per line; None if none did.
+        feedback: per completion, the feedback of every weighted reward that gave some, one per line; None if
+            none did.
     """
 
     totals: list[float]
@@ -350,6 +353,8 @@ class RewardSet:
         for reward in self.rewards:
             values, feedback = reward(records, completions, ids)
             by_reward[reward.name] = values
+            if reward.weight == 0:  # an evaluation metric
+                continue
             for i, (value, note) in enumerate(zip(values, feedback, strict=True)):
                 if value is not None:
                     totals[i] += reward.weight * value

@@ -23,6 +23,7 @@ from typing import Any, get_args
 from rich.console import Console
 
 from composer_serverless.config import ConfigError, ModelConfig, RunConfig
+from composer_serverless.config.model import dtype_name
 from composer_serverless.config.outputs import OutputConfig
 from composer_serverless.executors.base import BackendError
 from composer_serverless.executors.environment import secret_value
@@ -37,6 +38,20 @@ from composer_serverless.rendezvous.store import ObjectStore
 # The dtypes an export can write the weights in: those a run can hold them in.
 EXPORT_DTYPES: tuple[str, ...] = get_args(ModelConfig.model_fields["dtype"].annotation)
 CARD = "README.md"
+
+
+def _export_dtype(text: str) -> str:
+    """``--dtype`` as a dtype the weights can be written in, TRL's spellings (bf16, fp32) included."""
+    try:
+        name = dtype_name(text)
+    except ValueError as e:
+        raise ConfigError(f"--dtype {e}\n  fix: one of {', '.join(EXPORT_DTYPES)} (or bf16, fp32)") from None
+    if name not in EXPORT_DTYPES:
+        raise ConfigError(
+            f"--dtype {text!r} is not a dtype the weights can be exported in\n"
+            f"  fix: one of {', '.join(EXPORT_DTYPES)} (or bf16, fp32; bfloat16: half the size of float32)"
+        )
+    return name
 
 
 @dataclass(frozen=True)
@@ -75,11 +90,8 @@ def export(
             run key, or a state that cannot be read; nothing was written.
         BackendError: the Hub refused or failed (the token is checked before anything is written).
     """
-    if dtype is not None and dtype not in EXPORT_DTYPES:
-        raise ConfigError(
-            f"--dtype {dtype!r} is not a dtype the weights can be exported in\n"
-            f"  fix: one of {', '.join(EXPORT_DTYPES)} (bfloat16: half the size of float32)"
-        )
+    if dtype is not None:
+        dtype = _export_dtype(dtype)
     store, config = open_created(url)
     source = choose(store, config, round_index)
     if out.exists() and any(out.iterdir()):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from composer_serverless.config.base import ConfigError
-from composer_serverless.config.outputs import TrackingConfig
+from composer_serverless.config.outputs import TRACKER_PACKAGES, TrackingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,6 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-# The package each tracker's client comes in.
-PACKAGES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
-
-
 class TrackerUnavailable(ConfigError):
     """A tracker the config names cannot be opened here (its package is not installed)."""
 
@@ -52,7 +48,7 @@ def missing(tracking: TrackingConfig) -> list[str]:
     opened here, each with how to fix it."""
     import importlib.util
 
-    absent = [name for name in tracking.report_to if importlib.util.find_spec(PACKAGES[name]) is None]
+    absent = [name for name in tracking.report_to if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None]
     if not absent:
         return []
     return [

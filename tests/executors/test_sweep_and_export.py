@@ -100,3 +100,25 @@ def test_export_in_bfloat16_is_half_the_size_and_matches_float32_within_bf16_rou
     wrong = CliRunner().invoke(app, ["export", run, str(tmp_path / "f16"), "--dtype", "float8"])
     assert wrong.exit_code == 2 and "fix: one of float32, bfloat16" in " ".join(wrong.output.split())
     assert not (tmp_path / "f16").exists()
+
+
+def test_export_takes_trl_dtype_spellings_and_refuses_fp16_before_writing(swept, tmp_path):
+    """``--dtype bf16`` is ``--dtype bfloat16`` (the same bytes); ``--dtype fp16`` exits 2 saying why and what
+    to use, and writes nothing."""
+    _, store = swept
+    run = str(store / "grid-c0")
+    outs = {dtype: tmp_path / dtype for dtype in ("bf16", "bfloat16")}
+    for dtype, out in outs.items():
+        result = CliRunner().invoke(app, ["export", run, str(out), "--dtype", dtype])
+        assert result.exit_code == 0, result.output
+    assert (outs["bf16"] / "model.safetensors").read_bytes() == (
+        outs["bfloat16"] / "model.safetensors"
+    ).read_bytes()
+
+    refused = CliRunner().invoke(app, ["export", run, str(tmp_path / "f16"), "--dtype", "fp16"])
+    assert refused.exit_code == 2
+    assert (
+        "--dtype 'fp16' (float16) is not supported: training in it needs loss scaling; use 'bf16'"
+        in " ".join(refused.output.split())
+    )
+    assert not (tmp_path / "f16").exists()

@@ -1,6 +1,7 @@
 """The composer objective end to end inside one process, and the launcher's preflight of its inputs."""
 
 import json
+import math
 from collections import Counter
 
 import pytest
@@ -209,3 +210,64 @@ def test_a_step_on_the_accelerator_waits_for_it_a_few_times_whatever_the_batch(r
     # Four times the rows, about as many waits: transformers' SDPA mask asks once or twice more or less,
     # whether or not a batch holds padding (the rollouts decide).
     assert counts[1] <= counts[0] + 2 and max(counts) <= 16, counts
+
+
+def test_a_sampled_evaluation_reports_pass_at_k_of_its_samples_and_leaves_the_rng_alone(
+    raw, tokenizer, monkeypatch
+):
+    """eval.samples = 4 at temperature 1 on the simulated accelerator: eval/reward is the mean of the 12
+    completions' rewards, pass@k is Chen et al.'s estimator over each prompt's 4 (recomputed here from the
+    scored values), per reward and per task too; the same share scores the same twice (the lead may score a
+    late replica's share), and the process's random state is as it was."""
+    from composer_serverless.objectives.rewards import RewardSet
+
+    config = validate_config(
+        raw(rewards=[{"fn": "format", "pattern": ".*[0-9].*"}, {"fn": "exact_match", "weight": 0}])
+        | {"eval": {"sequences": 3, "temperature": 1.0, "samples": 4, "pass_at": [1, 2, 4]}}
+    )
+    scored = []
+    score = RewardSet.score
+    monkeypatch.setattr(
+        RewardSet, "score", lambda self, *a, **k: scored.append(score(self, *a, **k)) or scored[-1]
+    )
+    with simulated():
+        model = tiny_model(tokenizer).to("cuda")
+        objective = make_objective(config, tokenizer, 0, model=model)
+        cpu, device = torch.get_rng_state(), torch.cuda.get_rng_state()
+        evaluation = evaluate(objective, model)
+        assert torch.equal(torch.get_rng_state(), cpu) and torch.equal(torch.cuda.get_rng_state(), device)
+        assert evaluate(objective, model) == evaluation
+    (totals,) = {tuple(s.totals) for s in scored}  # the same completions both times
+    assert len(totals) == 12
+    groups = [totals[i : i + 4] for i in range(0, 12, 4)]
+    assert len(set(scored[0].by_reward["format"])) > 1, "the samples differ, or pass@k would be trivial"
+    assert evaluation["eval/reward"] == pytest.approx(sum(totals) / 12)
+    for k in (1, 2, 4):
+        # 1 - C(4 - c, k) / C(4, k), with c the completions of a prompt that pass (reward >= 1).
+        chance = [1 - math.comb(4 - sum(t >= 1 for t in g), k) / math.comb(4, k) for g in groups]
+        assert evaluation[f"eval/pass@{k}"] == pytest.approx(sum(chance) / 3)
+        assert evaluation[f"eval/format/pass@{k}"] == evaluation[f"eval/pass@{k}"]
+    assert evaluation["eval/pass@1"] == pytest.approx(sum(t >= 1 for t in totals) / 12)
+    assert evaluation["eval/pass@1"] <= evaluation["eval/pass@2"] <= evaluation["eval/pass@4"]
+    # HELDOUT's tasks: 'first' has two prompts (groups 0 and 1 in the stratified order), 'add' one.
+    assert {"eval/task/add/pass@2", "eval/task/first/pass@2", "eval/exact_match/pass@4"} <= evaluation.keys()
+    assert evaluation["eval/exact_match"] == pytest.approx(sum(scored[0].by_reward["exact_match"]) / 12)
+
+
+def test_greedy_evaluation_is_unchanged_by_pass_at_1(raw, model, tokenizer, monkeypatch):
+    """Greedy decoding (the default) with pass@1: the same figures as without it, and pass@1 is the share of
+    prompts whose one completion reaches the threshold."""
+    from composer_serverless.objectives.rewards import RewardSet
+
+    plain = evaluate(make_objective(validate_config(raw()), tokenizer, 0, model=model), model)
+    config = validate_config(raw() | {"eval": {"sequences": 3, "pass_at": [1], "pass_threshold": 0.5}})
+    scored = []
+    score = RewardSet.score
+    monkeypatch.setattr(
+        RewardSet, "score", lambda self, *a, **k: scored.append(score(self, *a, **k)) or scored[-1]
+    )
+    evaluation = evaluate(make_objective(config, tokenizer, 0, model=model), model)
+    assert {k: v for k, v in evaluation.items() if "pass@" not in k} == plain
+    (totals,) = [s.totals for s in scored]
+    assert len(totals) == 3
+    assert evaluation["eval/pass@1"] == pytest.approx(sum(t >= 0.5 for t in totals) / 3)

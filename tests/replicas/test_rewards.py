@@ -89,6 +89,50 @@ def test_rewards_are_summed_with_their_weights_and_feedback_is_collected():
     assert scored.feedback[2] == "The expected answer is 5."
 
 
+def test_a_reward_of_weight_0_is_scored_and_reported_but_adds_nothing_and_gives_no_hint():
+    """exact_match as an evaluation metric beside a format reward of weight 0.5: the totals are the format
+    reward's alone (0.5, 0, 0.5), exact_match's values are still there (1, 0, 0), and its feedback (the
+    expected answer) reaches no hint."""
+    rewards = RewardSet(
+        [RewardConfig(fn="exact_match", weight=0), RewardConfig(fn="format", pattern=r"\d+", weight=0.5)]
+    )
+    scored = rewards.score(["5", "x", "7"], [RECORD] * 3)
+    assert scored.totals == [0.5, 0.0, 0.5]
+    assert scored.by_reward == {"exact_match": [1.0, 0.0, 0.0], "format": [1.0, 0.0, 1.0]}
+    assert scored.feedback == [None, "The answer must match the pattern \\d+.", None]
+
+
+def test_a_metric_of_weight_0_does_not_switch_sdpo_on(tmp_path):
+    """alpha = 'auto' turns SDPO on when the task gives feedback: a built-in of weight 0 (whose feedback no
+    hint shows) does not count, neither in the config's reading nor in the launcher's reward check."""
+    from composer_serverless.config import validate_config
+    from composer_serverless.objectives import inputs, reward_check
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "add 2 3=", "answer": "5"}\n')
+    (tmp_path / "my_task.py").write_text(
+        "def short(completions, **kw):\n    return [float(len(c) < 4) for c in completions]\n"
+    )
+
+    def config(weight: float):
+        rewards = [{"fn": "my_task.py:short"}, {"fn": "exact_match", "weight": weight}]
+        return validate_config(
+            {
+                "model": {"tiny": {}},
+                "diloco": {"sync_every": 1, "rounds": 1},
+                "train": {"objective": "composer"},
+                "code": {"root": str(tmp_path)},
+                "composer": {"data": {"prompts": str(prompts), "heldout": str(prompts)}, "rewards": rewards},
+            }
+        )
+
+    records = inputs.read_prompt_set(config(0).composer, heldout=False)
+    for weight, on in ((0.0, False), (1.0, True)):
+        checked = reward_check.check(config(weight))
+        assert checked == {"problems": [], "feedback": on}
+        assert inputs.sdpo_weight(config(weight).composer, records, checked["feedback"]) == float(on)
+
+
 def test_a_reward_that_does_not_apply_to_a_row_leaves_it_out_of_the_sum():
     """TRL's nansum: a None adds nothing; a row no reward applies to scores 0."""
     rows = [RECORD, PromptRecord(prompt="p")]

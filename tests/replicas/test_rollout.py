@@ -212,3 +212,33 @@ def test_a_prompt_a_chat_template_rendered_gets_no_second_bos(tokenizer):
     for row, keep in zip(ids.tolist(), mask.tolist(), strict=True):
         tokens = [t for t, k in zip(row, keep, strict=True) if k]
         assert tokens[0] == bos_id and tokens.count(bos_id) == 1
+
+
+def test_a_reward_of_weight_0_is_reported_but_changes_no_advantage_and_no_hint(model, tokenizer):
+    """exact_match at weight 0 beside the format reward that trains: the same seed samples the same rollouts,
+    whose advantages and SDPO hints are exactly those of the format reward alone, while exact_match's values
+    are in the rollout's scores and metrics (on the simulated accelerator, as a replica runs it)."""
+    trained = [RewardConfig(fn="format", pattern=".*[0-9].*")]
+    settings = RolloutSettings(group_size=4, prompts_per_step=2, max_new_tokens=4, temperature=1.0)
+    with simulated():
+        model.to("cuda")
+        rolled = {}
+        for name, configs in (
+            ("alone", trained),
+            ("with_metric", [*trained, RewardConfig(fn="exact_match", weight=0)]),
+        ):
+            torch.manual_seed(3)
+            rolled[name] = rollout(
+                model, tokenizer, _draw(_records()), RewardSet(configs), HintBuilder(HintConfig()), settings
+            )
+    alone, with_metric = rolled["alone"], rolled["with_metric"]
+    assert with_metric.samples.texts == alone.samples.texts
+    assert with_metric.scored.totals == alone.scored.totals == with_metric.scored.by_reward["format"]
+    assert alone.rl.advantages.abs().sum() > 0, "a group of equal rewards would make this comparison vacuous"
+    assert torch.equal(with_metric.rl.advantages, alone.rl.advantages)
+    # Every completion misses the answer 5: exact_match scored 0 and said so, and no hint shows it.
+    assert with_metric.scored.by_reward["exact_match"] == [0.0] * 8
+    assert with_metric.metrics["rollout/reward/exact_match"] == 0.0
+    assert with_metric.scored.feedback == alone.scored.feedback
+    assert not any("expected answer" in (f or "") for f in with_metric.scored.feedback)
+    assert torch.equal(with_metric.hint.teacher_ids, alone.hint.teacher_ids)

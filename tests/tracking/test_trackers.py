@@ -11,11 +11,13 @@ import pytest
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from composer_serverless.config import ConfigError, validate_config
+from composer_serverless.config import ConfigError, load_config, validate_config
 from composer_serverless.config.outputs import TrackingConfig
 from composer_serverless.launch import launcher
 from composer_serverless.tracking import trackers
 from tests.conftest import TINY
+
+MINIMAL = {"model": {"tiny": {}}, "diloco": {"sync_every": 4, "rounds": 2}}
 
 
 def test_a_reopened_tensorboard_run_goes_on_in_the_same_directory(tmp_path) -> None:
@@ -43,6 +45,48 @@ def test_trackers_not_installed_are_named_with_the_fix(monkeypatch) -> None:
     (problem,) = trackers.missing(TrackingConfig(report_to=("tensorboard", "wandb")))
     assert problem.startswith("tracking.report_to names wandb, not installed here")
     assert "pip install 'composer-serverless[tracking]'" in problem
+
+
+@pytest.mark.parametrize(
+    ("given", "chosen"),
+    [
+        ("wandb", ("wandb",)),
+        (["tensorboard", "wandb"], ("tensorboard", "wandb")),
+        ("none", ()),
+        (["none"], ()),
+        ("all", ("tensorboard", "wandb")),
+        (["all"], ("tensorboard", "wandb")),
+    ],
+)
+def test_report_to_takes_what_trl_takes(monkeypatch, caplog, tmp_path, given, chosen) -> None:
+    """A string, a list, "none", or "all": every tracker whose client is installed (trackio hidden here), said
+    in the log; run.json holds the trackers chosen, so a relay elsewhere reports to the same ones. Through
+    ``--set`` too, where an unquoted name is a string."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "trackio" else find_spec(name)
+    )
+    config = validate_config({**MINIMAL, "tracking": {"report_to": given}})
+    assert config.tracking.report_to == chosen
+    assert json.loads(config.resolved_json())["tracking"]["report_to"] == list(chosen)
+    said = [r.getMessage() for r in caplog.records if "report_to = 'all'" in r.getMessage()]
+    if "all" in given:
+        assert said == [
+            "tracking.report_to = 'all': reporting to tensorboard, wandb (the trackers installed here, of "
+            "tensorboard, trackio, wandb)"
+        ]
+    else:
+        assert said == []
+    if isinstance(given, str):
+        path = tmp_path / "c.toml"
+        path.write_text("[model.tiny]\n[diloco]\nsync_every = 4\nrounds = 2\n")
+        assert load_config(path, [f"tracking.report_to={given}"]).tracking.report_to == chosen
+
+
+@pytest.mark.parametrize("given", [["all", "wandb"], ["none", "none"]])
+def test_all_and_none_stand_alone(given) -> None:
+    with pytest.raises(ConfigError, match=r"'all' and 'none' stand alone: report_to = \["):
+        validate_config({**MINIMAL, "tracking": {"report_to": given}})
 
 
 def test_a_launch_whose_tracker_is_not_installed_stops_before_the_store_is_written(
