@@ -33,20 +33,20 @@ def examine(config: Any, offline: bool = False) -> dict[str, Any]:
     """``{"problems": [...], "parameters": {"total": N, "trainable": M} | None, "unchecked": str | None}``:
     what stops ``config``'s model from training as configured (empty when nothing does), its size, and, when
     ``offline`` and the model is on the Hub but not in this machine's cache, why it was not checked."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from composer_serverless.models.loading import hf_config
-
     spec = config.model
     found: dict[str, Any] = {"problems": [], "parameters": None, "unchecked": None}
-    if offline and not _cached(spec):
+    if offline and not _cached(spec):  # said before torch is imported: a dry run's seconds
         found["unchecked"] = (
             f"model.path {spec.path!r} is not a directory here, so it names a Hub repository, and that is not "
             "in this machine's Hugging Face cache; a dry run reaches no network, so the model (its config, "
             "tokenizer and chat template) was not checked: the launch checks it before anything is written"
         )
         return found
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from composer_serverless.models.loading import hf_config
+
     hub = {
         "trust_remote_code": spec.trust_remote_code,
         **({"revision": spec.revision} if spec.revision else {}),
