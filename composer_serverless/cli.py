@@ -188,7 +188,7 @@ def launch(
             raise ConfigError("missing CONFIG\n  fix: pass a TOML config to start a run, or --resume RUN")
         cfg = load_config(config, _overrides(set_, replicas), executor.value if executor else None)
         if dry_run:
-            _print_dry_run(launcher.prepare(cfg, str(config), offline=True))
+            _print_dry_run(launcher.prepare(cfg, str(config), offline=True, console=err_console))
             return
         launcher.launch(cfg, str(config), console, on_interrupt=ask_cancel_or_detach)
 

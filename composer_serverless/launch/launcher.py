@@ -15,6 +15,7 @@ with the keys a resume may change changed if asked (``config/resume.py``), a fin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -156,10 +157,13 @@ class Prepared:
     auto_alpha: bool = False
 
 
-def prepare(config: RunConfig, source: str, offline: bool = False) -> Prepared:
+def prepare(
+    config: RunConfig, source: str, offline: bool = False, console: Console | None = None
+) -> Prepared:
     """Resolve the run id, check the data, the rewards and the model, build the executor and its plan; raises
     ConfigError for a plan that cannot work. ``offline`` (a dry run): the model check reads the Hub from this
-    machine's cache only, and says what it could not check."""
+    machine's cache only, and says what it could not check. ``console`` shows a spinner while the model is
+    checked (a download from the Hub can take a minute)."""
     store = absolute_store(config.store)
     run_id = config.run_id or new_run_id(source)
     # Validated again (model_copy would not): the plan is built from exactly what run.json will hold.
@@ -171,7 +175,10 @@ def prepare(config: RunConfig, source: str, offline: bool = False) -> Prepared:
     executor = make_executor(resolved, run)
     plan = _plan(executor, resolved, run)
     # Before the data settings name the run's prefix, where nothing is uploaded yet: the check reads them.
-    model = check_model(resolved, offline) if resolved.model.path is not None else ModelFacts()
+    model = ModelFacts()
+    if resolved.model.path is not None:
+        with contextlib.nullcontext() if console is None else console.status(_CHECKING_MODEL):
+            model = check_model(resolved, offline)
     plan = _with_measured_cost(plan, resolved, model)
     # Data named by a local path reaches cloud replicas through the run's prefix: run.json names it there.
     shipped = shipment.from_plan(plan.resources["shipped"])
@@ -179,6 +186,9 @@ def prepare(config: RunConfig, source: str, offline: bool = False) -> Prepared:
     problems = _preflight(executor, plan, resolved)
     auto_alpha = config.composer is not None and config.composer.alpha == "auto"
     return Prepared(resolved, source, run, executor, plan, problems, shipped, model, auto_alpha)
+
+
+_CHECKING_MODEL = "checking the model (config, tokenizer, a meta-device instance)"
 
 
 def _with_measured_cost(plan: LaunchPlan, config: RunConfig, model: ModelFacts) -> LaunchPlan:
@@ -346,7 +356,7 @@ def launch(
             from elsewhere.
         Terminated: SIGTERM before the run was watched; any replica started was cancelled.
     """
-    prepared = prepare(config, source)
+    prepared = prepare(config, source, console=console)
     supervisor = start(prepared, console)
     return follow(supervisor, prepared.config, console, on_interrupt)
 
