@@ -50,8 +50,8 @@ def test_a_model_past_one_gpu_is_warned_about_and_its_ranks_share_it() -> None:
     (warning,) = fit.warnings(t4, devices, params)
     # 1,543,714,304 x 16 bytes = 24.70 GB against 16 GB.
     assert warning.startswith(
-        "the model has 1,544M parameters: its weights, gradients and optimizer state take 24.7 GB on each of a "
-        "replica's 1 x T4 (16 GB) per replica, more than the 16 GB one has, before any activation\n  fix: "
+        "the model has 1,544M parameters: its weights, gradients and optimizer state take 24.7 GB per GPU "
+        "(a replica has 1 x T4), more than the 16 GB a T4 has, before any activation\n  fix: "
     )
     two = _config({"type": "modal", "gpu": "T4", "gpu_count": 2})  # 12.35 GB per rank
     assert fit.warnings(two, fit.plan_devices(two, _plan()), params) == []
