@@ -1,5 +1,9 @@
 """``launch --dry-run`` prints the plan and its cost for every backend without any network at all: the CLI
-runs in a network namespace with no interfaces (``unshare -n``), with no credentials, and still exits 0."""
+runs in a network namespace with no interfaces (``unshare -n``), with no credentials, and still exits 0.
+
+It checks the model as the launch does (a Hub model from the cache only, or said to be unchecked), prints the
+resolved settings, warns of a model past the GPU named or large on a CPU, estimates the cost from a measured
+step time when the project has one for that GPU, and ``sweep --dry-run`` does all of it for every cell."""
 
 from __future__ import annotations
 
