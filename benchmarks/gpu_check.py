@@ -26,7 +26,9 @@ GPU 0 when there is one GPU):
 
 Per line: rounds committed, replicas bit-identical, the step time split (seconds per inner step: generation,
 forward and backward, optimizer, sync; on the device's clock), the device's peak bytes per parameter (the
-most over the run's rounds and replicas), rollout tokens per second.
+most over the run's rounds and replicas), rollout tokens per second, and the step's workload (the settings
+``executors/measured.py`` matches a plan by: a dry run's expected cost uses a GPU's file, with its date and
+commit, for a run of the same workload and model size).
 
 Without CUDA the same lines run at a tiny stand-in shape on the simulated accelerator (the GPU code path,
 CUDA's placement rules, not its speed); the Qwen shapes and the all-reduce line (under 16 cores) are skipped,
@@ -120,6 +122,8 @@ def run_check(lines: tuple[str, ...]) -> dict[str, Any]:
         print(json.dumps(rows[-1]), flush=True)
     return {
         "device": device,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "commit": _commit(),
         "cuda": cuda,
         "torch": torch.__version__,
         "cuda_runtime": torch.version.cuda,
@@ -407,7 +411,7 @@ def _per_step(run: Path) -> dict[str, Any]:
     later = [r for r in rows if r["round"] > 1] or rows
     steps = sum(r["steps"] for r in later)
     split = {phase: round(sum(r["time_s"][phase] for r in later) / steps, 4) for phase in later[0]["time_s"]}
-    out: dict[str, Any] = {"step_s": split, "params": _params(run)}
+    out: dict[str, Any] = {"step_s": split, "params": _params(run), "workload": _workload(run)}
     peaks = [r["device_peak_bytes"] for r in rows if r.get("device_peak_bytes")]
     if peaks and out["params"]:
         out["device_peak_bytes_per_param"] = round(max(peaks) / out["params"]["total"], 2)
@@ -416,6 +420,28 @@ def _per_step(run: Path) -> dict[str, Any]:
     if seconds:
         out["rollout_tokens_per_s"] = round(tokens / seconds, 1)
     return out
+
+
+def _workload(run: Path) -> dict[str, Any]:
+    """The settings that decide the run's step's work, as a plan's are matched against them."""
+    from composer_serverless.config import RunConfig
+    from composer_serverless.executors.measured import workload
+
+    return workload(RunConfig.model_validate_json((run / "run.json").read_text()))
+
+
+def _commit() -> str:
+    """The checkout's commit (with ``+dirty`` when it has changes), or ``unknown`` outside git."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    if head.returncode:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _params(run: Path) -> dict[str, int] | None:

@@ -33,6 +33,7 @@ from composer_serverless.rendezvous.store import ObjectStore, StoreError
 if TYPE_CHECKING:
     from composer_serverless.harvest.plan import Prepared as HarvestPrepared
     from composer_serverless.launch.launcher import Prepared
+    from composer_serverless.launch.sweep import Cell
 
 app = typer.Typer(
     add_completion=False,
@@ -187,22 +188,38 @@ def launch(
             raise ConfigError("missing CONFIG\n  fix: pass a TOML config to start a run, or --resume RUN")
         cfg = load_config(config, _overrides(set_, replicas), executor.value if executor else None)
         if dry_run:
-            _print_dry_run(launcher.prepare(cfg, str(config)))
+            _print_dry_run(launcher.prepare(cfg, str(config), offline=True, console=err_console))
             return
         launcher.launch(cfg, str(config), console, on_interrupt=ask_cancel_or_detach)
 
 
 def _print_dry_run(prepared: Prepared) -> None:
+    from composer_serverless.launch import dry_run
+
     typer.echo(prepared.plan.to_json())
-    err_console.print(f"estimated cost: {prepared.plan.cost.summary()}", markup=False, highlight=False)
-    if prepared.problems:
+    _print_checked(prepared)
+    ready = f"this machine has what the launch needs; left for the launch: {', '.join(dry_run.left_for_launch(prepared))}"
+    _print_problems(prepared.problems, ready)
+
+
+def _print_checked(prepared: Prepared, label: str = "") -> None:
+    """A dry run's lines about one prepared run (``launch/dry_run.py``), each after ``label``."""
+    from composer_serverless.launch import dry_run
+
+    for line in (dry_run.settings(prepared), dry_run.model_line(prepared)):
+        err_console.print(label + line, markup=False, highlight=False)
+    for warning in dry_run.warnings(prepared):
+        err_console.print(f"[yellow]{escape(label)}warning:[/] {escape(warning)}", highlight=False)
+    err_console.print(f"{label}estimated cost: {prepared.plan.cost.summary()}", markup=False, highlight=False)
+
+
+def _print_problems(problems: list[str], ready: str) -> None:
+    if problems:
         err_console.print("[yellow]launch would stop here until these are fixed:[/]", highlight=False)
-        for problem in prepared.problems:
+        for problem in problems:
             err_console.print(textwrap.indent(problem, "  "), markup=False, highlight=False)
     else:
-        err_console.print(
-            "this machine has what the launch needs (the store is probed at launch)", highlight=False
-        )
+        err_console.print(ready, markup=False, highlight=False)
 
 
 @app.command()
@@ -345,6 +362,12 @@ def sweep(
     executor: ExecutorOption = None,
     replicas: ReplicasOption = None,
     set_: SetOption = [],  # noqa: B006
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="check every cell and print its plan and cost; touch no network, start nothing"
+        ),
+    ] = False,
 ) -> None:
     """Run every combination of the --grid values as its own run, side by side; print a results table."""
     from composer_serverless.launch import sweep as grid_sweep
@@ -352,8 +375,11 @@ def sweep(
 
     with _user_errors(), sigterm_cancels():
         cells = grid_sweep.plan_sweep(
-            config, grid, _overrides(set_, replicas), executor.value if executor else None
+            config, grid, _overrides(set_, replicas), executor.value if executor else None, dry_run=dry_run
         )
+        if dry_run:
+            _print_sweep_dry_run(cells)
+            return
         finished = grid_sweep.run_sweep(cells, console, on_interrupt=ask_cancel_or_detach)
     if finished is None:
         return
@@ -361,6 +387,21 @@ def sweep(
     console.print(f"runs: {grid_sweep.runs_root(finished)}/<run>", markup=False, highlight=False)
     if any(cell.state != "succeeded" for cell in finished):
         raise typer.Exit(1)
+
+
+def _print_sweep_dry_run(cells: list[Cell]) -> None:
+    """Every cell's plan (a JSON list on stdout) and its checked lines; the problems of all cells once."""
+    from composer_serverless.launch import dry_run
+    from composer_serverless.launch.sweep import describe, problems
+
+    typer.echo(json.dumps([json.loads(cell.prepared.plan.to_json()) for cell in cells], indent=2))
+    for cell in cells:
+        err_console.print(f"{cell.label} ({describe(cell.values)}):", markup=False, highlight=False)
+        _print_checked(cell.prepared, label="  ")
+    left = dict.fromkeys(item for cell in cells for item in dry_run.left_for_launch(cell.prepared))
+    _print_problems(
+        problems(cells), f"this machine has what the sweep needs; left for the launch: {', '.join(left)}"
+    )
 
 
 @app.command()

@@ -116,3 +116,56 @@ def test_a_training_pass_with_dropout_is_caught_even_when_functional(archs: dict
         same_function_twice(published.model, published.tokenizer)
     off = load_model(ModelConfig(path=str(archs["opt"])), archs["opt"])
     same_function_twice(off.model, off.tokenizer)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"config_overrides": {"no_such_key": 1}},
+        {"lora": {"target_modules": ["qkv"]}},
+        {"attn_implementation": "no_such_kernel"},
+    ],
+)
+def test_a_dry_run_fails_as_the_launch_does(tmp_path: Path, archs: dict, model: dict) -> None:
+    """The issue's "done when": the dry run runs the model check too, and says what the launch says."""
+    launched = _launch(tmp_path, {"path": str(archs["llama"]), **model})
+    dry = _launch(tmp_path, {"path": str(archs["llama"]), **model}, "--dry-run")
+    assert dry[0] == launched[0] == 2, dry[1]
+    assert dry[1] == launched[1] and "the model cannot be trained as configured" in dry[1]
+    assert not dry[2].exists() or not any(dry[2].iterdir())
+
+
+def test_the_dry_run_counts_lora_adapters_as_peft_makes_them(tmp_path: Path, archs: dict) -> None:
+    """The tiny Llama (width 32, MLP 64, 2 layers, 2 key/value heads of 8): per layer q and o 32 -> 32, k and v
+    32 -> 16, gate and up 32 -> 64, down 64 -> 32; r = 8 adds 8 x (in + out) to each: 512 + 384 + 384 + 512 +
+    768 + 768 + 768 = 4,096, 8,192 in all (the output head is not adapted)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    code, output, _ = _launch(tmp_path, {"path": str(archs["llama"]), "lora": {"r": 8}}, "--dry-run")
+    assert code == 0, output
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(archs["llama"]))
+        total = sum(p.numel() for p in base.parameters())
+        adapted = get_peft_model(base, LoraConfig(r=8, target_modules="all-linear"))
+    assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == 8_192
+    assert f"{total + 8_192:,} parameters (8,192 trained)" in output
+
+
+def test_a_sweep_dry_run_checks_each_cells_model_and_names_the_cell_that_fails(
+    tmp_path: Path, archs: dict
+) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'store = "{tmp_path / "store"}"\n[model]\npath = "{archs["llama"]}"\n'
+        "[diloco]\nreplicas = 1\nsync_every = 1\nrounds = 1\n"
+    )
+    grid = ["--grid", "model.attn_implementation=sdpa,no_such_kernel"]
+    result = CliRunner().invoke(app, ["sweep", str(config), *grid, "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(
+        "error: grid cell 1 (model.attn_implementation=no_such_kernel): the model cannot be trained as "
+        f"configured:\n  model.path '{archs['llama']}': the model cannot be built from its config"
+    )
+    assert not (tmp_path / "store").exists()

@@ -71,3 +71,37 @@ def flavor_gpus(flavor: str) -> int:
         return 0
     count = flavor.rsplit("x", 1)[-1]
     return int(count) if count.isdigit() else 1
+
+
+GPU_MEMORY_GB: dict[str, int] = {
+    "T4": 16,
+    "L4": 24,
+    "A10": 24,
+    "A10G": 24,
+    "L40S": 48,
+    "A100": 40,
+    "A100-40GB": 40,
+    "A100-80GB": 80,
+    "H100": 80,
+    "H100!": 80,
+    "H200": 141,
+    "B200": 180,
+    "RTX-PRO-6000": 96,
+}
+"""GB of memory of one GPU, by Modal GPU type (and the HF Jobs flavors' GPUs): the cards' published sizes.
+Modal's ``A100`` may land on an 80 GB card; the 40 GB it promises is what counts."""
+
+_HF_FLAVOR_FAMILIES = {
+    "t4-": "T4",
+    "l4x": "L4",
+    "l40sx": "L40S",
+    "a10g-": "A10G",
+    "a100": "A100-80GB",  # the Hub's a100 flavors are 80 GB cards
+    "h200": "H200",
+    "rtx-pro-6000": "RTX-PRO-6000",
+}
+
+
+def flavor_gpu(flavor: str) -> str | None:
+    """The GPU of an HF Jobs flavor (a ``GPU_MEMORY_GB`` key), None for a ``cpu-*`` flavor."""
+    return next((gpu for prefix, gpu in _HF_FLAVOR_FAMILIES.items() if flavor.startswith(prefix)), None)

@@ -51,8 +51,9 @@ class CostEstimate:
     """What a plan may cost, in USD, from a list price per replica-hour.
 
     ``max_usd`` is a bound, not a guess: every replica runs to its timeout and uses every restart.
-    ``expected_usd`` needs ``executor.seconds_per_step`` (measured on the hardware) and counts start-up plus
-    the configured inner steps once per replica; it leaves out sync waits and restarts.
+    ``expected_usd`` needs a step time, ``executor.seconds_per_step`` or one the project measured on the same
+    GPU for the same model size and workload (``executors/measured.py``; ``expected_basis`` says which), and
+    counts start-up plus the configured inner steps once per replica; it leaves out sync waits and restarts.
     """
 
     price_per_replica_hour: float
@@ -62,14 +63,17 @@ class CostEstimate:
     max_usd: float
     expected_replica_hours: float | None = None
     expected_usd: float | None = None
+    expected_basis: str | None = None
 
     def summary(self) -> str:
         if self.price_per_replica_hour == 0:
             return f"$0 ({self.price_basis})"
         expected = (
-            f"expected ${self.expected_usd:,.2f} ({self.expected_replica_hours:,.2f} replica-hours)"
+            f"expected ${self.expected_usd:,.2f} ({self.expected_replica_hours:,.2f} replica-hours; "
+            f"{self.expected_basis})"
             if self.expected_usd is not None
-            else "expected: set executor.seconds_per_step to estimate"
+            else "expected: no step time measured for this GPU, model size and workload (set "
+            "executor.seconds_per_step to estimate)"
         )
         return (
             f"{expected}; at most ${self.max_usd:,.2f} ({self.max_replica_hours:,.2f} replica-hours, every "

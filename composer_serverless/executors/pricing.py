@@ -6,6 +6,7 @@ config validates against.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from composer_serverless.executors.base import CostEstimate
 
 if TYPE_CHECKING:
     from composer_serverless.config.run import RunConfig
+    from composer_serverless.executors.measured import Measurement
 
 
 def estimate_cost(
@@ -21,27 +23,48 @@ def estimate_cost(
 ) -> CostEstimate:
     """The plan's cost: an upper bound from the timeout, and an expected figure when step time is known."""
     ex = config.executor
-    replicas = config.diloco.replicas
-    max_hours = replicas * (1 + ex.max_restarts) * ex.timeout_s / 3600
-    expected_s = expected_replica_seconds(config)
-    expected_hours = None if expected_s is None else replicas * expected_s / 3600
-    return CostEstimate(
+    max_hours = config.diloco.replicas * (1 + ex.max_restarts) * ex.timeout_s / 3600
+    cost = CostEstimate(
         price_per_replica_hour=price_per_replica_hour,
         price_basis=price_basis,
         gpus_per_replica=gpus_per_replica,
         max_replica_hours=round(max_hours, 4),
         max_usd=round(max_hours * price_per_replica_hour, 2),
-        expected_replica_hours=None if expected_hours is None else round(expected_hours, 4),
-        expected_usd=None if expected_hours is None else round(expected_hours * price_per_replica_hour, 2),
+    )
+    if ex.seconds_per_step is None:
+        return cost
+    return _expected(cost, config, ex.seconds_per_step, "executor.seconds_per_step")
+
+
+def with_measured(cost: CostEstimate, config: RunConfig, measurement: Measurement) -> CostEstimate:
+    """``cost`` with the expected figure at a step time the project measured, unless the config gives its
+    own (``executor.seconds_per_step``: the user's measurement of the user's hardware wins)."""
+    if cost.expected_basis is not None:
+        return cost
+    return _expected(cost, config, measurement.seconds_per_step, measurement.source())
+
+
+def _expected(cost: CostEstimate, config: RunConfig, seconds_per_step: float, basis: str) -> CostEstimate:
+    dl = config.diloco
+    hours = dl.replicas * replica_seconds(config, seconds_per_step) / 3600
+    return dataclasses.replace(
+        cost,
+        expected_replica_hours=round(hours, 4),
+        expected_usd=round(hours * cost.price_per_replica_hour, 2),
+        expected_basis=f"{dl.rounds} rounds x {dl.sync_every} steps x {seconds_per_step:g} s/step + "
+        f"{config.executor.startup_s:g} s start-up per replica, {basis}",
     )
 
 
+def replica_seconds(config: RunConfig, seconds_per_step: float) -> float:
+    """Start-up plus every configured inner step at ``seconds_per_step``."""
+    return config.executor.startup_s + config.diloco.rounds * config.diloco.sync_every * seconds_per_step
+
+
 def expected_replica_seconds(config: RunConfig) -> float | None:
-    """Start-up plus every configured inner step at the measured step time; None when that is unknown."""
+    """One replica's work at ``executor.seconds_per_step``; None when that is unknown."""
     ex = config.executor
-    if ex.seconds_per_step is None:
-        return None
-    return ex.startup_s + config.diloco.rounds * config.diloco.sync_every * ex.seconds_per_step
+    return None if ex.seconds_per_step is None else replica_seconds(config, ex.seconds_per_step)
 
 
 def check_timeout_covers_work(config: RunConfig) -> None:

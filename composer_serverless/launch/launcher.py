@@ -4,7 +4,9 @@ The launcher and the replicas share nothing but the store: the launcher writes `
 model, if the config asks for one), starts the replicas with the run's URL, records how to find them again
 (``launch.json``), draws their heartbeats, and finally writes the report from the metrics they left in the
 store. Everything that can be checked is checked before the first write: the config and the plan (no
-network), this machine's credentials (no network), then the store (one probe object, deleted again).
+network), this machine's credentials (no network), the data, the rewards and the model (each in a child
+process), then the store (one probe object, deleted again). A dry run makes the same checks but the store's,
+offline: a Hub model not in this machine's cache is reported as not checked, with why.
 
 Watching, and what Ctrl-C and SIGTERM do then, is ``watch.py``'s, shared with ``sweep``. ``resume`` restarts
 every replica of an existing run whose replicas all died: they continue from its latest published state,
@@ -13,6 +15,7 @@ with the keys a resume may change changed if asked (``config/resume.py``), a fin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -33,7 +36,7 @@ from rich.console import Console
 from composer_serverless.config import ConfigError, RunConfig, apply_override, validate_config
 from composer_serverless.config.composer import BUILTIN_REWARDS
 from composer_serverless.config.resume import cosine_note, refusal_message, sort_changes
-from composer_serverless.executors import make_executor, shipment
+from composer_serverless.executors import make_executor, measured, pricing, shipment
 from composer_serverless.executors.base import (
     TERMINAL_STATES,
     LaunchPlan,
@@ -43,6 +46,7 @@ from composer_serverless.executors.base import (
     ServerlessExecutor,
     model_plan,
 )
+from composer_serverless.executors.fit import plan_devices
 from composer_serverless.executors.opening import STORE_HINT, absolute_store, open_created, open_store
 from composer_serverless.harvest import plan as harvest_plan
 from composer_serverless.launch import watch
@@ -125,11 +129,21 @@ def _build_tiny_into(run: ObjectStore, config: RunConfig) -> None:
         run.upload_dir(Path(out), layout.MODEL)
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the model check found besides problems: the parameters (``total``, ``trainable``), or why the
+    model was not checked (``unchecked``: a Hub model offline); both None for the tiny model, built here."""
+
+    parameters: dict[str, int] | None = None
+    unchecked: str | None = None
+
+
 @dataclass
 class Prepared:
     """A run decided but not started: resolved config (run id, absolute local store), executor, plan.
 
     ``problems`` lists what this machine lacks for the launch (credentials, ...), found without network.
+    ``model`` is what the model check found; ``auto_alpha`` whether SDPO's weight was decided here ('auto').
     """
 
     config: RunConfig
@@ -139,10 +153,17 @@ class Prepared:
     plan: LaunchPlan
     problems: list[str]
     shipped: shipment.Shipment
+    model: ModelFacts = ModelFacts()
+    auto_alpha: bool = False
 
 
-def prepare(config: RunConfig, source: str) -> Prepared:
-    """Resolve the run id, build the executor and its plan; raises ConfigError for a plan that cannot work."""
+def prepare(
+    config: RunConfig, source: str, offline: bool = False, console: Console | None = None
+) -> Prepared:
+    """Resolve the run id, check the data, the rewards and the model, build the executor and its plan; raises
+    ConfigError for a plan that cannot work. ``offline`` (a dry run): the model check reads the Hub from this
+    machine's cache only, and says what it could not check. ``console`` shows a spinner while the model is
+    checked (a download from the Hub can take a minute)."""
     store = absolute_store(config.store)
     run_id = config.run_id or new_run_id(source)
     # Validated again (model_copy would not): the plan is built from exactly what run.json will hold.
@@ -153,10 +174,33 @@ def prepare(config: RunConfig, source: str) -> Prepared:
     run = open_store(store, fix=STORE_HINT).child(run_id)
     executor = make_executor(resolved, run)
     plan = _plan(executor, resolved, run)
+    # Before the data settings name the run's prefix, where nothing is uploaded yet: the check reads them.
+    model = ModelFacts()
+    if resolved.model.path is not None:
+        with contextlib.nullcontext() if console is None else console.status(_CHECKING_MODEL):
+            model = check_model(resolved, offline)
+    plan = _with_measured_cost(plan, resolved, model)
     # Data named by a local path reaches cloud replicas through the run's prefix: run.json names it there.
     shipped = shipment.from_plan(plan.resources["shipped"])
     resolved = shipment.with_uploaded_data(resolved, run.url, shipped)
-    return Prepared(resolved, source, run, executor, plan, _preflight(executor, plan, resolved), shipped)
+    problems = _preflight(executor, plan, resolved)
+    auto_alpha = config.composer is not None and config.composer.alpha == "auto"
+    return Prepared(resolved, source, run, executor, plan, problems, shipped, model, auto_alpha)
+
+
+_CHECKING_MODEL = "checking the model (config, tokenizer, a meta-device instance)"
+
+
+def _with_measured_cost(plan: LaunchPlan, config: RunConfig, model: ModelFacts) -> LaunchPlan:
+    """The plan with an expected cost at a step time the project measured on its GPU for a model of this
+    size and this workload (``executors/measured.py``), when there is one and the config gives none."""
+    gpu = plan_devices(config, plan).gpu
+    if plan.cost.price_per_replica_hour == 0 or gpu is None or model.parameters is None:
+        return plan
+    found = measured.find(measured.load(), gpu, model.parameters["total"], config)
+    if found is None:
+        return plan
+    return dataclasses.replace(plan, cost=pricing.with_measured(plan.cost, config, found))
 
 
 def _with_rewards_checked(config: RunConfig, train: list[Any]) -> RunConfig:
@@ -202,9 +246,6 @@ def start(prepared: Prepared, console: Console) -> Supervisor:
     backend is asked whether the credentials may launch before the store is touched)."""
     if prepared.problems:
         raise ConfigError("cannot launch:\n" + "\n".join(textwrap.indent(p, "  ") for p in prepared.problems))
-    if prepared.config.model.path is not None:
-        with console.status("checking the model (config, tokenizer, a meta-device instance)"):
-            check_model(prepared.config)
     prepared.executor.check_access(prepared.plan)
     ship_code = prepared.plan.resources["shipped"]["how"] == shipment.STORE
     run, _ = create_run(prepared.config, prepared.source, console, prepared.shipped, ship_code)
@@ -221,18 +262,21 @@ def _hand_over_key(executor: ServerlessExecutor, run: ObjectStore, config: RunCo
     executor.run_secrets[runkey.ENV] = checked_run_key(run).hex()
 
 
-def check_model(config: RunConfig) -> None:
-    """Run the model check (``models/check.py``) in a child process, so this one never imports torch.
+def check_model(config: RunConfig, offline: bool = False) -> ModelFacts:
+    """Run the model check (``models/check.py``) in a child process, so this one never imports torch; with
+    ``offline``, the Hub is read from this machine's cache only.
 
     Raises:
         ConfigError: every problem found, each with its fix; or the check could not run at all.
     """
-    found = _model_problems(json.dumps({k: json.loads(config.resolved_json())[k] for k in _CHECKED}))
-    if found:
+    checked = json.dumps({k: json.loads(config.resolved_json())[k] for k in _CHECKED})
+    found = _model_check(checked, offline)
+    if found["problems"]:
         raise ConfigError(
             "the model cannot be trained as configured:\n"
-            + "\n".join(textwrap.indent(p, "  ") for p in found)
+            + "\n".join(textwrap.indent(p, "  ") for p in found["problems"])
         )
+    return ModelFacts(found["parameters"], found["unchecked"])
 
 
 # What the model check reads of a run; a sweep's cells that agree on these are checked once. The harvest table
@@ -241,22 +285,23 @@ _CHECKED = ("model", "data", "train", "composer", "diloco", "harvest")
 
 
 @functools.lru_cache(maxsize=8)
-def _model_problems(checked: str) -> tuple[str, ...]:
+def _model_check(checked: str, offline: bool) -> dict[str, Any]:
     raw = json.loads(checked)
     config = validate_config({**raw, "executor": {"type": "local"}}, source="the model check")
-    return tuple(_child_check("composer_serverless.models.check", config, "the model check"))
+    args = ("--offline",) if offline else ()
+    return _child_check("composer_serverless.models.check", config, "the model check", args)
 
 
-def _child_check(module: str, config: RunConfig, what: str) -> Any:
-    """What the check ``python -m module`` prints last (JSON), given the resolved ``config`` on stdin: run in
-    a child process, so that what it imports (torch, the user's code) never enters the launcher.
+def _child_check(module: str, config: RunConfig, what: str, args: Sequence[str] = ()) -> Any:
+    """What the check ``python -m module *args`` prints last (JSON), given the resolved ``config`` on stdin:
+    run in a child process, so that what it imports (torch, the user's code) never enters the launcher.
 
     Raises:
         ConfigError: the check did not finish in time, or failed without an answer (its stderr's tail).
     """
     try:
         result = subprocess.run(
-            [sys.executable, "-m", module],
+            [sys.executable, "-m", module, *args],
             input=config.resolved_json(),
             capture_output=True,
             text=True,
@@ -311,7 +356,7 @@ def launch(
             from elsewhere.
         Terminated: SIGTERM before the run was watched; any replica started was cancelled.
     """
-    prepared = prepare(config, source)
+    prepared = prepare(config, source, console=console)
     supervisor = start(prepared, console)
     return follow(supervisor, prepared.config, console, on_interrupt)
 

@@ -67,8 +67,12 @@ def parse_grid(grid: list[str]) -> list[tuple[str, list[str]]]:
     return axes
 
 
-def plan_sweep(path: Path, grid: list[str], overrides: list[str], executor_type: str | None) -> list[Cell]:
-    """Validate and plan every cell; raises ConfigError (naming the cell) before anything is created."""
+def plan_sweep(
+    path: Path, grid: list[str], overrides: list[str], executor_type: str | None, dry_run: bool = False
+) -> list[Cell]:
+    """Validate, check and plan every cell; raises ConfigError (naming the cell) before anything is created.
+    A ``dry_run`` checks the model offline (``launcher.prepare``) and leaves what this machine lacks in the
+    cells' ``problems`` to be shown, where a sweep refuses it."""
     axes = parse_grid(grid)
     combos = [
         dict(zip([k for k, _ in axes], values, strict=True))
@@ -81,7 +85,7 @@ def plan_sweep(path: Path, grid: list[str], overrides: list[str], executor_type:
         try:
             config = load_config(path, cell_overrides, executor_type)
         except ConfigError as e:
-            raise ConfigError(f"grid cell {index} ({_describe(values)}): {e}") from None
+            raise ConfigError(f"grid cell {index} ({describe(values)}): {e}") from None
         if config.output.push_to_hub is not None:
             raise ConfigError(
                 f"output.push_to_hub = {config.output.push_to_hub!r}: a sweep does not push its cells (they would "
@@ -91,13 +95,20 @@ def plan_sweep(path: Path, grid: list[str], overrides: list[str], executor_type:
         base = base or config.run_id or new_run_id(str(path))
         run_id = f"{base[: 63 - len(f'-c{index}')]}-c{index}"
         assert RUN_ID_PATTERN.match(run_id), run_id
-        cells.append(Cell(index, values, prepare(config.model_copy(update={"run_id": run_id}), str(path))))
-    problems = sorted({p for cell in cells for p in cell.prepared.problems})
-    if problems:
-        raise ConfigError(
-            "cannot launch the sweep:\n" + "\n".join(textwrap.indent(p, "  ") for p in problems)
-        )
+        try:
+            prepared = prepare(config.model_copy(update={"run_id": run_id}), str(path), offline=dry_run)
+        except ConfigError as e:
+            raise ConfigError(f"grid cell {index} ({describe(values)}): {e}") from None
+        cells.append(Cell(index, values, prepared))
+    missing = problems(cells)
+    if missing and not dry_run:
+        raise ConfigError("cannot launch the sweep:\n" + "\n".join(textwrap.indent(p, "  ") for p in missing))
     return cells
+
+
+def problems(cells: list[Cell]) -> list[str]:
+    """What this machine lacks for any cell, each once."""
+    return sorted({p for cell in cells for p in cell.prepared.problems})
 
 
 @sigterm_cancels()
@@ -115,7 +126,7 @@ def run_sweep(
             cell.run = Followed(supervisor, cell.prepared.config, label=f"{cell.label}: ")
             runs.append(cell.run)
             console.print(
-                f"{cell.label} ({_describe(cell.values)}): run {cell.prepared.plan.run_id} at {supervisor.run.url}",
+                f"{cell.label} ({describe(cell.values)}): run {cell.prepared.plan.run_id} at {supervisor.run.url}",
                 markup=False,
             )
             if supervisor.held_interrupt is not None:  # Ctrl-C while it started: ask before starting more
@@ -158,5 +169,5 @@ def runs_root(cells: list[Cell]) -> str:
     return cells[0].prepared.config.store
 
 
-def _describe(values: dict[str, str]) -> str:
+def describe(values: dict[str, str]) -> str:
     return ", ".join(f"{k}={v}" for k, v in values.items())

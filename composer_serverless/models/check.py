@@ -1,6 +1,7 @@
 """The model check the launcher runs before any replica is paid for: ``python -m
-composer_serverless.models.check`` with the resolved run config (JSON) on stdin, one JSON list of
-problems on stdout.
+composer_serverless.models.check [--offline]`` with the resolved run config (JSON) on stdin, one JSON
+object on stdout: the problems, the model's parameters (counted on the meta device: what the launcher sizes
+the devices and the cost estimate by), and, offline, why the model could not be checked.
 
 Everything that would otherwise fail only once every replica has started (and restarted, ``max_restarts``
 times): the checkpoint's config, remote code, the overrides, the tokenizer, the model built on the meta device
@@ -10,12 +11,17 @@ records, LoRA's target modules, gradient checkpointing. Each problem says what t
 
 It runs in a child process so that the launcher itself never imports torch or transformers, and so that a
 checkpoint's remote code, when the user allows it, runs in a process that exits right after.
+
+``--offline`` (a dry run, which touches no network) reads a Hub model from this machine's Hugging Face cache
+only; one that is not there is reported as not checked, with why, rather than passed or failed.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import os
 import sys
 from typing import Any
 
@@ -23,14 +29,24 @@ from typing import Any
 CHAT_RECORDS_CHECKED = 8
 
 
-def problems(config: Any) -> list[str]:
-    """What stops ``config``'s model from training as configured; empty when nothing does."""
+def examine(config: Any, offline: bool = False) -> dict[str, Any]:
+    """``{"problems": [...], "parameters": {"total": N, "trainable": M} | None, "unchecked": str | None}``:
+    what stops ``config``'s model from training as configured (empty when nothing does), its size, and, when
+    ``offline`` and the model is on the Hub but not in this machine's cache, why it was not checked."""
+    spec = config.model
+    found: dict[str, Any] = {"problems": [], "parameters": None, "unchecked": None}
+    if offline and not _cached(spec):  # said before torch is imported: a dry run's seconds
+        found["unchecked"] = (
+            f"model.path {spec.path!r} is not a directory here, so it names a Hub repository, and that is not "
+            "in this machine's Hugging Face cache; a dry run reaches no network, so the model (its config, "
+            "tokenizer and chat template) was not checked: the launch checks it before anything is written"
+        )
+        return found
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from composer_serverless.models.loading import hf_config
 
-    spec = config.model
     hub = {
         "trust_remote_code": spec.trust_remote_code,
         **({"revision": spec.revision} if spec.revision else {}),
@@ -39,17 +55,58 @@ def problems(config: Any) -> list[str]:
         hf = hf_config(spec, spec.path)
         tokenizer = AutoTokenizer.from_pretrained(spec.path, **hub)
     except Exception as e:  # every failure to load means one thing to the user: this model will not do
-        return [_loading_problem(spec, e)]
+        found["problems"] = [_loading_problem(spec, e)]
+        return found
     try:
         with torch.device("meta"):
             extra = {"attn_implementation": spec.attn_implementation} if spec.attn_implementation else {}
             model = AutoModelForCausalLM.from_config(hf, trust_remote_code=spec.trust_remote_code, **extra)
     except Exception as e:  # an architecture, kernel or remote code that cannot be built
-        return [
+        found["problems"] = [
             f"model.path {spec.path!r}: the model cannot be built from its config: {type(e).__name__}: {e}"
         ]
-    found = _vocabulary(model, tokenizer) + _objective(config, model, hf) + _chat(config, tokenizer)
-    return found + _lora(spec, model) + _checkpointing(spec, model)
+        return found
+    problems = _vocabulary(model, tokenizer) + _objective(config, model, hf) + _chat(config, tokenizer)
+    found["problems"] = problems + _lora(spec, model) + _checkpointing(spec, model)
+    found["parameters"] = parameters(spec, model)
+    return found
+
+
+def _cached(spec: Any) -> bool:
+    """Whether the model can be read without the network: a directory, or a Hub repository whose config is in
+    this machine's Hugging Face cache (``HF_HUB_OFFLINE`` is set: nothing is downloaded)."""
+    from transformers.utils.hub import cached_file
+
+    if os.path.isdir(spec.path):
+        return True
+    found = cached_file(
+        spec.path,
+        "config.json",
+        revision=spec.revision,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+    )
+    return found is not None
+
+
+def parameters(spec: Any, model: Any) -> dict[str, int]:
+    """The model's parameters, and those that train: all of them, or with LoRA the adapters' ``r x (in +
+    out)`` per adapted linear layer (every one but the output head for 'all-linear', as peft chooses)."""
+    total = sum(p.numel() for p in model.parameters())
+    if spec.lora is None:
+        return {"total": total, "trainable": total}
+    import torch
+
+    head = model.get_output_embeddings()
+    targets = spec.lora.target_modules
+    adapters = sum(
+        spec.lora.r * (m.in_features + m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and m is not head
+        and (targets == "all-linear" or name.rsplit(".", 1)[-1] in targets)
+    )
+    return {"total": total + adapters, "trainable": adapters}
 
 
 def _loading_problem(spec: Any, error: Exception) -> str:
@@ -154,13 +211,18 @@ def _checkpointing(spec: Any, model: Any) -> list[str]:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description="the launcher's model check (the run config on stdin)")
+    parser.add_argument("--offline", action="store_true", help="read the Hub from this machine's cache only")
+    offline = parser.parse_args().offline
+    if offline:  # before transformers and huggingface_hub read it, at import
+        os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers.utils import logging as hf_logging
 
     from composer_serverless.config import RunConfig
 
     hf_logging.set_verbosity_error()
     config = RunConfig.model_validate_json(sys.stdin.read())
-    print(json.dumps(problems(config)))
+    print(json.dumps(examine(config, offline)))
     return 0
 
 

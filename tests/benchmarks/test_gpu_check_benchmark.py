@@ -4,6 +4,7 @@ JSON and the table are written. (Its launches are the suite's end-to-end runs; t
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,10 @@ def test_lines_it_cannot_run_are_skipped_with_the_reason(tmp_path: Path) -> None
     (written,) = tmp_path.glob("*.json")
     result = json.loads(written.read_text())
     assert result["cuda"] is False and "simulated accelerator" in result["device"]
+    # When and from what it was measured, which a dry run's estimate cites (executors/measured.py).
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", result["date"]) and re.fullmatch(
+        r"[0-9a-f]{7,}(\+dirty)?", result["commit"]
+    )
     (row,) = result["lines"]
     assert (
         row["line"] == "export" and row["skipped"] == "the lm-chat line did not leave a final model to export"
@@ -49,3 +54,16 @@ def test_an_unknown_line_is_refused_with_the_known_ones(tmp_path: Path) -> None:
         and "kill-resume" in done.stderr
     )
     assert not list(tmp_path.iterdir())
+
+
+def test_a_line_records_its_workload_as_a_plan_is_matched_by_it(tmp_path: Path) -> None:
+    from composer_serverless.config import validate_config
+    from composer_serverless.executors.measured import workload
+
+    gpu_check = load_script("gpu_check")
+    config = validate_config(
+        {"model": {"tiny": {}}, "data": {"seq_len": 64}, "diloco": {"sync_every": 1, "rounds": 1}}
+    )
+    (tmp_path / "run.json").write_text(config.resolved_json())
+    recorded = gpu_check._workload(tmp_path)
+    assert recorded == workload(config) and recorded["seq_len"] == 64 and recorded["objective"] == "lm"
