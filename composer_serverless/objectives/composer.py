@@ -346,6 +346,7 @@ class ComposerObjective:
             return {}
         texts: list[str] = []
         token_ids: list[list[int]] = []
+        truncated: list[bool] = []
         for start in range(0, len(records), EVAL_BATCH):
             chunk = records[start : start + EVAL_BATCH]
             samples = generate(
@@ -357,7 +358,8 @@ class ComposerObjective:
             )
             texts += samples.texts
             token_ids += samples.token_ids
-        scored = self._rewards.score(texts, records, token_ids)
+            truncated += samples.truncated.tolist()
+        scored = self._rewards.score(texts, records, token_ids, truncated)
         out: EvalPart = {}
         for name, values in (("reward", scored.totals), *scored.by_reward.items()):
             out[f"eval/{name}"] = mean(values)  # over the rows a reward applies to
