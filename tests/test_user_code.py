@@ -95,3 +95,13 @@ def test_a_reward_that_raises_in_training_names_its_line_and_says_to_fix_it_firs
         f"composer-serverless launch --resume {run} --set code.accept_changes=true"
     ) in err
     assert "the run can continue from its latest state" not in err
+
+    # As it says: fixed, the run resumes with the new code.
+    (tmp_path / "my_task.py").write_text(FAILING.replace("len(completion) / 0", "len(completion) / 4"))
+    with replicas_on_the_simulated_accelerator():
+        assert cli_run(["launch", "--resume", str(run), "--set", "code.accept_changes=true"]) == 0, (
+            capsys.readouterr().err
+        )
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rounds_committed"] == 2
+    assert [list(c["changes"]) for c in summary["config_changes"]] == [["code/my_task.py"]]
