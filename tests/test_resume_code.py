@@ -96,21 +96,30 @@ def test_a_new_run_with_code_accept_changes_exits_2(
     ) in err
 
 
-def test_accepted_code_is_shipped_again_to_replicas_that_fetch_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("authenticate", [False, True], ids=["plain", "authenticated"])
+def test_accepted_code_is_shipped_again_to_replicas_that_fetch_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, authenticate: bool
+) -> None:
     """HF Jobs replicas fetch the code the launch uploaded: a resume that accepts changed code uploads it
-    again, with its manifest, before any replica starts, so they fetch what the other backends run."""
+    again, with its manifest (MACed with the run key when the run is authenticated), before any replica
+    starts, so they fetch what the other backends run."""
     from rich.console import Console
 
     from composer_serverless.config import validate_config
     from composer_serverless.executors import shipment
     from composer_serverless.launch.launcher import CodeNow, _reconfigure
-    from composer_serverless.rendezvous import config_changes, shipped
+    from composer_serverless.rendezvous import config_changes, runkey, shipped
     from composer_serverless.rendezvous.store import ObjectStore
 
     (tmp_path / "my_task.py").write_text(MY_TASK)
     first = shipment.Shipment(tmp_path, ("my_task.py",), (), ())
     run = ObjectStore(f"file://{tmp_path}/runs/own")
-    shipment.upload(run, first, code=True)
+    key = runkey.RunKey.generate() if authenticate else None
+    if key is not None:  # the key the launcher would find again on a resume
+        monkeypatch.setenv(runkey.ENV, key.hex())
+        runkey.record_fingerprint(run, key)
+    replicas_key = None if key is None else key.for_run("own")
+    shipment.upload(run, first, code=True, key=replicas_key)
     shipped.record(run, shipped.digests(tmp_path, first.code))
     (tmp_path / "my_task.py").write_text(EDITED)
     now = shipped.digests(tmp_path, first.code)
@@ -121,13 +130,14 @@ def test_accepted_code_is_shipped_again_to_replicas_that_fetch_it(tmp_path: Path
             "run_id": "own",
             "store": f"file://{tmp_path}/runs",
             "model": {"path": str(tmp_path / "model")},
-            "diloco": {"replicas": 1, "sync_every": 1, "rounds": 1},
+            "diloco": {"replicas": 1, "sync_every": 1, "rounds": 1, "authenticate": authenticate},
         }
     )
     out = io.StringIO()
     _reconfigure(run, created, created, {}, 1, Console(file=out), CodeNow(first, True, now, now, changed))
     assert "from round 2 on, the replicas run it as it is now" in " ".join(out.getvalue().split())
-    assert (shipped.fetch(run, tmp_path / "fetched", None) / "my_task.py").read_text() == EDITED
+    # What a replica fetches, checked against the manifest (and its MAC, with the run's key).
+    assert (shipped.fetch(run, tmp_path / "fetched", replicas_key) / "my_task.py").read_text() == EDITED
     assert shipped.recorded(run) == {"my_task.py": _sha256(EDITED)}
     assert [c["changes"] for c in config_changes.read(run)] == [
         {"code/my_task.py": {"from": _sha256(MY_TASK), "to": _sha256(EDITED)}}
