@@ -33,6 +33,8 @@ def per_item(completion, record):
 def crashes(prompts, completions, **kwargs):
     return [1.0 / 0 for _ in completions]
 '''
+# The line the launcher's reward check names when ``crashes`` raises.
+CRASHES_LINE = MY_TASK.splitlines().index("    return [1.0 / 0 for _ in completions]") + 1
 TINY_MODEL = """[model.tiny]
 tokenizer = "chars"
 alphabet = " +=0123456789"
@@ -185,7 +187,11 @@ def test_the_dry_run_lists_what_each_cloud_backend_ships(tmp_path: Path, executo
     ("fn", "column", "message"),
     [
         ("per_item", "question", "cannot be called as rewards are"),
-        ("crashes", "question", "raised ZeroDivisionError"),
+        (
+            "crashes",
+            "question",
+            f"raised ZeroDivisionError: float division by zero at my_task.py:{CRASHES_LINE}",
+        ),
         ("accuracy", "query", "column 'query' (mapped to 'prompt' by composer.data.columns) is not in"),
     ],
     ids=["wrong signature", "raises on the first records", "mapped column missing"],

@@ -35,6 +35,12 @@ class CodeConfig(StrictModel):
         description="the directory paths and reward files are relative to: set by the launcher to the config "
         "file's directory",
     )
+    accept_changes: bool = Field(
+        False,
+        description="launch --resume only: run the code as it is now although it changed since the run "
+        "shipped it (each changed file is recorded in config-changes.json); never kept in run.json, so the "
+        "next resume compares again",
+    )
 
     @field_validator("paths")
     @classmethod

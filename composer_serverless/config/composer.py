@@ -238,9 +238,10 @@ class ComposerDataConfig(StrictModel):
 class ComposerConfig(StrictModel):
     """The objective `L_grpo + alpha * L_sdpo + beta * L_replay`, each inner step on fresh rollouts.
 
-    Defaults a TRL user expects (GRPOConfig): 256 new tokens per completion, learning rate 1e-6
-    (``train.lr``, set by the objective when unset), temperature 1, 8 completions per prompt, no KL term;
-    SDPO only when the task gives feedback to hint with, replay only when there are pairs.
+    Defaults a TRL user expects (GRPOConfig, TRL 1.16): learning rate 1e-6 (``train.lr``, set by the objective
+    when unset), temperature 1, 8 completions per prompt, no KL term; SDPO only when the task gives feedback to
+    hint with, replay only when there are pairs. Not TRL's: 256 new tokens per completion (TRL's
+    max_completion_length is 512), which a task with long reasoning raises (the GSM8K recipe does).
     """
 
     alpha: float | Literal["auto"] = Field(

@@ -7,6 +7,10 @@ on, the inner learning rate from here on, and what does not touch the training's
 checkpoint cadence, timeouts, transfers, trackers, the Hub push, where the replicas run). Every other key is
 refused, each with the reason. ``sort_changes`` compares the two configs and reads and writes nothing, so the
 launcher refuses before anything is touched.
+
+The user's code is held the same way, by content: the files a resume would ship must be those the run
+shipped (the launcher compares their sha256 with the run's record), or ``code.accept_changes`` says to run
+them as they are now (``code_refusal_message``).
 """
 
 from __future__ import annotations
@@ -159,6 +163,29 @@ def refusal_message(refused: dict[str, str]) -> str:
         + "\n".join(lines)
         + f"\n  fix: drop those --set; a resume may change {keys}. To train with other settings, {_NEW_RUN}"
     )
+
+
+def code_refusal_message(changed: dict[str, tuple[str | None, str | None]]) -> str:
+    """The ConfigError text for a resume whose code ``changed`` since the run shipped it (each file as its
+    (before, now) sha256, None where absent): each file, then the two ways on."""
+    lines = [f"  {rel}: {_digest_change(before, now)}" for rel, (before, now) in changed.items()]
+    return (
+        "the run's code changed since it was shipped, and a resume runs the code the rounds before it ran with:\n"
+        + "\n".join(lines)
+        + "\n  fix: undo the changes to resume with that code; or, to run the code as it is now from the resumed "
+        "round on (on every backend), resume with --set code.accept_changes=true, which records each changed "
+        "file in the run's config-changes.json"
+    )
+
+
+def _digest_change(before: str | None, now: str | None) -> str:
+    """A file's change in the message, by the first 12 hex digits of each sha256 (config-changes.json keeps
+    them whole)."""
+    if before is None:
+        return f"added (sha256 {str(now)[:12]})"
+    if now is None:
+        return f"gone (was sha256 {before[:12]})"
+    return f"sha256 {before[:12]} -> {now[:12]}"
 
 
 def cosine_note(old: RunConfig, new: RunConfig, resumed_round: int) -> str | None:

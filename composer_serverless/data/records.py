@@ -31,8 +31,9 @@ from typing import Any
 
 # ``provenance``: where a harvested pair came from (its teachers, their answers, agreement, cost); not read.
 PAIR_KEYS = ("prompt", "chosen", "rejected", "chosen_ref_logp", "rejected_ref_logp", "provenance")
-# What a reward function is called with besides the columns (TRL's names): no column may take them.
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
+# What a reward function is called with besides the columns (TRL's names, and ``truncated``): no column may
+# take them.
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "truncated", "trainer_state")
 ROLES = ("system", "user", "assistant", "tool")
 # The extras that bring the optional readers, for the install line of a missing one.
 PARQUET_EXTRA = "pip install 'composer-serverless[parquet]'  (pyarrow)"

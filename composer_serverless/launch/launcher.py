@@ -35,7 +35,12 @@ from rich.console import Console
 
 from composer_serverless.config import ConfigError, RunConfig, apply_override, validate_config
 from composer_serverless.config.composer import BUILTIN_REWARDS
-from composer_serverless.config.resume import cosine_note, refusal_message, sort_changes
+from composer_serverless.config.resume import (
+    code_refusal_message,
+    cosine_note,
+    refusal_message,
+    sort_changes,
+)
 from composer_serverless.executors import make_executor, measured, pricing, shipment
 from composer_serverless.executors.base import (
     TERMINAL_STATES,
@@ -55,6 +60,7 @@ from composer_serverless.launch.watch import Choice, Followed, ReplicaView, canc
 from composer_serverless.objectives import inputs
 from composer_serverless.outputs import export
 from composer_serverless.rendezvous import config_changes, layout, runkey
+from composer_serverless.rendezvous import shipped as shipped_code
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.run_keys import checked_run_key, new_run_key
 from composer_serverless.rendezvous.store import ObjectStore
@@ -107,6 +113,8 @@ def create_run(
     if shipped is not None:
         with console.status("uploading the run's data and code"):
             shipment.upload(run, shipped, code=ship_code, key=None if key is None else key.for_run(run_id))
+        # On every backend, shipped through the store or not: what a resume compares its code with.
+        shipped_code.record(run, _code_digests(shipped))
     if not run.create(layout.RUN_CONFIG, resolved.resolved_json().encode()):
         raise ConfigError(
             f"run {run.url} was created concurrently by someone else\n  fix: choose another run_id"
@@ -164,6 +172,11 @@ def prepare(
     ConfigError for a plan that cannot work. ``offline`` (a dry run): the model check reads the Hub from this
     machine's cache only, and says what it could not check. ``console`` shows a spinner while the model is
     checked (a download from the Hub can take a minute)."""
+    if config.code.accept_changes:
+        raise ConfigError(
+            "code.accept_changes is for `launch --resume RUN`: it lets a resume run code that changed since the "
+            "run shipped it, and a new run ships its code as it is\n  fix: drop code.accept_changes"
+        )
     store = absolute_store(config.store)
     run_id = config.run_id or new_run_id(source)
     # Validated again (model_copy would not): the plan is built from exactly what run.json will hold.
@@ -389,16 +402,24 @@ def resume(
     recorded with the round it starts after (``config_changes``). The old end's report is removed, so the new
     end writes its own; ``final/`` is rewritten by the new last round.
 
+    The user's code (reward files, ``[code] paths``) must be what the run shipped (``code.json``): local
+    replicas import it in place and Modal builds it into the image, so an edit would otherwise reach them
+    silently, and not HF Jobs replicas, which fetch what was uploaded. Changed code is refused with each file
+    named, unless ``overrides`` set ``code.accept_changes=true``: then, as with a changed key, there is no
+    adopting, and the change is recorded per file (``code/<file>``, old and new sha256) with the round it
+    starts after, the code shipped again where replicas fetch it, and its new digests recorded.
+
     Raises:
-        ConfigError: ``run_url`` holds no run, an override is refused (each with why) or the run has finished
-            with nothing to extend, a replica is live while overrides are given, or this machine cannot
-            launch its replicas; nothing was written or started.
+        ConfigError: ``run_url`` holds no run, an override is refused (each with why), the code changed
+            without ``code.accept_changes``, the run has finished with nothing to extend, a replica is live
+            while overrides or changed code are given, or this machine cannot launch its replicas; nothing
+            was written or started.
         BackendError: the backend refused the credentials or could not be reached; nothing started.
         StoreError: the store cannot be written; nothing was launched.
         RunFailed, RunCancelled: as for ``launch``.
     """
     run, created = open_created(run_url)
-    config, changed = _overridden(created, overrides)
+    config, changed, accept_code = _overridden(created, overrides)
     executor = make_executor(config, run)
     plan = _plan(executor, config, run)
     problems = _preflight(executor, plan, config)
@@ -410,6 +431,7 @@ def resume(
             f"{run.url_of(layout.SUMMARY)}); there is nothing to resume\n  fix: composer-serverless status RUN "
             f"shows its outcome; --set diloco.rounds=<more than {config.diloco.rounds}> trains it further"
         )
+    code = _code_now(run, plan, accept_code)
     executor.check_access(plan)
     if config.diloco.authenticate:  # before anything is changed: a resume without the key cannot work
         _hand_over_key(executor, run, config)
@@ -417,14 +439,17 @@ def resume(
     if earlier is not None:
         statuses = executor.status(earlier.current())
         live = [s.rank for s in statuses if s.state not in TERMINAL_STATES]
-        if changed and live:
+        if (changed or code.changed) and live:
             raise ConfigError(
                 f"run {config.run_id} still has live replicas ({', '.join(map(str, live))}): --set changes "
-                "run.json, which a live replica has read, and no replica may ever train with two configs\n"
-                f"  fix: wait until `composer-serverless status {run.url}` shows none running (or cancel the "
-                "run), then resume with --set; or resume without --set to watch them"
+                "run.json or the code, which a live replica has read, and no replica may ever train with two "
+                f"configs or two versions of the code\n  fix: wait until `composer-serverless status {run.url}` "
+                "shows none running (or cancel the run), then resume with --set; or resume without --set to "
+                "watch them"
             )
-        if not changed and (live or (statuses and all(s.state == "succeeded" for s in statuses))):
+        if not (changed or code.changed) and (
+            live or (statuses and all(s.state == "succeeded" for s in statuses))
+        ):
             return _adopt(run, executor, config, earlier, statuses, console, on_interrupt)
         _end_open_attempts(run, executor, earlier, console)
     run.ensure_root()
@@ -448,30 +473,78 @@ def resume(
         + f" of round {back.round}",
         highlight=False,
     )
-    if changed:
-        _reconfigure(run, created, config, changed, back.round, console)
+    if changed or code.changed:
+        _reconfigure(run, created, config, changed, back.round, console, code)
+    if code.digests is None:  # a run from before runs recorded their code: from here on, resumes compare
+        shipped_code.record(run, code.now)
     handles = earlier.handles if earlier is not None else ()
     record = LaunchRecord(plan, handles, created_at=time.time(), earlier_wall_s=earlier_wall_s)
     return follow(_start_replicas(run, executor, record, config, console), config, console, on_interrupt)
 
 
-def _overridden(created: RunConfig, overrides: Sequence[str]) -> tuple[RunConfig, dict[str, tuple[Any, Any]]]:
-    """The run's config with a resume's ``overrides`` applied, and the keys they change ((old, new) by key).
+def _overridden(
+    created: RunConfig, overrides: Sequence[str]
+) -> tuple[RunConfig, dict[str, tuple[Any, Any]], bool]:
+    """The run's config with a resume's ``overrides`` applied, the keys they change ((old, new) by key), and
+    whether they accept changed code (``code.accept_changes``: for this resume only, so neither the config
+    returned, which becomes run.json, nor the changes hold it).
 
     Raises:
         ConfigError: an override is malformed or invalid, or changes a key a resume may not change (each
             named with why: ``config/resume.py``).
     """
     if not overrides:
-        return created, {}
+        return created, {}, False
     raw = json.loads(created.resolved_json())
     for override in overrides:
         apply_override(raw, override)
-    config = validate_config(raw, source=f"run {created.run_id}'s run.json with the --set overrides")
+    source = f"run {created.run_id}'s run.json with the --set overrides"
+    accept = validate_config(raw, source=source).code.accept_changes
+    raw["code"]["accept_changes"] = False  # an instruction to this resume, not a key of the run's config
+    config = validate_config(raw, source=source)
     changes = sort_changes(created, config)
     if changes.refused:
         raise ConfigError(refusal_message(changes.refused))
-    return config, changes.changed
+    return config, changes.changed, accept
+
+
+@dataclass(frozen=True)
+class CodeNow:
+    """The user's code a resume is about to run, against what the run shipped before.
+
+    Attributes:
+        shipped: the code as the backend ships it now (no data: a resume uploads none again).
+        fetched: the backend's replicas fetch the code from the run's store prefix (``shipment.STORE``).
+        now: each of its files by its sha256 now.
+        digests: what the run recorded (``shipped.recorded``); None for a run that recorded none.
+        changed: each file whose sha256 differs, as (recorded, now); empty when none does or none was recorded.
+    """
+
+    shipped: shipment.Shipment
+    fetched: bool
+    now: dict[str, str]
+    digests: dict[str, str] | None
+    changed: dict[str, tuple[str | None, str | None]]
+
+
+def _code_now(run: ObjectStore, plan: LaunchPlan, accept: bool) -> CodeNow:
+    """The code a resume would run, compared with the digests the run recorded (reads, writes nothing).
+
+    Raises:
+        ConfigError: it changed and ``accept`` is not set: each file named, and the two ways on.
+    """
+    described = plan.resources["shipped"]
+    shipped = dataclasses.replace(shipment.from_plan(described), data=())
+    now = _code_digests(shipped)
+    before = shipped_code.recorded(run)
+    changed = {} if before is None else shipped_code.compare(before, now)
+    if changed and not accept:
+        raise ConfigError(code_refusal_message(changed))
+    return CodeNow(shipped, described["how"] == shipment.STORE, now, before, changed)
+
+
+def _code_digests(shipped: shipment.Shipment) -> dict[str, str]:
+    return {} if shipped.root is None else shipped_code.digests(shipped.root, shipped.code)
 
 
 def _reconfigure(
@@ -481,19 +554,34 @@ def _reconfigure(
     changed: dict[str, tuple[Any, Any]],
     resumed_round: int,
     console: Console,
+    code: CodeNow,
 ) -> None:
-    """Make ``config`` the run's: every replica is ended and none is started yet. The old end's report goes
-    first: a launcher that dies half-way leaves a run a plain resume (or this one, again) continues, never a
-    finished-looking run with the new config."""
+    """Make ``config`` and ``code`` the run's: every replica is ended and none is started yet. The old end's
+    report goes first: a launcher that dies half-way leaves a run a plain resume (or this one, again)
+    continues, never a finished-looking run with the new config. Changed code is recorded as
+    ``code/<file>`` from its old sha256 to its new one, then shipped again to replicas that fetch it (where
+    the run ships its code through the store), and its digests recorded last."""
     for report in (layout.SUMMARY, layout.LOSS_PLOT, layout.REWARD_PLOT):
         run.delete(report)
-    config_changes.record(run, resumed_round, changed)
-    run.put(layout.RUN_CONFIG, config.resolved_json().encode())
-    console.print(
-        f"changed in run.json from round {resumed_round + 1} on: "
-        + ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()),
-        highlight=False,
-    )
+    code_changes = {f"{layout.CODE}/{rel}": digests for rel, digests in code.changed.items()}
+    config_changes.record(run, resumed_round, {**changed, **code_changes})
+    if changed:
+        run.put(layout.RUN_CONFIG, config.resolved_json().encode())
+        console.print(
+            f"changed in run.json from round {resumed_round + 1} on: "
+            + ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()),
+            highlight=False,
+        )
+    if code.changed:
+        if code.fetched:
+            key = checked_run_key(run).for_run(config.run_id or "") if config.diloco.authenticate else None
+            shipment.upload(run, code.shipped, code=True, key=key)
+        shipped_code.record(run, code.now)
+        console.print(
+            f"[yellow]the code changed since the run shipped it; from round {resumed_round + 1} on, the replicas "
+            f"run it as it is now (code.accept_changes):[/] {', '.join(code.changed)}",
+            highlight=False,
+        )
     note = cosine_note(created, config, resumed_round)
     if note is not None:
         console.print(f"[yellow]{note}[/]", highlight=False)

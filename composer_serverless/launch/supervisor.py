@@ -37,6 +37,7 @@ from composer_serverless.executors.base import (
 )
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.telemetry import read_heartbeats
 
 LOG_TAIL_LINES = 30
 # How long a cancelled attempt may take to be seen ended before its rank is started again; past it the run
@@ -221,12 +222,31 @@ class Supervisor:
                 f"replica {handle.rank} failed{tried} ({status.detail}); "
                 f"last lines of its log ({handle.log}):\n"
                 + "\n".join(self.log_tail(handle))
-                + f"\nthe run can continue from its latest state: composer-serverless launch --resume {self.run.url}"
+                + "\n"
+                + self._way_on(handle.rank)
             )
         (new,) = self.restart([handle], note=lambda line: None)
         return (
             f"replica {handle.rank} died ({status.detail}); started it again "
             f"(attempt {tries + 1} of {restarts + 1}): {new.backend_id}"
+        )
+
+    def _way_on(self, rank: int) -> str:
+        """What to do after replica ``rank`` failed for good: fix the user's code first where it failed there
+        (its final heartbeat names the line: ``objectives/user_code.py``), since a resume with the same code
+        fails the same way; else resume."""
+        try:
+            beat = read_heartbeats(self.run).get(rank, {})
+        except Exception:  # a courtesy, as the log's tail is: the failure itself is already known
+            beat = {}
+        where = beat.get("user_code") if beat.get("state") == "failed" else None
+        resume = f"composer-serverless launch --resume {self.run.url}"
+        if not where:
+            return f"the run can continue from its latest state: {resume}"
+        return (
+            f"it failed in your code, at {where} ({beat.get('error', 'see the log')})\n"
+            f"  fix: fix {where} first (a resume with the code as it is fails the same way), then "
+            f"{resume} --set code.accept_changes=true"
         )
 
     def restart(self, handles: list[ReplicaHandle], note: Callable[[str], None]) -> list[ReplicaHandle]:

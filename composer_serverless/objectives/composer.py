@@ -369,6 +369,7 @@ class ComposerObjective:
         )
         texts: list[str] = []
         token_ids: list[list[int]] = []
+        truncated: list[bool] = []
         per_call = max(1, EVAL_BATCH // n)  # prompts per generate call: at most EVAL_BATCH rows
         with forked:
             if sampled:
@@ -385,8 +386,9 @@ class ComposerObjective:
                 )
                 texts += samples.texts
                 token_ids += samples.token_ids
+                truncated += samples.truncated.tolist()
         rows = [r for r in records for _ in range(n)]
-        scored = self._rewards.score(texts, rows, token_ids)
+        scored = self._rewards.score(texts, rows, token_ids, truncated)
         out: EvalPart = {}
         for name, values in (("reward", scored.totals), *scored.by_reward.items()):
             out[f"eval/{name}"] = mean(values)  # over the rows a reward applies to

@@ -20,6 +20,7 @@ from composer_serverless.config import RunConfig
 from composer_serverless.data.records import PromptRecord
 from composer_serverless.objectives import inputs
 from composer_serverless.objectives.rewards import RewardError, RewardSet, code_root
+from composer_serverless.objectives.user_code import failed_at
 
 # Training records a reward is called on.
 PROBE_RECORDS = 4
@@ -48,9 +49,12 @@ def check(config: RunConfig) -> dict[str, Any]:
             _, notes = reward(records, completions, [[] for _ in records])
         except RewardError as e:
             problems.append(str(e))
-        except Exception as e:  # the user's code raised: name the rows it was called on
+        except Exception as e:  # the user's code raised: name the line, and the rows it was called on
+            where = failed_at(e, config)
             problems.append(
-                f"reward {reward.name!r} raised {type(e).__name__}: {e}\n  called on {records[0].source} and the "
+                f"reward {reward.name!r} raised {type(e).__name__}: {e}"
+                + ("" if where is None else f" at {where}")
+                + f"\n  called on {records[0].source} and the "
                 f"rows after it, with completions {completions[:2]!r}...\n"
                 "  fix: make it return None for a row it cannot score (TRL: the reward does not apply there)"
             )

@@ -7,6 +7,11 @@ conversation), ``completions[i]`` the sampled completion (a string; for a conver
 the rows comes by name, one value per row (None where a row lacks it). ``None`` means the reward does not
 apply to that row. ``async def`` rewards are awaited.
 
+Beside TRL's arguments, as TRL passes its own extras (``trainer_state``) to rewards that take ``**kwargs``,
+``truncated[i]`` says whether completion i hit the length limit (``max_new_tokens``) before its EOS: its text
+is whatever the cut left (the first digits of an answer, say), which a reward may refuse to score. TRL tells
+the same from ``completion_ids`` (a completion not ending in an EOS or pad token), which needs the tokenizer.
+
 Feedback in words (the expected answer, the first failing test) becomes the SDPO teacher's hint
 (``hints.py``). A reward gives it by returning ``{"rewards": [...], "feedback": [str | None, ...]}`` instead
 of the list: the optional return form, the same length as the batch.
@@ -43,7 +48,7 @@ from typing import Any
 from composer_serverless.config import RewardConfig, RunConfig
 from composer_serverless.config.code import CODE_DIR_ENV
 from composer_serverless.config.composer import BUILTIN_COLUMNS
-from composer_serverless.data.records import PromptRecord
+from composer_serverless.data.records import RESERVED_COLUMNS, PromptRecord
 
 # Sandboxed test runs wait on child processes, not on the GIL, so a few run side by side.
 SANDBOX_WORKERS = 4
@@ -67,13 +72,14 @@ class Reward:
         records: Sequence[PromptRecord],
         completions: Sequence[str],
         completion_ids: Sequence[Sequence[int]],
+        truncated: Sequence[bool] | None = None,
     ) -> tuple[list[float | None], list[str | None]]:
         """The values and feedback of ``completions`` of ``records``, checked.
 
         Raises:
             RewardError: the function cannot be called so, or returned something that is not rewards.
         """
-        kwargs = call_arguments(records, completions, completion_ids)
+        kwargs = call_arguments(records, completions, completion_ids, truncated)
         try:
             out = self.fn(**kwargs)
             if inspect.isawaitable(out):
@@ -82,7 +88,7 @@ class Reward:
             if _is_call_error(e, self.fn):
                 raise RewardError(
                     f"reward {self.name!r} cannot be called as rewards are, fn(prompts, completions, "
-                    f"completion_ids, **columns) with the columns {sorted(set(kwargs) - {'prompts', 'completions', 'completion_ids'})}: "
+                    f"completion_ids, **columns) with the columns {sorted(set(kwargs) - set(RESERVED_COLUMNS))}: "
                     f"{e}\n  fix: take the columns you need by name and accept the others with **kwargs"
                 ) from e
             raise
@@ -90,11 +96,16 @@ class Reward:
 
 
 def call_arguments(
-    records: Sequence[PromptRecord], completions: Sequence[str], completion_ids: Sequence[Sequence[int]]
+    records: Sequence[PromptRecord],
+    completions: Sequence[str],
+    completion_ids: Sequence[Sequence[int]],
+    truncated: Sequence[bool] | None = None,
 ) -> dict[str, Any]:
-    """What a reward is called with: TRL's ``prompts``, ``completions``, ``completion_ids`` and every column
-    of the rows, a value per row (None where a row lacks the column)."""
-    if not len(records) == len(completions) == len(completion_ids):
+    """What a reward is called with: TRL's ``prompts``, ``completions``, ``completion_ids``, whether each
+    completion was ``truncated`` (None: none was) and every column of the rows, a value per row (None where a
+    row lacks the column)."""
+    cut = [False] * len(completions) if truncated is None else [bool(t) for t in truncated]
+    if not len(records) == len(completions) == len(completion_ids) == len(cut):
         raise ValueError(f"{len(completions)} completions for {len(records)} records")
     names = list(dict.fromkeys(name for r in records for name in r.columns))
     return {
@@ -104,6 +115,7 @@ def call_arguments(
             for r, c in zip(records, completions, strict=True)
         ],
         "completion_ids": [list(ids) for ids in completion_ids],
+        "truncated": cut,
         **{name: [r.columns.get(name) for r in records] for name in names},
     }
 
@@ -343,7 +355,10 @@ class RewardSet:
         completions: Sequence[str],
         records: Sequence[PromptRecord],
         completion_ids: Sequence[Sequence[int]] | None = None,
+        truncated: Sequence[bool] | None = None,
     ) -> Scored:
+        """The rewards of ``completions`` of ``records``; ``truncated[i]``: completion i hit the length limit
+        (None: none did)."""
         if len(completions) != len(records):
             raise ValueError(f"{len(completions)} completions for {len(records)} records")
         ids = completion_ids if completion_ids is not None else [[] for _ in completions]
@@ -351,7 +366,7 @@ class RewardSet:
         by_reward: dict[str, list[float | None]] = {}
         notes: list[list[str]] = [[] for _ in completions]
         for reward in self.rewards:
-            values, feedback = reward(records, completions, ids)
+            values, feedback = reward(records, completions, ids, truncated)
             by_reward[reward.name] = values
             if reward.weight == 0:  # an evaluation metric
                 continue

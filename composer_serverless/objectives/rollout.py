@@ -295,7 +295,7 @@ def _draw(
     )
     clock.lap("generate")  # generate read its tokens back, so the device is done with them
     rows = [r for r in records for _ in range(settings.group_size)]
-    scored = rewards.score(samples.texts, rows, samples.token_ids)
+    scored = rewards.score(samples.texts, rows, samples.token_ids, samples.truncated.tolist())
     if settings.overlong_buffer:
         punishment = overlong_punishment(
             samples.completion_mask.sum(dim=1),

@@ -35,6 +35,10 @@ CODE = "code"
 """The user's code for replicas that fetch it (HF Jobs), under its path relative to the config."""
 CODE_MANIFEST = f"{CODE}/manifest.json"
 """Each shipped code file's sha256, written after the files: a replica checks every file against it."""
+CODE_DIGESTS = "code.json"
+"""Each file of the user's code the run ships, by its sha256, on every backend (those that import it in place
+or build it into an image too): a resume refuses code that changed since, unless told to run it
+(``code.accept_changes``), and then records the new digests here."""
 INPUTS = "inputs"
 """Data files named by a path on the launcher's machine, uploaded for cloud replicas (``inputs/{slot}/``)."""
 LOGS = "logs"
@@ -255,6 +259,7 @@ def describe() -> list[tuple[str, str]]:
         (f"{MODEL}/", "the tiny model the launcher builds for offline runs"),
         (f"{CODE}/", "the user's code, for replicas that fetch it (HF Jobs)"),
         (CODE_MANIFEST, "each code file's sha256, written after them"),
+        (CODE_DIGESTS, "each user code file's sha256 on every backend, for a resume to compare"),
         (f"{INPUTS}/", "data files named by a local path, uploaded for cloud replicas"),
         (heartbeat(rank), "heartbeat: state, round, step, last loss"),
         (metrics(rank, k), "one row per round, with a row per inner step (object stores cannot append)"),

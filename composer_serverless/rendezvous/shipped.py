@@ -1,20 +1,30 @@
 """The user's code shipped through the run's store prefix (``code/``), for replicas that fetch it (HF Jobs):
-its manifest's format, and fetching it with every file checked.
+its manifest's format, and fetching it with every file checked; and the digests of the code a run ships on
+every backend (``code.json``), which a resume compares with the code as it is now.
 
 The manifest names each file (relative to the config's directory) with its sha256, written after the files;
 with a run key it carries a MAC over its files and digests, so a replica of an authenticated run runs no code
 that someone with the bucket but not the key put there. Without a key, the checksums catch corruption only.
+
+Local replicas import the code in place and Modal builds it into the image when the replicas start, so a
+reward edited after a failure would reach a resumed run silently there, and not on HF Jobs (whose replicas
+fetch what was uploaded): the launcher records the digests for every backend, and a resume refuses code
+that differs from them unless told to run it (``config/resume.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
+
+logger = logging.getLogger(__name__)
 
 
 class ShippedCodeError(RuntimeError):
@@ -64,3 +74,40 @@ def fetch(store: ObjectStore, into: Path, key: RunKey | None) -> Path | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
     return into
+
+
+def digests(root: Path, files: Iterable[str]) -> dict[str, str]:
+    """Each of ``files`` (relative to ``root``) by the sha256 of its bytes now."""
+    return {rel: hashlib.sha256((root / rel).read_bytes()).hexdigest() for rel in files}
+
+
+def record(store: ObjectStore, files: dict[str, str]) -> None:
+    """Record ``files`` (relative path -> sha256) as the code the run ships (``layout.CODE_DIGESTS``)."""
+    store.put(layout.CODE_DIGESTS, json.dumps({"files": files}, indent=1, sort_keys=True).encode())
+
+
+def recorded(store: ObjectStore) -> dict[str, str] | None:
+    """The code the run shipped, as ``record`` wrote it; None for a run that recorded none (created before
+    runs recorded it) or whose record is unreadable (said in the log)."""
+    try:
+        raw = store.get(layout.CODE_DIGESTS)
+    except FileNotFoundError:
+        return None
+    try:
+        files = json.loads(raw)["files"]
+        if isinstance(files, dict) and all(isinstance(v, str) for v in files.values()):
+            return files
+    except (ValueError, KeyError, TypeError):
+        pass
+    logger.warning("%s is not a record of code digests (%r)", store.url_of(layout.CODE_DIGESTS), raw[:80])
+    return None
+
+
+def compare(before: dict[str, str], now: dict[str, str]) -> dict[str, tuple[str | None, str | None]]:
+    """Each file whose digest differs between ``before`` and ``now``, as (before, now); None where the file
+    is absent (added since, or gone)."""
+    return {
+        rel: (before.get(rel), now.get(rel))
+        for rel in sorted(before.keys() | now.keys())
+        if before.get(rel) != now.get(rel)
+    }

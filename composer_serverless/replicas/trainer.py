@@ -39,6 +39,7 @@ from torch import nn
 from composer_serverless.accelerator.device import replica_device, synchronize
 from composer_serverless.config import RunConfig
 from composer_serverless.objectives.objective import Metrics, Objective, add_parts, make_objective
+from composer_serverless.objectives.user_code import failed_at
 from composer_serverless.rendezvous import checkpoint, layout, recovery, runkey
 from composer_serverless.rendezvous.exchange import StaleRoundError
 from composer_serverless.rendezvous.feedback import ErrorFeedback
@@ -107,7 +108,11 @@ def run_replica(run: ObjectStore, rank: int, node: Node = SOLO) -> None:
             key = key.for_run(config.run_id)
         _train(run, config, rank, reporter, node, key)
     except BaseException as e:
-        reporter.beat(state="failed", error=f"{type(e).__name__}: {e}")
+        # A failure in the user's own code names its line: the launcher says to fix it before a resume.
+        where = failed_at(e, config)
+        reporter.beat(
+            state="failed", error=f"{type(e).__name__}: {e}", **({"user_code": where} if where else {})
+        )
         raise
 
 

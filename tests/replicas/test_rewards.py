@@ -60,12 +60,13 @@ def user_module(tmp_path, monkeypatch):
 
 def test_rewards_are_called_with_every_column_as_trl_calls_them():
     rows = [RECORD, PromptRecord(prompt=({"role": "user", "content": "hi"},), columns={"solution": "x"})]
-    kwargs = call_arguments(rows, ["5", "x"], [[7, 2], [9]])
+    kwargs = call_arguments(rows, ["5", "x"], [[7, 2], [9]], [True, False])
     assert kwargs == {
         "prompts": ["add 2 3=", [{"role": "user", "content": "hi"}]],
         # A conversational prompt's completion is a conversation too, as in TRL.
         "completions": ["5", [{"role": "assistant", "content": "x"}]],
         "completion_ids": [[7, 2], [9]],
+        "truncated": [True, False],  # beside TRL's arguments: the first hit the length limit
         "answer": ["5", None],
         "task": ["add", None],
         "solution": [None, "x"],

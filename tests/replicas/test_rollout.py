@@ -242,3 +242,33 @@ def test_a_reward_of_weight_0_is_reported_but_changes_no_advantage_and_no_hint(m
     assert with_metric.scored.feedback == alone.scored.feedback
     assert not any("expected answer" in (f or "") for f in with_metric.scored.feedback)
     assert torch.equal(with_metric.hint.teacher_ids, alone.hint.teacher_ids)
+
+
+def test_a_reward_learns_which_completions_hit_the_length_limit(model, tokenizer, tmp_path, monkeypatch):
+    """``truncated`` reaches every reward beside TRL's arguments: True exactly for the rows that ran out of
+    ``max_new_tokens`` before an EOS (a text the cut left, scored as such by a reward that cares)."""
+    (tmp_path / "cut_rewards.py").write_text(
+        "def cut(prompts, completions, completion_ids, truncated, **kwargs):\n"
+        "    return [1.0 if t else 0.0 for t in truncated]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # Half the vocabulary ends a completion, so some rows end within 3 tokens and some do not.
+    model.generation_config.eos_token_id = list(range(0, len(tokenizer), 2))
+    settings = RolloutSettings(group_size=8, prompts_per_step=2, max_new_tokens=3, temperature=1.0)
+    torch.manual_seed(0)
+    with simulated():
+        model.to("cuda")
+        rolled = rollout(
+            model,
+            tokenizer,
+            _draw(_records()),
+            RewardSet([RewardConfig(fn="cut_rewards:cut")]),
+            None,
+            settings,
+        )
+    expected = [float(t) for t in rolled.samples.truncated.tolist()]
+    assert rolled.scored.by_reward["cut"] == expected
+    assert 0.0 in expected and 1.0 in expected, "a batch of one kind would make this comparison vacuous"
+    assert [len(ids) == 3 and ids[-1] % 2 == 1 for ids in rolled.samples.token_ids] == [
+        e == 1.0 for e in expected
+    ]
