@@ -165,3 +165,15 @@ def test_an_lm_card_says_the_tokens_of_a_step_and_one_layer_in_the_singular() ->
     assert "A tiny Llama (1 layer, width 64, " in text and "1 layers" not in text
     assert "| objective | causal LM (next-token cross-entropy) |" in text
     assert "| batch | 8 x 128 tokens per inner step per replica |" in text
+
+
+def test_the_cards_per_task_rows_name_the_rows_without_a_task() -> None:
+    by_task = {
+        "default": {"initial": 0.0, "final": 0.25, "best": 0.3},
+        "gsm8k": {"initial": 0.21, "final": 0.4375, "best": 0.5},
+    }
+    text = card_text(
+        _composer_config(), {**SUMMARY, "eval_reward_by_task": by_task}, round_index=30, final=True, title="x"
+    )
+    assert "| held-out reward on rows without a task, final (best) | 0.2500 (0.3000) |" in text
+    assert "| held-out reward on gsm8k, final (best) | 0.4375 (0.5000) |" in text and "on default" not in text

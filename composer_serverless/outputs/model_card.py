@@ -19,6 +19,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from composer_serverless.config import ComposerConfig, RunConfig
+from composer_serverless.data.records import task_label
 
 _HF_DATASET = re.compile(r"^hf://datasets/([\w.-]+/[\w.-]+)")
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -195,7 +196,10 @@ def _results(summary: dict[str, Any] | None, round_index: int) -> list[tuple[str
             rows.append((f"held-out {what} at round {round_index} (this model)", f"{at_round:.4f}"))
     for task, figures in summary.get("eval_reward_by_task", {}).items():
         rows.append(
-            (f"held-out reward on {task}, final (best)", f"{figures['final']:.4f} ({figures['best']:.4f})")
+            (
+                f"held-out reward on {task_label(task)}, final (best)",
+                f"{figures['final']:.4f} ({figures['best']:.4f})",
+            )
         )
     rows += [
         ("replicas bit-identical after every sync", str(summary["replicas_bit_identical"]).lower()),
