@@ -27,7 +27,7 @@ from rich.prompt import Prompt
 from rich.table import Table
 
 from composer_serverless.config import ConfigError, RunConfig, load_config, load_harvest_config
-from composer_serverless.launch.report import outcome
+from composer_serverless.launch.report import outcome, progress_figure
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore, StoreError
 
@@ -251,7 +251,8 @@ def _print_dry_run(prepared: Prepared) -> None:
 
 @app.command()
 def status(run: RunArgument, verbose: VerboseOption = False) -> None:
-    """Each replica's state, round, step, loss, last heartbeat and backend job id."""
+    """Each replica's state, round, step, latest loss (a composer run: rollout reward), last heartbeat and
+    backend job id."""
     from composer_serverless.launch import runs
 
     with _user_errors():
@@ -260,7 +261,8 @@ def status(run: RunArgument, verbose: VerboseOption = False) -> None:
         title=f"{opened.config.run_id} on {opened.record.plan.executor}"
         + (" (cancelled)" if opened.record.cancelled else "")
     )
-    for column in ("rank", "state", "attempt", "round", "step", "loss", "last heartbeat", "backend id"):
+    figure = progress_figure(opened.config)
+    for column in ("rank", "state", "attempt", "round", "step", figure, "last heartbeat", "backend id"):
         table.add_column(column, no_wrap=True)
     table.add_column("detail", overflow="fold")
     for row in rows:
@@ -271,7 +273,7 @@ def status(run: RunArgument, verbose: VerboseOption = False) -> None:
             str(row.attempt),
             row.round,
             row.step,
-            row.loss,
+            row.figure,
             age,
             row.backend_id,
             row.detail,

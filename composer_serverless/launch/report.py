@@ -220,6 +220,12 @@ def outcome(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def progress_figure(config: RunConfig) -> str:
+    """The heartbeat figure a replica's progress is shown by: a composer run's rollout reward (its loss mixes
+    three channels and says little), else the training loss."""
+    return "reward" if config.train.objective == "composer" else "loss"
+
+
 def eval_headline(evaluation: dict[str, float]) -> str:
     """One line for a progress log: the held-out loss or reward of the global model, per task if there are
     several (one would repeat the whole's figure)."""
