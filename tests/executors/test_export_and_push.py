@@ -275,6 +275,7 @@ def test_export_pushes_a_round_in_bf16_public_when_asked(finished, hub, env, tmp
     result = cli(*args, "--public", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "checkpoint of round 2 copied" in result.stdout and "pushed: " in result.stdout
+    assert result.stderr == ""  # no progress bar, of transformers' loading or of huggingface_hub's upload
     repo = hub.repos["team/tiny-r2"]
     assert repo.private is False and len(repo.commits) == 1
     files = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
