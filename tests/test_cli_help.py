@@ -72,6 +72,19 @@ def test_version_prints_the_installed_distributions_version() -> None:
     assert result.output == f"composer-serverless {metadata.version('composer-serverless')}\n"
 
 
+def test_version_from_a_source_tree_that_is_not_installed_says_how_to_install_it(monkeypatch) -> None:
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 2, result.output
+    assert " ".join(result.output.split()) == (
+        "error: composer-serverless is imported from a source tree but not installed, so it has no version "
+        "fix: pip install -e . in the source tree"
+    )
+
+
 @pytest.fixture
 def root_level():
     """The root logger's level, put back after the test (``-v`` raises it for the whole process)."""
