@@ -15,6 +15,7 @@ import logging
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -26,7 +27,7 @@ from rich.prompt import Prompt
 from rich.table import Table
 
 from composer_serverless.config import ConfigError, RunConfig, load_config, load_harvest_config
-from composer_serverless.launch.report import outcome
+from composer_serverless.launch.report import outcome, progress_figure
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore, StoreError
 
@@ -35,10 +36,15 @@ if TYPE_CHECKING:
     from composer_serverless.launch.launcher import Prepared
     from composer_serverless.launch.sweep import Cell
 
+DISTRIBUTION = "composer-serverless"
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="Train a Hugging Face causal LM with DiLoCo across replicas that meet only in an object store.",
+    # Click's plain help, not Rich's: Rich reads "[tracking]" or "[output]" in a help text as markup and drops
+    # it, and shows every flag with a value it rejects ("--dry-run <bool>").
+    rich_markup_mode=None,
 )
 # Soft wrap: a message carrying a path, a URL or a command to copy is never broken across lines by the
 # terminal's width (the terminal wraps it visually, and it still pastes whole).
@@ -71,14 +77,51 @@ RunArgument = Annotated[
 ]
 
 
+def _log_at_info(verbose: bool) -> None:
+    """``-v``: log at INFO. The option is the top level's and every command's, so that it works before the
+    command or after it; it only ever raises the level, so one ``-v`` anywhere is enough."""
+    if verbose:
+        logging.getLogger().setLevel(logging.INFO)
+
+
+def _print_version(asked: bool) -> None:
+    if not asked:
+        return
+    try:
+        typer.echo(f"{DISTRIBUTION} {metadata.version(DISTRIBUTION)}")
+    except metadata.PackageNotFoundError:
+        err_console.print(
+            f"[red]error:[/] {DISTRIBUTION} is imported from a source tree but not installed, so it has no "
+            "version\n  fix: pip install -e . in the source tree",
+            highlight=False,
+        )
+        raise typer.Exit(2) from None
+    raise typer.Exit()
+
+
+# Read by its callback as the arguments are parsed, not by the commands (each takes it only to accept it).
+VerboseOption = Annotated[
+    bool,
+    typer.Option("--verbose", "-v", help="log at INFO level", callback=_log_at_info, expose_value=False),
+]
+
+
 @app.callback()
 def _main(
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log at INFO level")] = False,
+    verbose: VerboseOption = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="print the version and exit",
+            callback=_print_version,
+            is_eager=True,
+            expose_value=False,
+        ),
+    ] = False,
 ) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # No level here: ``-v`` (before the command) has set it already; WARNING is the root logger's default.
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO; the harvest's own lines say what matters (retries, give-ups).
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # huggingface_hub gives its loggers a handler of their own (when it is imported, maybe later than this), so
@@ -162,6 +205,7 @@ def launch(
             help="restart every replica of the run at this URL from its latest state",
         ),
     ] = None,
+    verbose: VerboseOption = False,
 ) -> None:
     """Validate the config, create the run in the store, start the replicas and watch them to the end.
 
@@ -223,8 +267,9 @@ def _print_problems(problems: list[str], ready: str) -> None:
 
 
 @app.command()
-def status(run: RunArgument) -> None:
-    """Each replica's state, round, step, loss, last heartbeat and backend job id."""
+def status(run: RunArgument, verbose: VerboseOption = False) -> None:
+    """Each replica's state, round, step, latest loss (a composer run: rollout reward), last heartbeat and
+    backend job id."""
     from composer_serverless.launch import runs
 
     with _user_errors():
@@ -233,7 +278,8 @@ def status(run: RunArgument) -> None:
         title=f"{opened.config.run_id} on {opened.record.plan.executor}"
         + (" (cancelled)" if opened.record.cancelled else "")
     )
-    for column in ("rank", "state", "attempt", "round", "step", "loss", "last heartbeat", "backend id"):
+    figure = progress_figure(opened.config)
+    for column in ("rank", "state", "attempt", "round", "step", figure, "last heartbeat", "backend id"):
         table.add_column(column, no_wrap=True)
     table.add_column("detail", overflow="fold")
     for row in rows:
@@ -244,7 +290,7 @@ def status(run: RunArgument) -> None:
             str(row.attempt),
             row.round,
             row.step,
-            row.loss,
+            row.figure,
             age,
             row.backend_id,
             row.detail,
@@ -287,6 +333,7 @@ def logs(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="keep printing until the replica ends")
     ] = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Print a replica's log (its latest attempt)."""
     from composer_serverless.launch import runs
@@ -297,7 +344,7 @@ def logs(
 
 
 @app.command()
-def cancel(run: RunArgument) -> None:
+def cancel(run: RunArgument, verbose: VerboseOption = False) -> None:
     """Cancel every replica of the run; replicas that already ended are left as they are."""
     from composer_serverless.launch import runs
 
@@ -337,6 +384,7 @@ def export(
             "trained"
         ),
     ] = None,
+    verbose: VerboseOption = False,
 ) -> None:
     """Copy a model of the run out of the store with its model card, and optionally push it to the Hub."""
     from composer_serverless.outputs import export as exports
@@ -368,6 +416,7 @@ def sweep(
             "--dry-run", help="check every cell and print its plan and cost; touch no network, start nothing"
         ),
     ] = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Run every combination of the --grid values as its own run, side by side; print a results table."""
     from composer_serverless.launch import sweep as grid_sweep
@@ -414,6 +463,7 @@ def harvest(
         bool,
         typer.Option("--dry-run", help="print the plan and its worst-case and expected cost; send nothing"),
     ] = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Ask the [harvest] teachers about each state (a trace file, or a run's latest rollouts) and write the
     preference pairs they agree on, under the max_usd cap; answers are cached in the store."""

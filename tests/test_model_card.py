@@ -61,7 +61,7 @@ def test_a_value_toml_cannot_hold_is_a_comment() -> None:
     assert "# grad_clip is unset" in reproduce_toml(config)
 
 
-def _composer_config() -> RunConfig:
+def _composer_config(**composer) -> RunConfig:
     return validate_config(
         {
             "run_id": "gsm8k-1",
@@ -69,6 +69,7 @@ def _composer_config() -> RunConfig:
             "train": {"objective": "composer", "lr": 1e-6},
             "diloco": {"replicas": 8, "sync_every": 10, "rounds": 30, "nesterov": False, "codec": "bf16"},
             "composer": {
+                "alpha": 1.0,
                 "data": {
                     "prompts": "hf://datasets/openai/gsm8k/main",
                     "heldout": "hf://datasets/openai/gsm8k/main",
@@ -77,6 +78,13 @@ def _composer_config() -> RunConfig:
                     {"fn": "exact_match"},
                     {"fn": "rewards.py:formatted", "name": "format", "weight": 0.2},
                 ],
+                "rollout": {
+                    "prompts_per_step": 4,
+                    "group_size": 16,
+                    "max_new_tokens": 512,
+                    "temperature": 0.7,
+                },
+                **composer,
             },
         }
     )
@@ -108,7 +116,9 @@ def test_the_card_says_what_was_trained_how_and_what_it_reached() -> None:
         "| rounds | 30 |",
         "| outer optimizer | SGD, lr 0.7, momentum 0.3, Nesterov off |",
         "| exchange codec | bf16 |",
-        "| objective | composer (GRPO + alpha SDPO + beta replay); rewards: `exact_match` x 1, `format` x 0.2 |",
+        "| objective | composer: GRPO (dapo loss) + 1 x SDPO; rewards: `exact_match` x 1, `format` x 0.2 |",
+        "| batch | 4 prompts x 16 completions of up to 512 new tokens (temperature 0.7) per inner step per "
+        "replica |",
         "| held-out reward, initial -> final | 0.2100 -> 0.4375 |",
         "| held-out reward at round 20 (this model) | 0.4062 |",
         "| held-out reward on gsm8k, final (best) | 0.4375 (0.5000) |",
@@ -125,3 +135,45 @@ def test_a_card_without_a_summary_has_no_results_and_a_directory_is_no_base_mode
     text = card_text(config, None, round_index=4, final=False, title="x")
     assert ModelCard(text).data.base_model is None and "`/models/mine`" in text
     assert "## Results" not in text and "## Reproduce" in text
+
+
+def test_a_composer_card_names_the_channels_on_and_the_pairs_a_step_replays() -> None:
+    config = _composer_config(
+        alpha=0.0,
+        beta=0.5,
+        data={"prompts": "p.jsonl", "heldout": "h.jsonl", "pairs": "pairs.jsonl"},
+        replay={"kind": "simpo", "pairs_per_step": 6},
+    )
+    text = card_text(config, None, round_index=1, final=False, title="x")
+    assert "| objective | composer: GRPO (dapo loss) + 0.5 x replay (simpo); rewards:" in text
+    assert (
+        "| batch | 4 prompts x 16 completions of up to 512 new tokens (temperature 0.7), and 6 preference "
+        "pairs per inner step per replica |"
+    ) in text
+
+
+def test_an_lm_card_says_the_tokens_of_a_step_and_one_layer_in_the_singular() -> None:
+    config = validate_config(
+        {
+            "run_id": "lm-1",
+            "model": {"tiny": {"num_layers": 1, "hidden_size": 64}},
+            "data": {"batch_size": 8, "seq_len": 128},
+            "diloco": {"sync_every": 2, "rounds": 4},
+        }
+    )
+    text = card_text(config, None, round_index=4, final=True, title="lm-1")
+    assert "A tiny Llama (1 layer, width 64, " in text and "1 layers" not in text
+    assert "| objective | causal LM (next-token cross-entropy) |" in text
+    assert "| batch | 8 x 128 tokens per inner step per replica |" in text
+
+
+def test_the_cards_per_task_rows_name_the_rows_without_a_task() -> None:
+    by_task = {
+        "default": {"initial": 0.0, "final": 0.25, "best": 0.3},
+        "gsm8k": {"initial": 0.21, "final": 0.4375, "best": 0.5},
+    }
+    text = card_text(
+        _composer_config(), {**SUMMARY, "eval_reward_by_task": by_task}, round_index=30, final=True, title="x"
+    )
+    assert "| held-out reward on rows without a task, final (best) | 0.2500 (0.3000) |" in text
+    assert "| held-out reward on gsm8k, final (best) | 0.4375 (0.5000) |" in text and "on default" not in text

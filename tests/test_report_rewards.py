@@ -3,10 +3,11 @@
 import pytest
 
 from composer_serverless.config import validate_config
-from composer_serverless.launch.report import eval_headline, summarise, write_report
+from composer_serverless.launch import report
+from composer_serverless.launch.report import eval_headline, plot_rewards, summarise, write_report
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
-from composer_serverless.rendezvous.telemetry import Reporter
+from composer_serverless.rendezvous.telemetry import Reporter, read_metrics
 
 CONFIG = validate_config(
     {
@@ -85,3 +86,41 @@ def test_headlines_name_whatever_was_evaluated():
         eval_headline(_evaluation(0.5, 0.25))
         == "held-out reward of the global model 0.375 (add 0.25, first 0.50)"
     )
+
+
+def test_a_headline_names_the_rows_without_a_task_and_leaves_out_a_lone_group():
+    """Rows without a task column value are evaluated as the group "default" (records.py): said as what it is
+    beside other tasks, and left out alone, where its figure is the whole's."""
+    both = {"eval/reward": 0.1, "eval/task/add/reward": 0.25, "eval/task/default/reward": -0.03}
+    assert (
+        eval_headline(both)
+        == "held-out reward of the global model 0.100 (add 0.25, rows without a task -0.03)"
+    )
+    alone = {"eval/reward": -0.03, "eval/task/default/reward": -0.03}
+    assert eval_headline(alone) == "held-out reward of the global model -0.030"
+    one_task = {"eval/reward": 0.5, "eval/task/gsm8k/reward": 0.5}
+    assert eval_headline(one_task) == "held-out reward of the global model 0.500"
+
+
+def _legend(metrics, monkeypatch) -> list[str]:
+    """The labels of the reward plot's legend (the figure taken where it would be rendered)."""
+    figures = []
+    monkeypatch.setattr(report, "_png", lambda fig: figures.append(fig) or b"")
+    plot_rewards(metrics)
+    return [text.get_text() for text in figures[0].axes[0].get_legend().get_texts()]
+
+
+def test_the_reward_plot_draws_tasks_only_when_there_are_several(tmp_path, run, monkeypatch):
+    assert _legend(read_metrics(run), monkeypatch) == [
+        "held-out, all tasks",
+        "held-out, add",
+        "held-out, first",
+        "rollouts (sampled)",
+    ]
+    store = ObjectStore(str(tmp_path / "one-group"))
+    for round_index, value in ((0, 0.0), (1, 0.5)):
+        evaluation = {"eval/reward": value, "eval/task/default/reward": value}
+        Reporter(store, 0).round(
+            round_index, _row(0, round_index, eval=evaluation) if round_index else {"eval": evaluation}
+        )
+    assert _legend(read_metrics(store), monkeypatch) == ["held-out, all tasks", "rollouts (sampled)"]

@@ -35,6 +35,8 @@ PAIR_KEYS = ("prompt", "chosen", "rejected", "chosen_ref_logp", "rejected_ref_lo
 # take them.
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "truncated", "trainer_state")
 ROLES = ("system", "user", "assistant", "tool")
+# The task of a row without a ``task`` value: evaluation's per-task figures name the group of such rows so.
+NO_TASK = "default"
 # The extras that bring the optional readers, for the install line of a missing one.
 PARQUET_EXTRA = "pip install 'composer-serverless[parquet]'  (pyarrow)"
 DATASETS_EXTRA = "pip install 'composer-serverless[hf]'  (datasets, huggingface_hub)"
@@ -93,9 +95,15 @@ class PromptRecord:
 
     @property
     def task(self) -> str:
-        """The ``task`` column (evaluation reports the reward per task), "default" without one."""
+        """The ``task`` column (evaluation reports the reward per task), ``NO_TASK`` without one."""
         value = self.columns.get("task")
-        return "default" if value is None else str(value)
+        return NO_TASK if value is None else str(value)
+
+
+def task_label(task: str) -> str:
+    """A task group as a report names it: the rows without a task as such, not by their group's key (a user
+    reading "default" would look for a task of that name)."""
+    return "rows without a task" if task == NO_TASK else task
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from composer_serverless.config import RunConfig
+from composer_serverless.data.records import task_label
 from composer_serverless.rendezvous import config_changes, layout, recovery
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
@@ -219,11 +220,20 @@ def outcome(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def progress_figure(config: RunConfig) -> str:
+    """The heartbeat figure a replica's progress is shown by: a composer run's rollout reward (its loss mixes
+    three channels and says little), else the training loss."""
+    return "reward" if config.train.objective == "composer" else "loss"
+
+
 def eval_headline(evaluation: dict[str, float]) -> str:
-    """One line for a progress log: the held-out loss or reward of the global model, per task if any."""
+    """One line for a progress log: the held-out loss or reward of the global model, per task if there are
+    several (one would repeat the whole's figure)."""
     if "eval/reward" in evaluation:
         tasks = [(task, v) for name, v in sorted(evaluation.items()) if (task := _task(name)) is not None]
-        detail = f" ({', '.join(f'{task} {v:.2f}' for task, v in tasks)})" if tasks else ""
+        detail = (
+            f" ({', '.join(f'{task_label(task)} {v:.2f}' for task, v in tasks)})" if len(tasks) > 1 else ""
+        )
         return f"held-out reward of the global model {evaluation['eval/reward']:.3f}{detail}"
     if "eval/loss" in evaluation:
         return f"held-out loss of the global model {evaluation['eval/loss']:.4f}"
@@ -274,8 +284,10 @@ def plot_rewards(metrics: Metrics) -> bytes:
     rewards, losses = axes[0]
     evals, train = eval_curves(metrics), train_curves(metrics)
     rewards.plot(*zip(*evals["eval/reward"], strict=True), "k-o", lw=2, ms=4, label="held-out, all tasks")
-    for task, curve in task_curves(evals).items():
-        rewards.plot(*zip(*curve, strict=True), lw=1.2, marker=".", label=f"held-out, {task}")
+    tasks = task_curves(evals)
+    if len(tasks) > 1:  # one task's curve would be the whole's again
+        for task, curve in tasks.items():
+            rewards.plot(*zip(*curve, strict=True), lw=1.2, marker=".", label=f"held-out, {task_label(task)}")
     if "rollout/reward_mean" in train:
         rewards.plot(
             *zip(*train["rollout/reward_mean"], strict=True), "k--", lw=1, label="rollouts (sampled)"

@@ -21,20 +21,22 @@ from composer_serverless.executors.base import (
     ReplicaStatus,
 )
 from composer_serverless.executors.opening import OpenRun, open_run
+from composer_serverless.launch.report import progress_figure
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 
 
 @dataclass(frozen=True)
 class ReplicaRow:
-    """One line of ``status``: what the backend says, what the heartbeat says."""
+    """One line of ``status``: what the backend says, what the heartbeat says (``figure``: its latest step's
+    ``report.progress_figure``, the loss or a composer run's reward)."""
 
     rank: int
     state: str
     attempt: int
     round: str
     step: str
-    loss: str
+    figure: str
     heartbeat_age_s: float | None
     backend_id: str
     detail: str
@@ -48,6 +50,7 @@ def status(url: str) -> tuple[OpenRun, list[ReplicaRow], bool]:
     handles = run.record.current()
     statuses = _as_cancelled(run, run.executor.status(handles))
     beats = read_heartbeats(run.store)
+    figure = progress_figure(run.config)
     now = time.time()
     rows = []
     for handle, st in zip(handles, statuses, strict=True):
@@ -59,7 +62,7 @@ def status(url: str) -> tuple[OpenRun, list[ReplicaRow], bool]:
                 attempt=handle.attempt,
                 round=f"{beat['round']}/{beat['rounds']}" if "round" in beat else "-",
                 step=f"{beat['step']}/{beat['steps']}" if "step" in beat else "-",
-                loss=f"{beat['loss']:.4f}" if "loss" in beat else "-",
+                figure=f"{beat[figure]:.4f}" if figure in beat else "-",
                 heartbeat_age_s=now - beat["time"] if "time" in beat else None,
                 backend_id=handle.backend_id or "(not recorded)",
                 detail=st.detail or beat.get("state", ""),

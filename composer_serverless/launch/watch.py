@@ -35,7 +35,7 @@ from rich.progress import (
 from composer_serverless.config import RunConfig
 from composer_serverless.executors.base import BackendError
 from composer_serverless.harvest.live import LiveHarvester
-from composer_serverless.launch.report import eval_headline, outcome, speed, write_report
+from composer_serverless.launch.report import eval_headline, outcome, progress_figure, speed, write_report
 from composer_serverless.launch.supervisor import RunCancelled, RunFailed, Supervisor, Terminated
 from composer_serverless.rendezvous import layout, recovery
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
@@ -332,7 +332,7 @@ class ReplicaView:
             TimeRemainingColumn(),
             console=console,
         )
-        self._figure = "reward" if run.config.train.objective == "composer" else "loss"
+        self._figure = progress_figure(run.config)
         self._tasks = {
             h.rank: self._progress.add_task(
                 "",

@@ -107,7 +107,7 @@ def build_tiny(config: TinyModelConfig, texts: Iterable[str], out_dir: Path, *, 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(model_config)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with _no_progress_bars():  # one shard of a tiny model: a bar would only clutter the launcher's status
+    with no_progress_bars():  # one shard of a tiny model: a bar would only clutter the launcher's status
         model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     logger.info(
@@ -120,7 +120,9 @@ def build_tiny(config: TinyModelConfig, texts: Iterable[str], out_dir: Path, *, 
 
 
 @contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
+def no_progress_bars() -> Iterator[None]:
+    """transformers' own progress bars ("Loading weights", "Writing model shards") off meanwhile, put back as
+    they were: on a command's terminal they are noise between its lines, in a log a line of carriage returns."""
     from transformers.utils import logging as hf_logging
 
     enabled = hf_logging.is_progress_bar_enabled()

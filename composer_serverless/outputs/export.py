@@ -185,7 +185,10 @@ def _write_model(
         return
     from composer_serverless.models import loading
 
-    with tempfile.TemporaryDirectory(prefix="composer-serverless-export-") as scratch:
+    with (
+        loading.no_progress_bars(),
+        tempfile.TemporaryDirectory(prefix="composer-serverless-export-") as scratch,
+    ):
         model = Path(scratch) / "model"
         if source.final:
             store.download_dir(layout.FINAL, model)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
-from huggingface_hub.utils import HFValidationError, validate_repo_id
+from huggingface_hub.utils import HFValidationError, disable_progress_bars, validate_repo_id
 
 from composer_serverless.executors.base import BackendError
 from composer_serverless.executors.hf_errors import transport_errors
@@ -80,7 +80,9 @@ def push(
     operations = [CommitOperationAdd(p.relative_to(folder).as_posix(), str(p)) for p in files]
     try:
         api.create_repo(repo, private=private, exist_ok=True)
-        commit = api.create_commit(repo, operations, commit_message=message)
+        # Without huggingface_hub's bar per uploaded file between the command's lines (put back after).
+        with disable_progress_bars():
+            commit = api.create_commit(repo, operations, commit_message=message)
     except Exception as e:
         raise _said(e, f"pushing to {repo}", api.endpoint) from None
     logger.info("pushed %d files to %s: %s", len(files), repo, commit.commit_url)

@@ -18,7 +18,8 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from composer_serverless.config import RunConfig
+from composer_serverless.config import ComposerConfig, RunConfig
+from composer_serverless.data.records import task_label
 
 _HF_DATASET = re.compile(r"^hf://datasets/([\w.-]+/[\w.-]+)")
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -102,9 +103,10 @@ def _base_text(config: RunConfig) -> str:
     model = config.model
     if model.tiny is not None:
         tiny = model.tiny
+        layers = f"{tiny.num_layers} layer{'' if tiny.num_layers == 1 else 's'}"
         return (
-            f"A tiny Llama ({tiny.num_layers} layers, width {tiny.hidden_size}, {tiny.tokenizer} tokenizer) "
-            f"built from seed {config.seed},"
+            f"A tiny Llama ({layers}, width {tiny.hidden_size}, {tiny.tokenizer} tokenizer) built from seed "
+            f"{config.seed},"
         )
     revision = f" at revision `{model.revision}`" if model.revision else ""
     return f"`{model.path}`{revision}{' with LoRA adapters merged in' if model.lora else ''},"
@@ -113,9 +115,10 @@ def _base_text(config: RunConfig) -> str:
 def _settings(config: RunConfig) -> list[tuple[str, str]]:
     dl, train = config.diloco, config.train
     rows = [("base model", _base_text(config).rstrip(",")), ("data", _data_text(config))]
-    if train.objective == "composer" and config.composer is not None:
-        rewards = ", ".join(f"`{r.name or r.fn}` x {r.weight:g}" for r in config.composer.rewards)
-        rows.append(("objective", f"composer (GRPO + alpha SDPO + beta replay); rewards: {rewards}"))
+    composer = config.composer if train.objective == "composer" else None
+    if composer is not None:
+        rewards = ", ".join(f"`{r.name or r.fn}` x {r.weight:g}" for r in composer.rewards)
+        rows.append(("objective", f"composer: {_channels(composer)}; rewards: {rewards}"))
     else:
         rows.append(("objective", "causal LM (next-token cross-entropy)"))
     if config.model.lora is not None:
@@ -133,9 +136,36 @@ def _settings(config: RunConfig) -> list[tuple[str, str]]:
             f"SGD, lr {dl.outer_lr:g}, momentum {dl.outer_momentum:g}, Nesterov {'on' if dl.nesterov else 'off'}",
         ),
         ("exchange codec", dl.codec),
-        ("batch", f"{config.data.batch_size} x {config.data.seq_len} tokens per inner step per replica"),
+        ("batch", _batch_text(config)),
     ]
     return rows
+
+
+def _channels(composer: ComposerConfig) -> str:
+    """The loss as trained: GRPO, and SDPO and replay with their weights when on (``alpha`` is a number once
+    the launcher has decided ``"auto"``, as in ``run.json``)."""
+    terms = [f"GRPO ({composer.grpo.loss_type} loss)"]
+    alpha = composer.alpha
+    if alpha == "auto" or alpha > 0:
+        terms.append(f"{alpha if alpha == 'auto' else format(alpha, 'g')} x SDPO")
+    if composer.replay_on:
+        terms.append(f"{composer.beta:g} x replay ({composer.replay.kind})")
+    return " + ".join(terms)
+
+
+def _batch_text(config: RunConfig) -> str:
+    """What one inner step of one replica trains on: a composer step samples its batch (the lm objective's
+    ``data.batch_size`` and ``seq_len`` are not read), an lm step reads sequences of the corpus."""
+    composer = config.composer if config.train.objective == "composer" else None
+    if composer is None:
+        return f"{config.data.batch_size} x {config.data.seq_len} tokens per inner step per replica"
+    rollout = composer.rollout
+    pairs = f", and {composer.replay.pairs_per_step} preference pairs" if composer.replay_on else ""
+    return (
+        f"{rollout.prompts_per_step} prompts x {rollout.group_size} completions of up to "
+        f"{rollout.max_new_tokens} new tokens (temperature {rollout.temperature:g}){pairs} per inner step "
+        "per replica"
+    )
 
 
 def _data_text(config: RunConfig) -> str:
@@ -166,7 +196,10 @@ def _results(summary: dict[str, Any] | None, round_index: int) -> list[tuple[str
             rows.append((f"held-out {what} at round {round_index} (this model)", f"{at_round:.4f}"))
     for task, figures in summary.get("eval_reward_by_task", {}).items():
         rows.append(
-            (f"held-out reward on {task}, final (best)", f"{figures['final']:.4f} ({figures['best']:.4f})")
+            (
+                f"held-out reward on {task_label(task)}, final (best)",
+                f"{figures['final']:.4f} ({figures['best']:.4f})",
+            )
         )
     rows += [
         ("replicas bit-identical after every sync", str(summary["replicas_bit_identical"]).lower()),

@@ -261,7 +261,7 @@ def describe() -> list[tuple[str, str]]:
         (CODE_MANIFEST, "each code file's sha256, written after them"),
         (CODE_DIGESTS, "each user code file's sha256 on every backend, for a resume to compare"),
         (f"{INPUTS}/", "data files named by a local path, uploaded for cloud replicas"),
-        (heartbeat(rank), "heartbeat: state, round, step, last loss"),
+        (heartbeat(rank), "heartbeat: state, round, step, the last step's loss (and reward)"),
         (metrics(rank, k), "one row per round, with a row per inner step (object stores cannot append)"),
         (in_sync + sync_input(rank, shard, local), "pseudo-gradient shards of local rank {local}'s part"),
         (in_sync + QUORUM, "participants of the sync, created once"),

@@ -16,6 +16,9 @@ from composer_serverless.rendezvous.store import ObjectStore
 
 # Each heartbeat is one PUT; on S3 that is money and request budget, so at most one every few seconds.
 HEARTBEAT_EVERY_S = 2.0
+# A step's figures, which the beats after it that have none (waiting between rounds, done, failed) carry on:
+# ``status`` shows a replica's latest, as the launcher's progress bars keep it on screen.
+CARRIED = ("loss", "reward")
 
 
 class Reporter:
@@ -34,8 +37,12 @@ class Reporter:
         self._silent = silent
         self._last_beat = 0.0
         self._last_phase: tuple[Any, Any] | None = None
+        self._carried: dict[str, Any] = {}
 
     def beat(self, **fields: Any) -> None:
+        # Taken from a throttled beat too: the next beat written carries the latest step's figures.
+        self._carried.update({name: fields[name] for name in CARRIED if name in fields})
+        fields = {**self._carried, **fields}
         now = time.time()
         phase = (fields.get("state"), fields.get("round"))
         if self._silent or phase == self._last_phase and now - self._last_beat < HEARTBEAT_EVERY_S:

@@ -188,6 +188,17 @@ def test_a_round_exports_in_bf16_matching_float32_and_the_last_round_is_the_fina
     assert (outs["r2-bf16"] / "tokenizer.json").exists()
 
 
+def test_export_prints_its_line_and_no_progress_bar_of_transformers(finished, env, tmp_path) -> None:
+    """A round rebuilt and cast loads and saves the model with transformers, whose progress bars ("Loading
+    weights", "Writing model shards") stay off: the command's output is its one line."""
+    _, run = finished
+    out = tmp_path / "r2"
+    result = cli("export", str(run), str(out), "--round", "2", "--dtype", "bfloat16", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (result.stdout, result.stderr) == (f"checkpoint of round 2 copied to {out}\n", "")
+    assert {t.dtype for t in _weights(out).values()} == {torch.bfloat16}
+
+
 def test_a_round_the_run_does_not_keep_exits_2_naming_those_it_keeps(finished, user, tmp_path) -> None:
     _, run = finished
     result = CliRunner().invoke(app, ["export", str(run), str(tmp_path / "out"), "--round", "7"])
@@ -264,6 +275,7 @@ def test_export_pushes_a_round_in_bf16_public_when_asked(finished, hub, env, tmp
     result = cli(*args, "--public", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "checkpoint of round 2 copied" in result.stdout and "pushed: " in result.stdout
+    assert result.stderr == ""  # no progress bar, of transformers' loading or of huggingface_hub's upload
     repo = hub.repos["team/tiny-r2"]
     assert repo.private is False and len(repo.commits) == 1
     files = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}

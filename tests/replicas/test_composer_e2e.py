@@ -93,6 +93,20 @@ def test_status_of_the_finished_run_names_its_reward_without_the_training_stack(
     run, summary = finished_run
     result, loaded = cli_in_fresh_process("status", run.url)
     assert result.returncode == 0, result.stdout + result.stderr
+    # Each replica's figure is its rollout reward at its last step, carried by its final ("done") heartbeat.
+    header = next(line for line in result.stdout.splitlines() if "rank" in line)
+    assert [c.strip() for c in header.strip("┃").split("┃")][:6] == [
+        "rank",
+        "state",
+        "attempt",
+        "round",
+        "step",
+        "reward",
+    ]
+    for rank, rows in read_metrics(run).items():
+        last = max(rows, key=lambda row: row["round"])["step_rows"][-1]["rollout/reward_mean"]
+        line = next(line for line in result.stdout.splitlines() if line.startswith(f"│ {rank} "))
+        assert [c.strip() for c in line.strip("│").split("│")][5] == f"{last:.4f}", line
     initial, final = summary["initial_eval_reward"], summary["final_eval_reward"]
     assert f"finished: held-out reward of the global model: {initial:.4f} -> {final:.4f}" in result.stdout
     assert summary["final_eval_loss"] is None and "held-out loss" not in result.stdout
