@@ -158,7 +158,7 @@ class Relay:
         claim = {"owner": self._owner, "lease": self._generation}
         if self._run.create(layout.tracking_claim(name, k), json.dumps(claim).encode()):
             return True
-        logger.warning("another relay logged round %d to %s first; this relay stops", k, name)
+        logger.warning("another relay claimed round %d of %s first; this relay stops", k, name)
         self._generation = None
         return False
 
