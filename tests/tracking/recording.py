@@ -3,7 +3,8 @@ a process opens its tracker runs through ``Recorded.open`` (patched in for ``rel
 them log into one record, so that steps logged twice (by two relays) or never show up in ``miscounted``.
 
 A relay can be held still in the middle of a round (``hold``): the deterministic stand-in for a relay that
-pauses (a stopped process, a slow tracker, a laptop asleep) while another goes on.
+pauses (a stopped process, a slow tracker, a laptop asleep) while another goes on; and a tracker can fail in
+the middle of one (``fail``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Recorded:
         self.configs: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._hold: tuple[str, int] | None = None
+        self._fail: int | None = None
         self.held = threading.Event()
         self.resume = threading.Event()
 
@@ -33,12 +35,19 @@ class Recorded:
         """Hold the relay running in thread ``thread`` as it logs ``step`` (``held`` is set) until ``resume``."""
         self._hold = (thread, step)
 
+    def fail(self, step: int) -> None:
+        """Make the next tracker that logs ``step`` raise (a tracker's client failing mid-round), once."""
+        self._fail = step
+
     def open(self, name: str, tracking: Any, run_id: str, config: dict[str, Any], directory: Path) -> Any:
         """``open_tracker``'s signature: a recording tracker run for tracker ``name``."""
         del tracking, run_id, config, directory
         return _RecordingTracker(name, self)
 
     def log(self, name: str, step: int, values: dict[str, float]) -> None:
+        if STEP_KEY in values and self._fail == step:
+            self._fail = None
+            raise RuntimeError(f"{name} failed at step {step}")
         if STEP_KEY in values and self._hold == (threading.current_thread().name, step):
             self.held.set()
             assert self.resume.wait(60), "the test never resumed the held relay"

@@ -221,3 +221,20 @@ def test_the_lease_of_a_relay_that_died_is_taken_once_the_store_says_it_lapsed(t
     status.close()
     assert relay.holder(run) is None, "given up"
     assert recorded.miscounted(NAMES, range(1, 5)) == {}
+
+
+def test_a_round_whose_logging_failed_stays_claimed_and_is_never_logged_twice(tmp_path, recorded) -> None:
+    """The rule when a relay fails mid-round: the round is its own, so no relay logs it to that tracker again
+    (nothing twice); the rounds after it are the next relay's."""
+    root = str(tmp_path / "store")
+    run = ObjectStore(root).child("leased")
+    config = _two_trackers(root, tmp_path)
+    for k in (1, 2, 3):
+        _write_round(run, k)
+    failing = Relay(run, config)
+    recorded.fail(4)  # round 2's second step, in the first tracker that logs it
+    with pytest.raises(RuntimeError, match="tensorboard failed at step 4"):
+        failing.catch_up(ended=True)
+    failing.close()
+    assert Relay(run, config).catch_up(ended=True) == 2  # round 3
+    assert recorded.miscounted(NAMES, range(1, 7)) == {"tensorboard": {4: 0}, "wandb": {3: 0, 4: 0}}
