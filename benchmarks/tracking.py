@@ -10,8 +10,8 @@ rather than having every replica log itself.
    itself would pay this on every replica, on every start and restart, beside training.
 2. ``relay``: a finished run's store (a local directory) of ``--replicas`` x ``--rounds`` rows with
    ``--sync-every`` step rows each, shaped like the replicas' (``replicas/meter.py``), relayed to TensorBoard
-   from nothing: seconds, store reads and bytes read, steps logged; then a second relay of the same run (what
-   ``status`` does when nothing is new): its reads and steps logged (0).
+   from nothing: seconds, store reads, bytes read, writes (claims, the lease), steps logged; then a second
+   relay of the same run (what ``status`` does when nothing is new): the same, with 0 steps logged.
 
 Writes ``results.json``.
 """
@@ -30,7 +30,7 @@ from typing import Any
 
 from composer_serverless.config import validate_config
 from composer_serverless.rendezvous import layout
-from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.store import Body, ObjectStore
 from composer_serverless.tracking.relay import Relay
 
 # Run in a fresh interpreter per tracker, so each import and its memory are its own.
@@ -92,11 +92,20 @@ def _step(i: int) -> dict[str, Any]:
 
 
 class _CountingStore(ObjectStore):
-    """The run's store, counting what a relay reads from it."""
+    """The run's store, counting what a relay reads from it and writes to it."""
 
     reads = 0
     read_bytes = 0
     listings = 0
+    writes = 0
+
+    def put(self, key: str, data: Body) -> None:
+        _CountingStore.writes += 1
+        super().put(key, data)
+
+    def create(self, key: str, data: Body) -> bool:
+        _CountingStore.writes += 1
+        return super().create(key, data)
 
     def get(self, key: str) -> bytes:
         data = super().get(key)
@@ -142,7 +151,7 @@ def relay(work: Path, replicas: int, rounds: int, sync_every: int) -> dict[str, 
     out: dict[str, Any] = {"replicas": replicas, "rounds": rounds, "sync_every": sync_every}
     out["row_kb_per_replica_round"] = row_bytes / (replicas * rounds) / 1024
     for label in ("from_nothing", "nothing_new"):
-        _CountingStore.reads = _CountingStore.read_bytes = _CountingStore.listings = 0
+        _CountingStore.reads = _CountingStore.read_bytes = _CountingStore.listings = _CountingStore.writes = 0
         start = time.perf_counter()
         relayer = Relay(counted, config)
         steps = relayer.catch_up(ended=True)
@@ -152,6 +161,7 @@ def relay(work: Path, replicas: int, rounds: int, sync_every: int) -> dict[str, 
             "steps_logged": steps,
             "store_reads": _CountingStore.reads,
             "store_listings": _CountingStore.listings,
+            "store_writes": _CountingStore.writes,
             "mb_read": _CountingStore.read_bytes / 2**20,
         }
     return out

@@ -227,8 +227,9 @@ def _watch(runs: list[Followed], view: View, fail_fast: bool) -> None:
 def _relay(run: Followed, console: Console, *, final: bool = False, opening: bool = False) -> None:
     """Relay the run's new rounds to its trackers, every ``RELAY_EVERY_S``; ``opening``: open the tracker
     runs, before the watch starts; ``final``: now, as the watch ends, closing them. A tracker that fails is
-    said once and relayed to no more by this watch: the replicas do not need it, and the metrics wait in the
-    store for the next relay (``status``)."""
+    said once and relayed to no more by this watch: the replicas do not need it, and the rounds this relay had
+    not claimed wait in the store for the next relay (``status``); the round it failed in stays claimed, and
+    is not logged to that tracker again (``tracking/relay.py``: never twice)."""
     relay = run.relay
     if relay is None or not (final or opening) and time.monotonic() < run.next_relay:
         return

@@ -96,11 +96,15 @@ silent."""
 # --- written by the launcher's tracker relay (``tracking/relay.py``) --------------------------------------
 
 TRACKING = "tracking"
-TRACKING_RELAYED = f"{TRACKING}/relayed.json"
-"""Per tracker, the last round relayed to it: a relay that starts again (``status`` after a detach) goes on
-from there, so no step reaches a tracker twice."""
-TRACKING_LEASE = f"{TRACKING}/lease.json"
-"""The relay relaying now and until when: a second one (``status`` while the launcher watches) leaves it."""
+TRACKING_RELAYED = f"{TRACKING}/relayed"
+"""Per tracker, a claim for every round relayed to it (``tracking_claim``), created once before the round is
+logged: the newest is the tracker's cursor, which only moves forward, and a round is logged by the one relay
+that created its claim."""
+TRACKING_LEASE = f"{TRACKING}/lease"
+"""The relay relaying now: generations of the lease (``tracking_lease``), each created once; the newest names
+its holder (or that the lease was given up), and its age by the store's clock says whether it lapsed."""
+TRACKING_CLOCK = f"{TRACKING}/clock"
+"""A relay's reading of the store's clock (``tracking_clock``): written, timed by the store, and removed."""
 TRACKING_TENSORBOARD = f"{TRACKING}/tensorboard"
 """TensorBoard's event files, copied from the relay's directory: ``tensorboard --logdir`` reads them here."""
 
@@ -129,6 +133,22 @@ def rollback_claim(epoch: int, generation: int) -> str:
     """The claim to roll the run back from rollback epoch ``epoch``; generation g+1 is claimed only when the
     replica holding generation g did not finish in time (it died while rolling back)."""
     return f"{RECOVERY}/{epoch}-{generation}.json"
+
+
+def tracking_claim(tracker: str, round_index: int) -> str:
+    """The claim to log round ``round_index`` to ``tracker``, created once: its creator logs the round."""
+    return f"{TRACKING_RELAYED}/{tracker}/{round_index:06d}.json"
+
+
+def tracking_lease(generation: int) -> str:
+    """Generation ``generation`` of the relays' lease: created once, by the relay taking the lease over from
+    generation g-1 (lapsed or given up), and rewritten by that relay to renew it."""
+    return f"{TRACKING_LEASE}/{generation:06d}.json"
+
+
+def tracking_clock(owner: str) -> str:
+    """Where relay ``owner`` reads the store's clock: the time the store gives an object it just wrote."""
+    return f"{TRACKING_CLOCK}/{owner}.json"
 
 
 def metrics_dir(rank: int) -> str:
@@ -304,8 +324,12 @@ def describe() -> list[tuple[str, str]]:
         ),
         (harvest_taken(k), "the pair files the replicas take at the end of round k, created once"),
         (HARVESTER, "the launcher's live harvester's heartbeat: what it does, or that it stopped"),
-        (TRACKING_RELAYED, "per tracker, the last round the launcher's relay logged to it"),
-        (TRACKING_LEASE, "the relay relaying now, and until when"),
+        (
+            tracking_claim(placeholder("tracker"), k),
+            "a relay's claim to log round k to a tracker, created once before it logs it",
+        ),
+        (tracking_lease(placeholder("g")), "generation g of the relays' lease: who holds it, created once"),
+        (tracking_clock(placeholder("owner")), "a relay's reading of the store's clock, removed at once"),
         (f"{TRACKING_TENSORBOARD}/", "TensorBoard event files of the run's tracker run"),
         (f"{FINAL}/", "the final global model and tokenizer (Hugging Face format)"),
         (SUMMARY, "the report's figures, written at the end"),

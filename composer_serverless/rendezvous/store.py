@@ -329,6 +329,14 @@ class ObjectStore:
         path = self.path(key)
         return int(self._call("size", key, lambda: self._fs.info(path))["size"])
 
+    def modified(self, key: str) -> float:
+        """When ``key`` was last written, in seconds since the epoch by the store's own clock (S3's
+        ``LastModified``, whole seconds; a file's mtime), so that processes on machines whose clocks disagree
+        can still tell how long ago an object was written: against another object the store timed.
+        FileNotFoundError if it does not exist."""
+        path = self.path(key)
+        return self._call("modified", key, lambda: self._fs.modified(path).timestamp())
+
     # --- directories -------------------------------------------------------------------------------
 
     def local_dir(self, prefix: str) -> Path | None:

@@ -8,13 +8,25 @@ on every replica, and give N writers to one tracker run, which trackio and Tenso
 (``benchmarks/tracking.py`` measures the costs). What a relay gives up, it gets back from the store: a run
 nobody watches (a detached launcher, a closed laptop) keeps its metrics there, and the next relay logs them.
 
-Exactly once: a relay logs whole rounds in order and records, per tracker, the last round logged
-(``tracking/relayed.json``) after each one, so a relay that starts again goes on from there. A lease
-(``tracking/lease.json``) keeps a second relay (``status`` run while the launcher watches) from logging the
-same rounds at the same time. A relay killed between logging a round and recording it logs that round again
-when it is next run (W&B keeps the first values of a step; TensorBoard and trackio show both): the one case
-where a step can reach a tracker twice. A round the run redoes after a rollback keeps its first values in the
-trackers; the store holds the redone ones.
+Exactly once, with any number of relays at once and no clock but the store's:
+
+* **A claim per round.** Before it logs round k to a tracker, a relay creates that tracker's claim for k
+  (``tracking/relayed/{tracker}/{k}.json``, create-if-absent), going on from the newest claim (the cursor);
+  the relay whose create wins logs the round, and one whose create loses has been overtaken by another relay
+  and stops at once. Claims are never rewritten or removed, so the cursor only moves forward, and however the
+  relays interleave (one held still mid-round while another takes over), no round reaches a tracker twice.
+* **A lease, so that one relay logs at a time.** The lease is a sequence of generations
+  (``tracking/lease/{g}.json``), each created once: a relay takes it by creating the generation after the
+  newest, when the newest was given up or has lapsed, and renews it (rewrites its own generation) before each
+  round. It has lapsed when the store's clock says so: the newest generation was last written more than
+  ``LEASE_S`` before an object the taker writes now, both timed by the store, so clocks of different machines
+  are never compared. A relay that finds a newer generation than its own has lost the lease: it stops at once
+  and writes nothing more. Giving the lease up is creating the next generation, marked free.
+
+The rule this buys: a step never reaches a tracker twice. A relay killed (or whose tracker failed) after it
+claimed a round and before that tracker had the round leaves the round claimed: no relay logs it to that
+tracker again, and the store keeps its rows (the report and plots have them). A round the run redoes after a
+rollback keeps its first values in the trackers; the store holds the redone ones.
 """
 
 from __future__ import annotations
@@ -23,7 +35,6 @@ import json
 import logging
 import re
 import secrets
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 # How long a relay's lease lasts unless renewed: longer than any pause between two of its passes.
 LEASE_S = 120.0
-_ROW_NAME = re.compile(r"^(\d+)\.json$")
+# A row, a claim or a lease generation: a number, zero-padded, then .json.
+_NUMBERED = re.compile(r"^(\d+)\.json$")
 
 
 class Relay:
@@ -49,36 +61,40 @@ class Relay:
         self._names = list(config.tracking.report_to)
         self._owner = secrets.token_hex(8)
         self._trackers: dict[str, Tracker] = {}
-        self._held = False
+        # The lease generation this relay holds; None while it holds none.
+        self._generation: int | None = None
+        self._told = False
 
     def open(self) -> None:
         """Open every tracker run now (W&B takes a second or so to start its service), not at the first round
         to relay: a watch that opens them before it starts watching is never held up by it later."""
-        relayed = self._relayed()
         for name in self._names:
-            self._tracker(name, fresh=name not in relayed)
+            self._tracker(name)
 
     def catch_up(self, *, ended: bool) -> int:
-        """Log every round that is ready and not yet relayed; returns the steps logged (0 when another relay
-        holds the lease). ``ended``: the run succeeded, so every round is as complete as it will be."""
-        if not self._names or not self._lease():
+        """Log every round that is ready and not yet relayed; returns the steps of the rounds it logged (to
+        any tracker), 0 when another relay holds the lease. ``ended``: the run succeeded, so every round is as
+        complete as it will be."""
+        if not self._names or not self._hold_lease():
             return 0
-        relayed = self._relayed()
-        start = min(relayed.get(name, -1) for name in self._names) + 1
+        cursor = cursors(self._run, self._names)
+        start = min(cursor.values()) + 1
         rows = self._rows_from(start)
         dl = self._config.diloco
         logged = 0
         for k in range(start, dl.rounds + 1):
-            if not series.ready(rows, k, ended=ended):
+            if not series.ready(rows, k, ended=ended) or k > start and not self._renew():
                 break
             this = series.round_rows(rows, k)
             points = series.step_points(this, k, dl.sync_every) if k > 0 else []
             summary = series.round_point(this)
             table = series.completions(this, k)
-            for name in self._names:
-                if relayed.get(name, -1) >= k:
-                    continue
-                tracker = self._tracker(name, fresh=name not in relayed)
+            behind = [name for name in self._names if cursor[name] < k]
+            claimed = self._claim_round(k, behind)
+            for name in claimed:
+                tracker = self._tracker(name)
+                if k == 0:  # the tracker's first round: its run is new
+                    tracker.log_config()
                 for step, values in points:
                     tracker.log(step, values)
                 if summary:
@@ -86,38 +102,33 @@ class Relay:
                 if table:
                     tracker.table(k * dl.sync_every, "completions", series.COMPLETION_COLUMNS, table)
                 tracker.flush()
-                relayed[name] = k
-            logged += len(points)
-            self._run.put(layout.TRACKING_RELAYED, json.dumps(relayed, sort_keys=True).encode())
-            self._lease()
+                cursor[name] = k
+            logged += len(points) if claimed else 0
+            if len(claimed) < len(behind):
+                break  # overtaken: the round's other trackers are the other relay's
         self._copy_event_files()
         return logged
 
     def close(self) -> None:
-        """Close the tracker runs (waiting for their clients to write) and give the lease up."""
+        """Close the tracker runs (waiting for their clients to write) and give the lease up, if still held."""
         trackers, self._trackers = self._trackers, {}
         for tracker in trackers.values():
             tracker.close()
         self._copy_event_files(trackers.values())
-        if self._held and self._lease_holder() == self._owner:
-            self._run.delete(layout.TRACKING_LEASE)
-        self._held = False
+        if self._generation is not None and not _overtaken(self._run, self._generation):
+            given_up = {"owner": None, "given_up_by": self._owner}
+            self._run.create(layout.tracking_lease(self._generation + 1), json.dumps(given_up).encode())
+        self._generation = None
 
-    def _tracker(self, name: str, *, fresh: bool) -> Tracker:
+    def _tracker(self, name: str) -> Tracker:
         if name not in self._trackers:
             tracking = self._config.tracking
             directory = Path(tracking.dir) / (self._config.run_id or "run")
             config = self._config.model_dump(mode="json")
-            tracker = open_tracker(name, tracking, self._config.run_id or "run", config, directory)
-            if fresh:
-                tracker.log_config()
-            self._trackers[name] = tracker
+            self._trackers[name] = open_tracker(
+                name, tracking, self._config.run_id or "run", config, directory
+            )
         return self._trackers[name]
-
-    def _relayed(self) -> dict[str, int]:
-        if not self._run.exists(layout.TRACKING_RELAYED):
-            return {}
-        return {str(k): int(v) for k, v in json.loads(self._run.get(layout.TRACKING_RELAYED)).items()}
 
     def _rows_from(self, start: int) -> dict[int, list[dict[str, Any]]]:
         """Every replica's rows of rounds ``start`` on (a listing per replica, a read per row)."""
@@ -125,29 +136,76 @@ class Relay:
         for rank_name in self._run.list(layout.METRICS):
             rank = int(rank_name)
             for name in self._run.list(layout.metrics_dir(rank)):
-                match = _ROW_NAME.match(name)
+                match = _NUMBERED.match(name)
                 if match and int(match.group(1)) >= start:
                     row = json.loads(self._run.get(layout.metrics(rank, int(match.group(1)))))
                     rows.setdefault(rank, []).append(row)
         return rows
 
-    def _lease_holder(self) -> str | None:
-        if not self._run.exists(layout.TRACKING_LEASE):
-            return None
-        lease = json.loads(self._run.get(layout.TRACKING_LEASE))
-        return lease["owner"] if lease["until"] > time.time() else None
+    def _claim_round(self, k: int, names: list[str]) -> list[str]:
+        """Claim round ``k`` of each tracker in ``names``, every claim before any logging, so that a round goes
+        to one relay whole; the trackers claimed, fewer than ``names`` when another relay got there first."""
+        claimed: list[str] = []
+        for name in names:
+            if not self._claim(name, k):
+                break
+            claimed.append(name)
+        return claimed
 
-    def _lease(self) -> bool:
-        """Take or renew the lease; False while another relay holds it."""
-        holder = self._lease_holder()
-        if holder not in (None, self._owner):
-            if not self._held:
-                logger.info("another relay (the launcher watching the run) logs its metrics; leaving it")
-            return False
-        lease = {"owner": self._owner, "until": time.time() + LEASE_S}
-        self._run.put(layout.TRACKING_LEASE, json.dumps(lease).encode())
-        self._held = True
+    def _claim(self, name: str, k: int) -> bool:
+        """Claim round ``k`` of tracker ``name`` for this relay; False (and the lease dropped) when another
+        relay claimed it first: that one relays now, and this one stops."""
+        claim = {"owner": self._owner, "lease": self._generation}
+        if self._run.create(layout.tracking_claim(name, k), json.dumps(claim).encode()):
+            return True
+        logger.warning("another relay claimed round %d of %s first; this relay stops", k, name)
+        self._generation = None
+        return False
+
+    def _hold_lease(self) -> bool:
+        """Renew the lease this relay holds, or take it if it is free or has lapsed; False while another
+        relay holds it."""
+        if self._generation is not None:
+            return self._renew()
+        newest = _newest_generation(self._run)
+        if newest > 0:
+            lease = json.loads(self._run.get(layout.tracking_lease(newest)))
+            if lease["owner"] is not None and not self._lapsed(newest):
+                if not self._told:
+                    logger.info("another relay (the launcher watching the run) logs its metrics; leaving it")
+                    self._told = True
+                return False
+        mine = json.dumps({"owner": self._owner}).encode()
+        if not self._run.create(layout.tracking_lease(newest + 1), mine):
+            return False  # another relay took it at the same moment
+        self._generation = newest + 1
         return True
+
+    def _renew(self) -> bool:
+        """Rewrite this relay's generation (the store times it anew); False, and the lease dropped, when a
+        newer generation exists: another relay took over while this one was silent past ``LEASE_S``."""
+        generation = self._generation
+        if generation is None:
+            return False
+        self._run.put(layout.tracking_lease(generation), json.dumps({"owner": self._owner}).encode())
+        if not _overtaken(self._run, generation):
+            return True
+        logger.warning(
+            "another relay took the relay lease over (this one was silent too long); this one stops"
+        )
+        self._generation = None
+        return False
+
+    def _lapsed(self, generation: int) -> bool:
+        """Whether generation ``generation`` was last renewed more than ``LEASE_S`` ago by the store's clock:
+        against an object this relay writes now, timed by the same store."""
+        clock = layout.tracking_clock(self._owner)
+        self._run.put(clock, self._owner.encode())
+        try:
+            now = self._run.modified(clock)
+        finally:
+            self._run.delete(clock)
+        return now - self._run.modified(layout.tracking_lease(generation)) > LEASE_S
 
     def _copy_event_files(self, trackers: Any = None) -> None:
         """TensorBoard's event files into the store, so ``tensorboard --logdir`` on the run finds them."""
@@ -155,3 +213,29 @@ class Relay:
             if isinstance(tracker, TensorBoardTracker):
                 for path in sorted(tracker.directory.iterdir()):
                     self._run.put(f"{layout.TRACKING_TENSORBOARD}/{path.name}", path.read_bytes())
+
+
+def cursors(run: ObjectStore, names: list[str]) -> dict[str, int]:
+    """Per tracker, the last round a relay claimed for it (-1: none yet): its newest claim."""
+    return {name: _newest(run.list(f"{layout.TRACKING_RELAYED}/{name}"), default=-1) for name in names}
+
+
+def holder(run: ObjectStore) -> str | None:
+    """The relay named by the newest generation of the lease (whether or not it has lapsed); None when no
+    relay ever took it or the last one gave it up."""
+    newest = _newest_generation(run)
+    return json.loads(run.get(layout.tracking_lease(newest)))["owner"] if newest else None
+
+
+def _overtaken(run: ObjectStore, generation: int) -> bool:
+    """Whether a relay took the lease over from (or after) generation ``generation``."""
+    return run.exists(layout.tracking_lease(generation + 1))
+
+
+def _newest_generation(run: ObjectStore) -> int:
+    return _newest(run.list(layout.TRACKING_LEASE), default=0)
+
+
+def _newest(names: list[str], *, default: int) -> int:
+    numbers = [int(m.group(1)) for m in map(_NUMBERED.match, names) if m]
+    return max(numbers, default=default)

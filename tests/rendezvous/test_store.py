@@ -4,6 +4,7 @@ reads into buffers, retries of transient faults only."""
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 
 import pytest
@@ -227,3 +228,25 @@ def test_a_failed_local_write_leaves_no_temporary_file(tmp_path) -> None:
     with pytest.raises(TypeError):
         store.put("k", [b"header", FullDisk()])  # type: ignore[list-item]
     assert list((tmp_path / "s").iterdir()) == []
+
+
+def test_modified_is_the_stores_own_time_of_the_last_write(
+    store_url: str, request: pytest.FixtureRequest
+) -> None:
+    """What a lease's age is measured with: the time the store gave the object, not the writer's clock."""
+    store = ObjectStore(store_url)
+    store.put("t/x", b"one")
+    if store_url.startswith("s3://"):
+        import boto3
+
+        bucket, _, prefix = store_url.removeprefix("s3://").partition("/")
+        endpoint = request.getfixturevalue("s3_endpoint")
+        head = boto3.client("s3", endpoint_url=endpoint).head_object(Bucket=bucket, Key=f"{prefix}/t/x")
+        assert store.modified("t/x") == head["LastModified"].timestamp()
+    elif store.is_local:
+        assert store.modified("t/x") == pytest.approx(os.stat(store.path("t/x")).st_mtime, abs=1e-6)
+    first = store.modified("t/x")
+    store.put("t/x", b"two")
+    assert store.modified("t/x") >= first
+    with pytest.raises(FileNotFoundError):
+        store.modified("t/missing")

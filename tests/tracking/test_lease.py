@@ -3,14 +3,24 @@ the lease up, the other goes on from the holder's cursor, so every step is logge
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import threading
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from composer_serverless.config import validate_config
+from composer_serverless.config import RunConfig, validate_config
 from composer_serverless.rendezvous import layout
-from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.store import Body, ObjectStore
+from composer_serverless.tracking import relay
 from composer_serverless.tracking.relay import Relay
+from tests.tracking.recording import Recorded
 
 
 def _write_round(run: ObjectStore, k: int, replicas: int = 2, h: int = 2) -> None:
@@ -46,7 +56,7 @@ def test_only_the_lease_holder_relays_and_the_next_goes_on_from_its_cursor(tmp_p
     _write_round(run, 3)
     assert status.catch_up(ended=True) == 4  # rounds 2 and 3, nothing of round 1 again
     status.close()
-    assert json.loads(run.get(layout.TRACKING_RELAYED)) == {"tensorboard": 3}
+    assert relay.cursors(run, ["tensorboard"]) == {"tensorboard": 3}
     events = EventAccumulator(str(run.local_dir(layout.TRACKING_TENSORBOARD)), size_guidance={"scalars": 0})
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
@@ -57,3 +67,174 @@ def test_only_the_lease_holder_relays_and_the_next_goes_on_from_its_cursor(tmp_p
         (5, 30.0),
         (6, 31.0),
     ]
+
+
+# --- two relays at once: each step reaches each tracker once, whatever the interleaving --------------------
+
+NAMES = ["tensorboard", "wandb"]
+
+
+@pytest.fixture(params=["directory", "s3"])
+def root(request: pytest.FixtureRequest, tmp_path) -> str:
+    return str(tmp_path / "store") if request.param == "directory" else request.getfixturevalue("s3_url")
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> Recorded:
+    """Every relay's tracker runs log into one record."""
+    record = Recorded()
+    monkeypatch.setattr(relay, "open_tracker", record.open)
+    return record
+
+
+def _two_trackers(root: str, tmp_path) -> RunConfig:
+    return validate_config(
+        {
+            "run_id": "leased",
+            "store": root,
+            "model": {"tiny": {}},
+            "diloco": {"replicas": 2, "sync_every": 2, "rounds": 3},
+            "tracking": {"report_to": NAMES, "dir": str(tmp_path / "relay")},
+        }
+    )
+
+
+class _MeetingStore(ObjectStore):
+    """Holds each thread's first write under ``tracking/`` until every thread has reached its own: the relays
+    have all looked at the lease, and found it free, before any of them takes it."""
+
+    meeting: threading.Barrier
+    met: set[str]
+
+    def put(self, key: str, data: Body) -> None:
+        self._meet(key)
+        super().put(key, data)
+
+    def create(self, key: str, data: Body) -> bool:
+        self._meet(key)
+        return super().create(key, data)
+
+    def _meet(self, key: str) -> None:
+        name = threading.current_thread().name
+        if key.startswith(f"{layout.TRACKING}/") and name not in self.met:
+            self.met.add(name)
+            self.meeting.wait(60)
+
+
+def _start(name: str, fn: Callable[[], int], results: dict[str, object]) -> threading.Thread:
+    def target() -> None:
+        try:
+            results[name] = fn()
+        except BaseException as e:  # the test reads it: a thread's failure is no silent pass
+            results[name] = e
+
+    thread = threading.Thread(target=target, name=name)
+    thread.start()
+    return thread
+
+
+def test_two_relays_that_find_the_lease_free_at_once_log_each_step_once(root, tmp_path, recorded) -> None:
+    run = _MeetingStore(root).child("leased")
+    run.meeting, run.met = threading.Barrier(2), set()
+    for k in (1, 2, 3):
+        _write_round(run, k)
+    config = _two_trackers(root, tmp_path)
+    results: dict[str, object] = {}
+    threads = [
+        _start(name, functools.partial(Relay(run, config).catch_up, ended=True), results)
+        for name in ("A", "B")
+    ]
+    for thread in threads:
+        thread.join(120)
+    assert recorded.miscounted(NAMES, range(1, 7)) == {}
+    assert sorted(results.values()) == [0, 6], results  # one relay logged all six steps, the other none
+    assert dict(recorded.configs) == dict.fromkeys(NAMES, 1)
+
+
+def test_a_relay_that_lost_its_lease_stops_at_once_and_each_step_is_logged_once(
+    root, tmp_path, recorded, monkeypatch
+) -> None:
+    # Every lease has lapsed by the time another relay looks at it: the holder was held still longer than a
+    # lease lasts (a stopped process, a laptop asleep), and the other relay rightly takes over.
+    lease_s = relay.LEASE_S
+    monkeypatch.setattr(relay, "LEASE_S", -1.0)
+    run = ObjectStore(root).child("leased")
+    for k in (1, 2, 3):
+        _write_round(run, k)
+    config = _two_trackers(root, tmp_path)
+    first, second = Relay(run, config), Relay(run, config)
+    results: dict[str, object] = {}
+    recorded.hold("A", 3)  # round 2's first step, as the first relay logs it
+    thread = _start("A", functools.partial(first.catch_up, ended=True), results)
+    assert recorded.held.wait(60), results
+    results["B"] = second.catch_up(ended=True)
+    recorded.resume.set()
+    thread.join(120)
+    assert recorded.miscounted(NAMES, range(1, 7)) == {}
+    # The first relay had claimed round 2 for both trackers before it was held: it finished the round and
+    # then stopped; the second went on from there, with round 3.
+    assert results == {"A": 4, "B": 2}
+    first.close()
+    second.close()
+    monkeypatch.setattr(relay, "LEASE_S", lease_s)
+    third = Relay(run, config)
+    assert third.catch_up(ended=True) == 0, "the cursors stayed at round 3"
+    third.close()
+    assert relay.cursors(run, NAMES) == dict.fromkeys(NAMES, 3)
+    assert recorded.miscounted(NAMES, range(1, 7)) == {}
+
+
+def test_a_relay_whose_clock_is_an_hour_ahead_leaves_a_live_lease(
+    root, tmp_path, recorded, monkeypatch
+) -> None:
+    run = ObjectStore(root).child("leased")
+    config = _two_trackers(root, tmp_path)
+    _write_round(run, 1)
+    watching, status = Relay(run, config), Relay(run, config)
+    assert watching.catch_up(ended=False) == 2
+    _write_round(run, 2)
+    ahead = types.SimpleNamespace(time=lambda: time.time() + 3600.0)
+    with monkeypatch.context() as skewed:
+        skewed.setattr(relay, "time", ahead, raising=False)
+        assert status.catch_up(ended=False) == 0, "the lease was renewed a moment ago, by the store's clock"
+    assert watching.catch_up(ended=False) == 2
+    watching.close()
+    status.close()
+    assert recorded.miscounted(NAMES, range(1, 5)) == {}
+
+
+def test_the_lease_of_a_relay_that_died_is_taken_once_the_store_says_it_lapsed(tmp_path, recorded) -> None:
+    root = str(tmp_path / "store")
+    run = ObjectStore(root).child("leased")
+    config = _two_trackers(root, tmp_path)
+    _write_round(run, 1)
+    assert Relay(run, config).catch_up(ended=False) == 2  # and is never closed: its process was killed
+    _write_round(run, 2)
+    status = Relay(run, config)
+    assert status.catch_up(ended=False) == 0, "the lease is live"
+    assert relay.holder(run) is not None
+    # The dead relay's last renewal, by the store's clock, a lease and a second ago.
+    lease = Path(run.path(layout.tracking_lease(1)))
+    then = lease.stat().st_mtime - relay.LEASE_S - 1
+    os.utime(lease, (then, then))
+    assert status.catch_up(ended=False) == 2
+    status.close()
+    assert relay.holder(run) is None, "given up"
+    assert recorded.miscounted(NAMES, range(1, 5)) == {}
+
+
+def test_a_round_whose_logging_failed_stays_claimed_and_is_never_logged_twice(tmp_path, recorded) -> None:
+    """The rule when a relay fails mid-round: the round is its own, so no relay logs it to that tracker again
+    (nothing twice); the rounds after it are the next relay's."""
+    root = str(tmp_path / "store")
+    run = ObjectStore(root).child("leased")
+    config = _two_trackers(root, tmp_path)
+    for k in (1, 2, 3):
+        _write_round(run, k)
+    failing = Relay(run, config)
+    recorded.fail(4)  # round 2's second step, in the first tracker that logs it
+    with pytest.raises(RuntimeError, match="tensorboard failed at step 4"):
+        failing.catch_up(ended=True)
+    failing.close()
+    assert Relay(run, config).catch_up(ended=True) == 2  # round 3
+    assert recorded.miscounted(NAMES, range(1, 7)) == {"tensorboard": {4: 0}, "wandb": {3: 0, 4: 0}}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from composer_serverless.launch.watch import ReplicaView
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
-from composer_serverless.tracking import series
+from composer_serverless.tracking import relay, series
 from tests.conftest import TINY, cli_in_fresh_process
 from tests.tracking.wandb_records import history
 
@@ -75,7 +74,7 @@ def relayed(tmp_path_factory):
         patch.setattr(ReplicaView, "show", detach_once_held)
         summary = launcher.launch(config, "tracked.toml", Console(file=io.StringIO()), lambda: "detach")
     assert summary is None, "the launcher detached"
-    at_detach = json.loads(run.get(layout.TRACKING_RELAYED))
+    at_detach = relay.cursors(run, config.tracking.report_to)
     for process in stopped:
         process.resume()
     try:
@@ -115,8 +114,8 @@ def test_the_detached_launcher_relayed_round_1_and_status_the_rest(relayed):
     assert all(1 <= k < ROUNDS for k in at_detach.values()), at_detach
     logged = (ROUNDS - at_detach["tensorboard"]) * H
     assert f"trackers (tensorboard, trackio, wandb): {logged} new steps logged" in stdout
-    assert json.loads(run.get(layout.TRACKING_RELAYED)) == dict.fromkeys(at_detach, ROUNDS)
-    assert not run.exists(layout.TRACKING_LEASE), "each relay gave its lease up"
+    assert relay.cursors(run, list(at_detach)) == dict.fromkeys(at_detach, ROUNDS)
+    assert relay.holder(run) is None, "each relay gave its lease up"
     assert loaded == [], "status relays without the training stack"
 
 
