@@ -1,7 +1,7 @@
 """The user's code shipped through the run's store prefix (``code/``), for replicas that fetch it (HF Jobs):
 its manifest's format, and fetching it with every file checked.
 
-The manifest names each file (relative to the config's directory) with its sha256, written after the files;
+The manifest names each file (relative to code.root) with its sha256, written after the files;
 with a run key it carries a MAC over its files and digests, so a replica of an authenticated run runs no code
 that someone with the bucket but not the key put there. Without a key, the checksums catch corruption only.
 """
