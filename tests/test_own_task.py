@@ -315,7 +315,9 @@ def test_the_math_recipe_runs_end_to_end_with_a_tiny_qwen2(tmp_path: Path, chat_
 
 
 @pytest.mark.parametrize("executor", ["modal", "hf_jobs"])
-def test_the_math_recipe_plans_on_each_cloud_backend_from_any_directory(executor: str, tmp_path: Path) -> None:
+def test_the_math_recipe_plans_on_each_cloud_backend_from_any_directory(
+    executor: str, tmp_path: Path
+) -> None:
     """Its paths are relative to the recipe's file, so the working directory does not matter."""
     done = _cli(
         tmp_path,
