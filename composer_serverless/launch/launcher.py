@@ -101,8 +101,18 @@ def create_run(
         with console.status("building the tiny model and its tokenizer"):
             _build_tiny_into(run, resolved)
     if shipped is not None:
-        with console.status("uploading the run's data and code"):
-            shipment.upload(run, shipped, code=ship_code, key=None if key is None else key.for_run(run_id))
+        with console.status("uploading the run's data and code") as status:
+
+            def progress(sent: int, total: int) -> None:
+                status.update(f"uploading the model: {sent / 1e9:.2f} of {total / 1e9:.2f} GB")
+
+            shipment.upload(
+                run,
+                shipped,
+                code=ship_code,
+                key=None if key is None else key.for_run(run_id),
+                progress=progress,
+            )
     if not run.create(layout.RUN_CONFIG, resolved.resolved_json().encode()):
         raise ConfigError(
             f"run {run.url} was created concurrently by someone else\n  fix: choose another run_id"
@@ -204,7 +214,7 @@ def start(prepared: Prepared, console: Console) -> Supervisor:
         raise ConfigError("cannot launch:\n" + "\n".join(textwrap.indent(p, "  ") for p in prepared.problems))
     if prepared.config.model.path is not None:
         with console.status("checking the model (config, tokenizer, a meta-device instance)"):
-            check_model(prepared.config)
+            check_model(shipment.with_local_model(prepared.config, prepared.shipped))
     prepared.executor.check_access(prepared.plan)
     ship_code = prepared.plan.resources["shipped"]["how"] == shipment.STORE
     run, _ = create_run(prepared.config, prepared.source, console, prepared.shipped, ship_code)
