@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -224,3 +226,60 @@ def test_code_outside_the_config_directory_ships_with_its_layout_and_imports_its
     rewards = RewardSet(config.composer.rewards, fetched)
     record = PromptRecord("1+1=", {"answer": "2"})
     assert rewards.score(["so 2", "3"], [record, record]).totals == [1.0, 0.0]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli_in(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI in a fresh interpreter started in ``cwd``, with no cloud credentials."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "HF_", "MODAL_"))}
+    env.update(PYTHONPATH=str(REPO), HOME=str(cwd.parent / "home"), COLUMNS="200")
+    return subprocess.run(
+        [sys.executable, "-m", "composer_serverless.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_launched_from_another_directory_local_modal_and_hf_jobs_agree_on_every_path(tmp_path: Path) -> None:
+    """configs/ beside tasks/ (the reward and its helper), the data next to the config, the CLI started in a
+    third directory with the config's relative path: a local run of one round, and the Modal and HF Jobs
+    plans, name the same files."""
+    project = tmp_path / "proj"
+    write_project(project)
+    (tmp_path / "elsewhere").mkdir()
+    config = os.path.join("..", "proj", "configs", "task.toml")
+    plans = {}
+    for executor in ("modal", "hf_jobs"):
+        done = _cli_in(
+            tmp_path / "elsewhere",
+            *("launch", config, "--executor", executor, "--set", "store=s3://bucket/runs", "--dry-run"),
+        )
+        assert done.returncode == 0, done.stderr
+        plans[executor] = json.loads(done.stdout)["resources"]["shipped"]
+    done = _cli_in(tmp_path / "elsewhere", "launch", config)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = project / "runs" / "paths"  # store = "../runs" in the file: beside configs/
+    assert not (tmp_path / "elsewhere" / "runs").exists()
+    plans["local"] = json.loads((run / "launch.json").read_text())["plan"]["resources"]["shipped"]
+    code = ["tasks/answer_parsing.py", "tasks/rewards.py"]
+    data = {
+        "composer.data.prompts": [str(project / "configs" / "train.jsonl")],
+        "composer.data.heldout": [str(project / "configs" / "data" / "test.jsonl")],
+    }
+    for executor, plan in plans.items():
+        assert (plan["root"], plan["code"]) == (str(project), code), executor
+        assert plan["data"] == ({} if executor == "local" else data), executor  # local reads in place
+    resolved = json.loads((run / "run.json").read_text())
+    assert resolved["code"] == {"paths": code[:1], "requirements": [], "root": str(project)}
+    assert resolved["composer"]["rewards"][0]["fn"] == "tasks/rewards.py:accuracy"
+    assert [resolved["composer"]["data"][k] for k in ("prompts", "heldout")] == [v[0] for v in data.values()]
+    assert resolved["store"] == str(project / "runs")
+    assert json.loads((run / "summary.json").read_text())["rounds_committed"] == 1
+    row = json.loads((run / "metrics" / "0" / "000001.json").read_text())  # round 1
+    assert "rollout/reward/accuracy" in row["train"]  # the reward in tasks/ ran, with its helper
