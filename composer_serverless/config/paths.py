@@ -18,8 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from composer_serverless.config.composer import BUILTIN_REWARDS
-
 # A value that names a location through a protocol (s3://, hf://, file://), or a malformed one (s3:/bucket)
 # that the store's validator explains: neither is a path on this machine.
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")
@@ -67,7 +65,7 @@ def resolve(raw: dict[str, Any], base: Path, under: str = "") -> None:
                 parent[leaf] = absolute(value, base) if _is_local_model(value, base) else value
             elif key == REWARD_FN:
                 found = REWARD_FILE.match(value)
-                if found and value not in BUILTIN_REWARDS:
+                if found:  # not a built-in or an import path
                     parent[leaf] = f"{absolute(found['file'], base)}:{found['function']}"
             else:
                 parent[leaf] = absolute(value, base)
