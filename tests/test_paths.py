@@ -206,6 +206,17 @@ def test_a_missing_reward_file_names_the_absolute_path_tried(project: Path, caps
     assert "fix: name it relative to the config file, or by absolute path" in err
 
 
+def test_a_missing_trace_file_names_the_absolute_path_tried(project: Path, capsys) -> None:
+    teachers = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "harvest-teachers.toml"
+    config = project / "configs" / "harvest.toml"
+    config.write_text(teachers.read_text().replace("../data/composer-tasks/traces.jsonl", "traces.jsonl"))
+    assert cli_run(["harvest", str(config), "--dry-run"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: harvest.traces: no such file or directory: {project / 'configs' / 'traces.jsonl'}\n"
+        "  fix: a relative path in a config file is relative to that file's directory"
+    )
+
+
 def test_code_outside_the_config_directory_ships_with_its_layout_and_imports_its_neighbours(
     project: Path, tmp_path: Path
 ) -> None:

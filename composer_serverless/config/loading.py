@@ -35,7 +35,8 @@ def load_config(
 
     ``executor_type`` replaces the file's ``[executor]`` table when the file names another backend (its keys
     belong to that backend), and keeps it when the file already names this one; overrides come after, so
-    ``--executor modal --set executor.gpu=A100-80GB`` works on any config.
+    ``--executor modal --set executor.gpu=A100-80GB`` works on any config. Relative paths in the file are
+    relative to it, those in overrides to the working directory, all made absolute here (``paths.py``).
 
     Raises:
         ConfigError: the file is missing or not TOML, an override is malformed, a key is unknown or a value
