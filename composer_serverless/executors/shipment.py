@@ -52,6 +52,9 @@ _SKIPPED = ("__pycache__", ".git")
 # The largest model directory a launch uploads for cloud replicas: a 7-8B model in bf16 (about 16 GB) fits.
 # Each replica start downloads all of it from the store, so past this the Hub is the better carrier.
 MAX_MODEL_BYTES = 20 * 10**9
+# Files a model directory may hold in pickle format (PyTorch weights, a Trainer's training_args.bin and
+# optimizer state): never shipped, since replicas would unpickle what they read from the store.
+PICKLED = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
 @dataclass(frozen=True)
@@ -136,15 +139,22 @@ def _files(root: Path, name: str) -> list[str]:
 
 def _local_model(config: RunConfig) -> str | None:
     """``model.path`` when it is a directory on this machine (``from_pretrained`` too prefers a directory to
-    a Hub id of the same name), within ``MAX_MODEL_BYTES``.
+    a Hub id of the same name) with safetensors weights, within ``MAX_MODEL_BYTES``.
 
     Raises:
-        ConfigError: the directory is larger than that, with the fix (push it to the Hub).
+        ConfigError: the weights are pickles only, or the directory is too large; each with the fix.
     """
     path = config.model.path
     if path is None or not Path(path).expanduser().is_dir():
         return None
-    size = sum(p.stat().st_size for p in model_files(Path(path).expanduser()))
+    files = model_files(Path(path).expanduser())
+    if not any(p.suffix == ".safetensors" for p in files):
+        raise ConfigError(
+            f"model.path {Path(path).expanduser().absolute()} has no safetensors weights, and cloud replicas "
+            "load nothing in pickle format from the store\n  fix: save it with save_pretrained (safetensors by "
+            "default), or push it to the Hugging Face Hub and set model.path to its repo id"
+        )
+    size = sum(p.stat().st_size for p in files)
     if size > MAX_MODEL_BYTES:
         raise ConfigError(
             f"model.path {Path(path).expanduser().absolute()} holds {size / 1e9:.1f} GB, more than the "
@@ -156,12 +166,14 @@ def _local_model(config: RunConfig) -> str | None:
 
 
 def model_files(directory: Path) -> list[Path]:
-    """The files of a model directory that ``from_pretrained`` may read: not hidden ones (``.git`` holds a
-    second copy of every weight file of a cloned repository, ``.cache`` the Hub client's bookkeeping)."""
+    """The files of a model directory that replicas load: not hidden ones (``.git`` holds a second copy of
+    every weight file of a cloned repository, ``.cache`` the Hub client's bookkeeping), not pickles."""
     return sorted(
         p
         for p in directory.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+        if p.is_file()
+        and not p.name.endswith(PICKLED)
+        and not any(part.startswith(".") for part in p.relative_to(directory).parts)
     )
 
 

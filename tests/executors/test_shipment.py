@@ -152,8 +152,8 @@ def _model_config(model: Path) -> object:
 
 
 def _model_dir(tmp_path: Path, tiny_model_dir: Path) -> Path:
-    """The tiny model as a clone of its Hub repository leaves it: with a .git holding a second copy of the
-    weights and the Hub client's .cache."""
+    """The tiny model as a clone of its Hub repository or a Trainer leaves it: with a .git holding a second
+    copy of the weights, the Hub client's .cache, and pickles (a Trainer's training_args.bin)."""
     import shutil
 
     model = tmp_path / "my-model"
@@ -162,6 +162,7 @@ def _model_dir(tmp_path: Path, tiny_model_dir: Path) -> Path:
     (model / ".git" / "lfs" / "weights").write_bytes(b"\0" * 1000)
     (model / ".cache").mkdir()
     (model / ".cache" / "download.lock").write_text("")
+    (model / "training_args.bin").write_bytes(b"\x80\x04pickle")
     return model
 
 
@@ -180,7 +181,7 @@ def test_a_model_directory_is_shipped_to_cloud_replicas_through_the_runs_model_p
     told: list[tuple[int, int]] = []
     written = shipment.upload(run, ship, code=False, progress=lambda sent, total: told.append((sent, total)))
     files = sorted(p.relative_to(tiny_model_dir).as_posix() for p in tiny_model_dir.rglob("*") if p.is_file())
-    assert run.list_tree(layout.MODEL) == files  # nothing hidden: no .git, no .cache
+    assert run.list_tree(layout.MODEL) == files  # nothing hidden (.git, .cache), no pickle
     assert all(run.get(f"{layout.MODEL}/{f}") == (tiny_model_dir / f).read_bytes() for f in files)
     total = sum((tiny_model_dir / f).stat().st_size for f in files)
     assert written == total and len(told) == len(files) and told[-1] == (total, total)
@@ -207,6 +208,21 @@ def test_a_replica_loads_a_shipped_model_from_the_store_with_from_pretrained(
     assert digest(shipped_weights) == digest(here) and len(here) > 0
     assert all(torch.equal(shipped_weights[n], here[n]) for n in here)
     assert model_source(run, _model_config(tiny_model_dir), tmp_path) == str(tiny_model_dir)  # not shipped
+
+
+def test_a_model_directory_with_pickled_weights_only_is_refused_for_the_cloud(tmp_path: Path) -> None:
+    """Replicas would unpickle what they read from the store: safetensors, or the Hub."""
+    model = tmp_path / "old-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
+    with pytest.raises(ConfigError) as refused:
+        shipment.plan(_model_config(model), cloud=True)
+    assert str(refused.value) == (
+        f"model.path {model} has no safetensors weights, and cloud replicas load nothing in pickle format from "
+        "the store\n  fix: save it with save_pretrained (safetensors by default), or push it to the Hugging "
+        "Face Hub and set model.path to its repo id"
+    )
 
 
 def test_a_model_directory_past_the_size_guard_is_refused_with_the_hub_as_the_fix(tmp_path: Path) -> None:
