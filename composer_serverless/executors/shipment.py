@@ -15,8 +15,8 @@ store prefix (``inputs/``) and the run reads them there; a local Hugging Face da
 the fix (push it to the Hub). A model directory on this machine (``model.path``) is uploaded to the run's
 ``model/``, where the launcher also puts the tiny model, and each replica downloads it from there and loads it
 with ``from_pretrained`` as it would any directory (safetensors only: no pickle is shipped); up to
-``MAX_MODEL_BYTES``, since every replica start
-downloads it again, and the Hub (which caches and serves it near the GPUs) carries larger ones better.
+``MAX_MODEL_BYTES``, since every replica start downloads it again, and the Hub (which caches and serves it near
+the GPUs) carries larger ones better.
 """
 
 from __future__ import annotations
