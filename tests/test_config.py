@@ -31,6 +31,22 @@ def test_every_shipped_config_parses(path):
     assert type(config).model_validate_json(config.resolved_json()) == config
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_finds_its_files_from_any_directory(path, tmp_path, monkeypatch):
+    """Paths in a config are relative to its file: `make demo` from the repository's root and a launch from
+    anywhere else read the same data and code."""
+    from composer_serverless.executors import shipment
+    from composer_serverless.objectives import inputs
+
+    monkeypatch.chdir(tmp_path)
+    if set(read_toml(path)) == {"harvest"}:
+        assert Path(load_harvest_config(path).traces).is_file()
+        return
+    config = load_config(path)
+    inputs.check(config)  # reads every data file it names
+    assert shipment.plan(config, cloud=False).root == path.parent  # and finds every code file
+
+
 def test_shipped_configs_exist():
     assert any(p.name == "local-demo.toml" for p in CONFIGS)
 

@@ -171,9 +171,10 @@ def test_the_dry_run_lists_what_each_cloud_backend_ships(tmp_path: Path, executo
     plan = json.loads(done.stdout)
     shipped = plan["resources"]["shipped"]
     assert shipped["code"] == ["my_task.py"] and shipped["requirements"] == ["math-verify>=0.8"]
+    task = tmp_path / "my-task"
     assert shipped["data"] == {
-        "composer.data.prompts": ["train.jsonl"],
-        "composer.data.heldout": ["test.jsonl"],
+        "composer.data.prompts": [str(task / "train.jsonl")],
+        "composer.data.heldout": [str(task / "test.jsonl")],
     }
     assert ("image" if executor == "modal" else "store prefix code/") in shipped["how"]
     if executor == "hf_jobs":  # the job installs the packages before the worker starts
@@ -320,9 +321,12 @@ def test_the_math_recipe_runs_end_to_end_with_a_tiny_qwen2(tmp_path: Path, chat_
 
 
 @pytest.mark.parametrize("executor", ["modal", "hf_jobs"])
-def test_the_math_recipe_plans_on_each_cloud_backend_unchanged(executor: str) -> None:
+def test_the_math_recipe_plans_on_each_cloud_backend_from_any_directory(
+    executor: str, tmp_path: Path
+) -> None:
+    """Its paths are relative to the recipe's file, so the working directory does not matter."""
     done = _cli(
-        RECIPE.parents[2],
+        tmp_path,
         "launch",
         str(RECIPE),
         "--executor",
@@ -333,8 +337,9 @@ def test_the_math_recipe_plans_on_each_cloud_backend_unchanged(executor: str) ->
     )
     assert done.returncode == 0, done.stderr
     shipped = json.loads(done.stdout)["resources"]["shipped"]
-    assert shipped["code"] == ["gsm8k_reward.py"]
+    assert shipped["root"] == str(RECIPE.parent) and shipped["code"] == ["gsm8k_reward.py"]
+    sample = RECIPE.parents[1] / "data" / "gsm8k-sample"
     assert shipped["data"] == {
-        "composer.data.prompts": ["deploy/data/gsm8k-sample/train.jsonl"],
-        "composer.data.heldout": ["deploy/data/gsm8k-sample/test.jsonl"],
+        "composer.data.prompts": [str(sample / "train.jsonl")],
+        "composer.data.heldout": [str(sample / "test.jsonl")],
     }

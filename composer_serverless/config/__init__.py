@@ -7,7 +7,8 @@ exactly that: the replicas never see the TOML file or the command line.
 By job: ``run.py`` (the run's schema and ``RunConfig``), ``model.py`` (the model, its loading, precision and
 LoRA), ``data.py`` (what the lm objective trains on), ``composer.py`` (the three-channel objective),
 ``executors.py`` (where replicas run), ``harvest.py`` (the teachers asked for preference pairs), ``hardware.py`` (the GPU types and flavors, with list prices),
-``loading.py`` (TOML, ``--set``, messages that say how to fix, with ``trl_names.py``: TRL's names for our keys), ``base.py`` (what every table shares).
+``loading.py`` (TOML, ``--set``, messages that say how to fix, with ``trl_names.py``: TRL's names for our keys),
+``paths.py`` (one rule for the paths in it), ``base.py`` (what every table shares).
 """
 
 from composer_serverless.config.base import ConfigError

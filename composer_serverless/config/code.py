@@ -9,8 +9,8 @@ from pydantic import Field, field_validator
 
 from composer_serverless.config.base import StrictModel
 
-# Where a replica finds the code shipped to it (set by the worker, or by the Modal image); the config's own
-# directory (code.root) when unset, as in a local run.
+# Where a replica finds the code shipped to it (set by the worker, or by the Modal image); code.root when
+# unset, as in a local run.
 CODE_DIR_ENV = "COMPOSER_SERVERLESS_CODE_DIR"
 # A pip requirement: a name with extras and a version, or a URL; never a pip option.
 REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?\s*(@\s*\S+|[<>=!~;].*)?$")
@@ -24,16 +24,16 @@ class CodeConfig(StrictModel):
 
     paths: tuple[str, ...] = Field(
         (),
-        description="files or package directories the rewards import, relative to the config file (inside "
-        "its directory)",
+        description="files or package directories the rewards import, relative to the config file (anywhere "
+        "on this machine)",
     )
     requirements: tuple[str, ...] = Field(
         (), description="pip requirements the replicas install, e.g. 'math-verify>=0.8'"
     )
     root: str | None = Field(
         None,
-        description="the directory paths and reward files are relative to: set by the launcher to the config "
-        "file's directory",
+        description="the directory paths and reward files are named relative to in run.json: set when the "
+        "config is loaded, to the deepest directory holding the config file and all of its code",
     )
     accept_changes: bool = Field(
         False,
@@ -44,13 +44,11 @@ class CodeConfig(StrictModel):
 
     @field_validator("paths")
     @classmethod
-    def _inside_the_config_directory(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
+    def _inside_the_root(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
         for path in paths:
             parts = PurePosixPath(path).parts
             if not path or PurePosixPath(path).is_absolute() or ".." in parts:
-                raise ValueError(
-                    f"{path!r}: code paths are relative to the config file, inside its directory"
-                )
+                raise ValueError(f"{path!r}: code paths in run.json are relative to code.root, inside it")
         return paths
 
     @field_validator("requirements")

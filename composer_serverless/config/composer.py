@@ -14,8 +14,9 @@ BUILTIN_REWARDS = ("exact_match", "format", "unit_tests")
 # The column each built-in reads: a dataset none of whose rows has it cannot use that reward.
 BUILTIN_COLUMNS = {"exact_match": "answer", "unit_tests": "tests"}
 IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
-# A reward file relative to the config: no absolute path, no way out of the config's directory.
-FILE_PATH = re.compile(r"^(?!/)(?!.*(^|/)\.\.(/|$))[\w./-]+\.py:[A-Za-z_]\w*$")
+# A reward file as run.json names it, relative to code.root (``paths.py`` names it so, wherever it is on this
+# machine): no absolute path, no way out of the root, so the shipped tree holds it.
+FILE_PATH = re.compile(r"^(?!/)(?!.*(^|/)\.\.(/|$))[^:]+\.py:[A-Za-z_]\w*$")
 # The columns the built-ins and SDPO read, and the prompt: what a column map may rename.
 MAPPED_COLUMNS = ("prompt", "answer", "tests", "hint", "task")
 
@@ -26,7 +27,8 @@ class RewardConfig(StrictModel):
     fn: str = Field(
         description="reward function: 'exact_match' (the answer column), 'format' (a regex the whole "
         "completion must match), 'unit_tests' (the tests column, run in a sandboxed subprocess), a file "
-        "relative to the config 'my_task.py:function' (shipped to every replica), or an import path "
+        "'my_task.py:function' (relative to the config file, anywhere on this machine; shipped to every "
+        "replica), or an import path "
         "'package.module:function'; user functions have TRL's signature, fn(prompts, completions, "
         "completion_ids, **columns) -> list[float | None]"
     )
@@ -51,8 +53,8 @@ class RewardConfig(StrictModel):
     def _known_or_import_path(cls, fn: str) -> str:
         if fn not in BUILTIN_REWARDS and not IMPORT_PATH.match(fn) and not FILE_PATH.match(fn):
             raise ValueError(
-                f"{fn!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}), a file relative to the "
-                "config 'my_task.py:function' (inside the config's directory), nor an import path "
+                f"{fn!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}), a file "
+                "'my_task.py:function' (relative to the config file, or absolute), nor an import path "
                 "'package.module:function'"
             )
         return fn

@@ -4,6 +4,7 @@ error messages that name every offending key and say how to fix it."""
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 import typing
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ValidationError
 
+from composer_serverless.config import paths
 from composer_serverless.config.base import ConfigError, StrictModel
 from composer_serverless.config.executors import EXECUTOR_TYPES
 from composer_serverless.config.harvest import HarvestConfig
@@ -34,21 +36,21 @@ def load_config(
 
     ``executor_type`` replaces the file's ``[executor]`` table when the file names another backend (its keys
     belong to that backend), and keeps it when the file already names this one; overrides come after, so
-    ``--executor modal --set executor.gpu=A100-80GB`` works on any config.
+    ``--executor modal --set executor.gpu=A100-80GB`` works on any config. Relative paths in the file are
+    relative to it, those in overrides to the working directory, all made absolute here (``paths.py``).
 
     Raises:
         ConfigError: the file is missing or not TOML, an override is malformed, a key is unknown or a value
             is invalid. The message names every offending key and how to fix it.
     """
-    path = Path(path)
+    path = Path(os.path.abspath(path))
     raw = read_toml(path)
+    paths.resolve(raw, path.parent)  # the file's paths: relative to the file
     if executor_type is not None:
         select_executor(raw, executor_type)
     for override in overrides:
-        apply_override(raw, override)
-    code = raw.get("code")
-    if isinstance(code, dict) or code is None:  # files named in it are relative to the config's directory
-        raw["code"] = {"root": str(path.resolve().parent), **(code or {})}
+        apply_override(raw, override)  # relative to the working directory
+    paths.root_code(raw, path.parent)
     return validate_config(raw, source=str(path))
 
 
@@ -59,8 +61,9 @@ def load_harvest_config(path: str | Path, overrides: list[str] | tuple[str, ...]
     Raises:
         ConfigError: as ``load_config``, or the file has no ``[harvest]`` table.
     """
-    path = Path(path)
+    path = Path(os.path.abspath(path))
     raw = read_toml(path)
+    paths.resolve(raw, path.parent)
     for override in overrides:
         apply_override(raw, override)
     table = raw.get("harvest")
@@ -122,7 +125,8 @@ def select_executor(raw: dict[str, Any], executor_type: str) -> None:
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
-    """Set ``dotted.key=value`` in ``raw``; the value is read as a TOML value, else taken as a string."""
+    """Set ``dotted.key=value`` in ``raw``; the value is read as a TOML value, else taken as a string, and a
+    relative path in it is relative to the working directory (``paths.py``)."""
     key, sep, text = override.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
@@ -139,6 +143,7 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
             raise ConfigError(f"--set {override!r}: {'.'.join(parents[: i + 1])} is a value, not a table")
         node = child
     node[leaf] = value
+    paths.resolve(raw, Path.cwd(), under=key)
 
 
 def _explain(error: ValidationError, raw: dict[str, Any], source: str) -> str:

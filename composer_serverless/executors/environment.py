@@ -1,17 +1,16 @@
 """What a cloud replica needs from the launcher's machine: a store it can reach, credentials, settings.
 
 Cloud replicas share nothing with the launcher but the store and what the launcher hands them at launch.
-So before anything is started we check that the store is one they can reach (not a local directory), that
-the model is not a local path, and which credentials they need; credentials travel by *name* (the backend
-reads the value from this environment at launch and delivers it as a secret), settings such as the S3
-region or endpoint travel as plain environment variables.
+So before anything is started we check that the store is one they can reach (not a local directory) and
+which credentials they need; credentials travel by *name* (the backend reads the value from this environment
+at launch and delivers it as a secret), settings such as the S3 region or endpoint travel as plain
+environment variables.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import fsspec
@@ -43,8 +42,8 @@ def store_protocol(url: str) -> str:
 
 
 def check_reachable_by_cloud_replicas(config: RunConfig, executor: str) -> None:
-    """Refuse what replicas in the cloud could never read: a local store, a store endpoint on this machine or
-    a private network, or a local model directory."""
+    """Refuse what replicas in the cloud could never read: a local store, or a store endpoint on this machine
+    or a private network (a model directory on this machine is shipped to them: ``shipment.py``)."""
     protocol = store_protocol(config.store)
     if protocol in LOCAL_PROTOCOLS:
         raise ConfigError(
@@ -63,12 +62,6 @@ def check_reachable_by_cloud_replicas(config: RunConfig, executor: str) -> None:
                     f"{name} for AWS S3); if the replicas really reach it (a tunnel), "
                     "--set executor.private_store_endpoint=true"
                 )
-    path = config.model.path
-    if path is not None and Path(path).expanduser().exists():
-        raise ConfigError(
-            f"model.path {path!r} is a directory on this machine, which {executor} replicas cannot read\n"
-            "  fix: push it to the Hugging Face Hub and set model.path to its repo id"
-        )
 
 
 def check_cloud_plan(config: RunConfig, backend: str, at_once: str) -> None:

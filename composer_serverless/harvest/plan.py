@@ -24,6 +24,7 @@ from composer_serverless.harvest.states import (
     select_prompts,
 )
 from composer_serverless.harvest.stats import HarvestResult
+from composer_serverless.objectives.inputs import check_paths
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore, validate_key
 
@@ -113,6 +114,7 @@ def prepare(config: HarvestConfig) -> Prepared:
         states, source = _read(lambda: read_rollouts(run, round_index)), f"{run.url}, round {round_index}"
         cache_store = cache_store or run.child(layout.HARVEST_CACHE)
     elif config.traces is not None:
+        check_paths({"harvest.traces": config.traces})
         states, source = _read(lambda: read_trace(config.traces or "")), config.traces
     else:
         raise ConfigError(

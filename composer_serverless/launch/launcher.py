@@ -111,8 +111,18 @@ def create_run(
         with console.status("building the tiny model and its tokenizer"):
             _build_tiny_into(run, resolved)
     if shipped is not None:
-        with console.status("uploading the run's data and code"):
-            shipment.upload(run, shipped, code=ship_code, key=None if key is None else key.for_run(run_id))
+        with console.status("uploading the run's data and code") as status:
+
+            def progress(sent: int, total: int) -> None:
+                status.update(f"uploading the model: {sent / 1e9:.2f} of {total / 1e9:.2f} GB")
+
+            shipment.upload(
+                run,
+                shipped,
+                code=ship_code,
+                key=None if key is None else key.for_run(run_id),
+                progress=progress,
+            )
         # On every backend, shipped through the store or not: what a resume compares its code with.
         shipped_code.record(run, _code_digests(shipped))
     if not run.create(layout.RUN_CONFIG, resolved.resolved_json().encode()):

@@ -11,10 +11,19 @@ import.
 
 from __future__ import annotations
 
+import glob
+import os
+
 from composer_serverless.config import ComposerConfig, ConfigError, RunConfig
 from composer_serverless.config.composer import BUILTIN_COLUMNS, BUILTIN_REWARDS
 from composer_serverless.data.corpus import documents
 from composer_serverless.data.records import PromptRecord, is_dataset, read_pairs, read_prompts, shard_records
+
+# What a data setting that names nothing on this machine is told: the rule that made its path (``config/paths.py``).
+PATH_FIX = (
+    "a relative path in a config file is relative to that file's directory, one given with --set to the "
+    "working directory; correct it, or give an absolute path"
+)
 
 
 def check(config: RunConfig) -> list[PromptRecord]:
@@ -48,6 +57,15 @@ def check_composer(config: RunConfig) -> list[PromptRecord]:
             reads a column no record has, or there are fewer records than replicas.
     """
     composer = composer_table(config)
+    data = composer.data
+    pairs = data.pairs if composer.replay_on else None  # pairs with beta = 0 are left unread
+    check_paths(
+        {
+            "composer.data.prompts": data.prompts,
+            "composer.data.heldout": data.heldout,
+            "composer.data.pairs": pairs,
+        }
+    )
     try:
         train, heldout = read_prompt_sets(composer)
         check_columns(composer, train, heldout)
@@ -68,6 +86,8 @@ def check_text(config: RunConfig) -> None:
         ConfigError: naming the record, or the numbers and the fix.
     """
     data = config.data
+    if not data.is_stdlib:
+        check_paths({"data.corpus": data.corpus, "data.heldout": data.heldout})
     try:
         corpus = documents(data)
     except (OSError, ValueError) as e:  # RecordError is a ValueError
@@ -85,6 +105,24 @@ def check_text(config: RunConfig) -> None:
             f"data: none of the {train} documents of {data.corpus} is held out for evaluation\n"
             "  fix: set data.heldout to files of held-out records, or raise data.heldout_percent"
         )
+
+
+def check_paths(named: dict[str, str | None]) -> None:
+    """Refuse a data setting whose path on this machine names nothing (a glob: matches nothing), with the
+    absolute path tried; URLs are left to their readers.
+
+    Raises:
+        ConfigError: naming the key, the absolute path and the rule paths follow.
+    """
+    for key, value in named.items():
+        if value is None or "://" in value:
+            continue
+        path = os.path.abspath(os.path.expanduser(value))
+        pattern = any(c in value for c in "*?[")
+        if glob.glob(path) if pattern else os.path.exists(path):
+            continue
+        what = "no file matches" if pattern else "no such file or directory:"
+        raise ConfigError(f"{key}: {what} {path}\n  fix: {PATH_FIX}")
 
 
 def composer_table(config: RunConfig) -> ComposerConfig:

@@ -234,8 +234,8 @@ def unit_tests(timeout_s: float) -> Callable[..., dict[str, list]]:
 
 
 def load_user_reward(path: str, code_root: Path | None) -> Callable[..., Any]:
-    """The callable ``path`` names: ``file.py:function`` (relative to ``code_root``, the config's directory
-    or where its code was shipped) or ``package.module:function``.
+    """The callable ``path`` names: ``file.py:function`` (relative to ``code_root``: ``code.root``, or where
+    the run's code was shipped) or ``package.module:function``.
 
     Raises:
         RewardError: the file or module does not import, has no such attribute, or it is not callable.
@@ -266,7 +266,7 @@ def load_user_reward(path: str, code_root: Path | None) -> Callable[..., Any]:
 
 def code_root(config: RunConfig) -> Path | None:
     """Where this process finds the run's code: where it was shipped (``CODE_DIR_ENV``: fetched from the
-    store, or in the Modal image), else the config's own directory (a local run, the launcher)."""
+    store, or in the Modal image), else ``code.root`` (a local run, the launcher)."""
     shipped = os.environ.get(CODE_DIR_ENV)
     root = shipped or config.code.root
     return None if root is None else Path(root)
@@ -281,7 +281,9 @@ def _import_file(relative: str, code_root: Path | None) -> Any:
         )
     path = (code_root / relative).resolve()
     if not path.is_file():
-        raise RewardError(f"reward file {relative!r} is not in {code_root}")
+        raise RewardError(
+            f"reward file {path} does not exist\n  fix: name it relative to the config file, or by absolute path"
+        )
     name = f"composer_serverless_user_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
     if name in sys.modules:
         return sys.modules[name]

@@ -195,9 +195,9 @@ def _write_model(
         else:
             _save_round(store, config, source, model, key)
         if lora:
-            base = config.model.path
-            if base is None:  # the tiny model the launcher built is in the run
-                base = str(store.download_dir(layout.MODEL, Path(scratch) / "base"))
+            from composer_serverless.replicas.weights import model_source
+
+            base = str(model_source(store, config, Path(scratch) / "base"))  # a Hub id, or the run's model/
             loading.merge_adapters(config.model, base, model, out, dtype)
             shutil.copytree(model, out / "adapter")
         elif dtype is not None:

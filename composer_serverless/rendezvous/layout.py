@@ -30,9 +30,10 @@ KEY_FINGERPRINT = "key.json"
 """An authenticated run's key fingerprint (a MAC of a fixed label, which says nothing of the key), so a resume
 or a replica with the wrong key is told so at once instead of rejecting every state it reads."""
 MODEL = "model"
-"""The tiny model and tokenizer the launcher builds for offline runs (save_pretrained format)."""
+"""The model replicas load when it is not a Hub id or a directory they read (save_pretrained format): the tiny
+model the launcher builds for offline runs, or a model directory on its machine uploaded for cloud replicas."""
 CODE = "code"
-"""The user's code for replicas that fetch it (HF Jobs), under its path relative to the config."""
+"""The user's code for replicas that fetch it (HF Jobs), under its path relative to ``code.root``."""
 CODE_MANIFEST = f"{CODE}/manifest.json"
 """Each shipped code file's sha256, written after the files: a replica checks every file against it."""
 CODE_DIGESTS = "code.json"
@@ -276,7 +277,10 @@ def describe() -> list[tuple[str, str]]:
         (CONFIG_CHANGES, "what each resume with --set changed in run.json, and from which round"),
         (LAUNCH_RECORD, "the plan and every replica attempt's handle (the launcher)"),
         (KEY_FINGERPRINT, "the run key's fingerprint, created once (diloco.authenticate)"),
-        (f"{MODEL}/", "the tiny model the launcher builds for offline runs"),
+        (
+            f"{MODEL}/",
+            "the tiny model the launcher builds, or a local model directory uploaded for cloud replicas",
+        ),
         (f"{CODE}/", "the user's code, for replicas that fetch it (HF Jobs)"),
         (CODE_MANIFEST, "each code file's sha256, written after them"),
         (CODE_DIGESTS, "each user code file's sha256 on every backend, for a resume to compare"),

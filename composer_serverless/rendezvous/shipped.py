@@ -2,7 +2,7 @@
 its manifest's format, and fetching it with every file checked; and the digests of the code a run ships on
 every backend (``code.json``), which a resume compares with the code as it is now.
 
-The manifest names each file (relative to the config's directory) with its sha256, written after the files;
+The manifest names each file (relative to code.root) with its sha256, written after the files;
 with a run key it carries a MAC over its files and digests, so a replica of an authenticated run runs no code
 that someone with the bucket but not the key put there. Without a key, the checksums catch corruption only.
 

@@ -25,11 +25,19 @@ class InitialWeightsError(RuntimeError):
 
 
 def load_run_model(run: ObjectStore, config: RunConfig, cache: Path) -> Loaded:
-    """Load the run's model as it trains: the tiny model stored in the run, or the configured hub id / path."""
-    if config.model.path is not None:
-        return load_model(config.model, config.model.path)
-    local = run.local_dir(layout.MODEL) or run.download_dir(layout.MODEL, cache / layout.MODEL)
-    return load_model(config.model, local)
+    """Load the run's model as it trains, from ``model_source``."""
+    return load_model(config.model, model_source(run, config, cache / layout.MODEL))
+
+
+def model_source(run: ObjectStore, config: RunConfig, into: Path) -> str | Path:
+    """What ``from_pretrained`` loads the run's model from: ``model.path`` (a Hub id, or a directory this
+    process reads), or the run's ``model/`` as a local directory (downloaded into ``into`` from a remote
+    store): the tiny model the launcher built, or a model directory it shipped for cloud replicas (run.json's
+    ``model.path`` then names that prefix)."""
+    path = config.model.path
+    if path is not None and not run.child(layout.MODEL).is_at(path):
+        return path
+    return run.local_dir(layout.MODEL) or run.download_dir(layout.MODEL, into)
 
 
 def digest(params: dict[str, torch.Tensor], node: Node = SOLO) -> str:

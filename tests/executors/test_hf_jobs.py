@@ -249,3 +249,34 @@ def test_a_job_fetches_the_runs_code_and_data_from_the_store_and_trains_with_the
     # there, as it does in any process: its own, reused by the next).
     left = [p.name for p in Path(fake_hf.image_env["TMPDIR"]).iterdir()]
     assert [name for name in left if not name.startswith("torchinductor_")] == [], left
+
+
+def test_a_model_directory_next_to_the_config_is_shipped_to_the_jobs_and_trained(
+    tmp_path, s3_store, fake_hf, hf_env, tiny_model_dir
+):
+    """``model.path = "my-model"`` names a directory beside the config (a clone of its Hub repository, .git
+    and all): the launcher checks it here, uploads it to the run's model/ without the hidden files, and each
+    job downloads it and loads it with from_pretrained."""
+    import shutil
+
+    from tests.test_own_task import write_task
+
+    store, client = s3_store
+    task = tmp_path / "task"
+    shutil.copytree(tiny_model_dir, task / "my-model")
+    (task / "my-model" / ".git").mkdir()
+    (task / "my-model" / ".git" / "packed").write_bytes(b"\0" * 100)
+    executor = (
+        f'[executor]\ntype = "hf_jobs"\nimage = "ghcr.io/example/composer-serverless:test"\nflavor = "a10g-small"\n'
+        f'namespace = "{NAMESPACE}"\nstatus_poll_s = 0.5\nprivate_store_endpoint = true'
+    )
+    config = write_task(task, store=store, model='[model]\npath = "my-model"', executor=executor)
+    result = cli("launch", str(config), "--set", "run_id=hf-model", env=hf_env)  # from the repository
+    assert result.returncode == 0, result.stdout + result.stderr
+    objects = store_objects(client)
+    files = sorted(p.relative_to(tiny_model_dir).as_posix() for p in tiny_model_dir.rglob("*") if p.is_file())
+    assert sorted(k.removeprefix("runs/hf-model/model/") for k in objects if "/model/" in k) == files
+    assert all(objects[f"runs/hf-model/model/{f}"] == (tiny_model_dir / f).read_bytes() for f in files)
+    resolved = json.loads(objects["runs/hf-model/run.json"])
+    assert resolved["model"]["path"] == f"{store}/hf-model/model"
+    assert json.loads(objects["runs/hf-model/summary.json"])["rounds_committed"] == 2

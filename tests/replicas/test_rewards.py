@@ -176,7 +176,7 @@ def test_a_reward_file_relative_to_the_config_is_imported_by_path(tmp_path):
     rewards = RewardSet([RewardConfig(fn="my_task.py:solution_only")], code_root=tmp_path)
     assert rewards.score(["42", "41"], [row, row]).totals == [1.0, 0.0]
     assert "user_rewards" not in sys.modules and "my_task" not in sys.modules  # no module name taken
-    with pytest.raises(RewardError, match=r"'other.py' is not in"):
+    with pytest.raises(RewardError, match=rf"reward file {tmp_path / 'other.py'} does not exist\n  fix: "):
         load_user_reward("other.py:f", tmp_path)
 
 
