@@ -287,7 +287,12 @@ def test_launched_from_another_directory_local_modal_and_hf_jobs_agree_on_every_
         assert (plan["root"], plan["code"]) == (str(project), code), executor
         assert plan["data"] == ({} if executor == "local" else data), executor  # local reads in place
     resolved = json.loads((run / "run.json").read_text())
-    assert resolved["code"] == {"paths": code[:1], "requirements": [], "root": str(project)}
+    assert resolved["code"] == {
+        "paths": code[:1],
+        "requirements": [],
+        "root": str(project),
+        "accept_changes": False,
+    }
     assert resolved["composer"]["rewards"][0]["fn"] == "tasks/rewards.py:accuracy"
     assert [resolved["composer"]["data"][k] for k in ("prompts", "heldout")] == [v[0] for v in data.values()]
     assert resolved["store"] == str(project / "runs")
