@@ -86,14 +86,21 @@ def epoch(store: ObjectStore) -> int:
     return len(rollbacks(store))
 
 
+def given_up(store: ObjectStore) -> set[int]:
+    """The replicas the launcher gave up on (``layout.given_up``): the run goes on without them."""
+    return {r for r in map(_rank_of, store.list(layout.GIVEN_UP)) if r is not None}
+
+
 def holders(store: ObjectStore, rank: int, replicas: int) -> list[int]:
     """The replicas other than ``rank`` that may still hold the run's round in progress: not waiting for a
-    round themselves (a heal request), nor starting, failed or done by their heartbeat. A replica killed
-    outright keeps its last heartbeat ("training") until it is started again, so it counts until then."""
+    round themselves (a heal request), nor starting, failed or done by their heartbeat, nor given up by the
+    launcher. A replica killed outright keeps its last heartbeat ("training") until it is started again, so it
+    counts until then, or until the launcher gives it up (its restart got no hardware)."""
     waiting = {_rank_of(name) for name in store.list(layout.HEAL)}
+    absent = given_up(store)
     found = []
     for other in range(replicas):
-        if other == rank or other in waiting:
+        if other == rank or other in waiting or other in absent:
             continue
         beat = _heartbeat(store, other)
         if beat is not None and beat.get("state") not in NOT_HOLDING:

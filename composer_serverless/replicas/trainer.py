@@ -240,17 +240,24 @@ class Replica:
             seen = self.manager.syncs_attempted
             outcome = self.manager.last_sync
             assert outcome is not None
-            # Agreed: a sync that was stale on one rank and failed on another counts as failed on both.
-            if self.node.all_true(outcome.committed or isinstance(outcome.error, StaleRoundError)):
-                failures = 0
-            else:
-                failures += 1
-                if failures >= dl.max_failed_syncs:
-                    raise SyncError(f"{failures} syncs failed in a row; the last: {outcome.error}")
+            # Agreed: a sync that was stale on one rank and failed on another counts as failed on both. A stale
+            # sync (the run is past the round) counts too, but the catch-up after it resets the count: a
+            # replica that cannot catch up (nobody publishes the round it waits for) stops after
+            # max_failed_syncs instead of waiting and syncing stale rounds for ever.
+            stale = self.node.all_true(outcome.committed or isinstance(outcome.error, StaleRoundError))
+            failures = 0 if self.node.all_true(outcome.committed) else failures + 1
+            if failures >= dl.max_failed_syncs and not stale:
+                raise SyncError(f"{failures} syncs failed in a row; the last: {outcome.error}")
             if outcome.committed and self.manager.current_step() % dl.fragments == 0:
                 self._finish_round(outcome)
             if self._align(late=outcome.late):
                 self.meter.reset()
+                failures = 0
+            elif failures >= dl.max_failed_syncs:
+                raise SyncError(
+                    f"{failures} syncs failed in a row, the last stale ({outcome.error}): the run is past this "
+                    "replica's round and it could not catch up (no replica published the round it waited for)"
+                )
 
     def _compute(self) -> contextlib.AbstractContextManager[object]:
         return precision.compute(self.config.model, self.device, sharded=self.node.size > 1)
