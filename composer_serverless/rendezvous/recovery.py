@@ -35,8 +35,10 @@ from composer_serverless.rendezvous.store import ObjectStore
 logger = logging.getLogger(__name__)
 
 # Heartbeat states in which a replica holds no round the others could need: it has not loaded one yet, or it
-# has stopped. A replica that waits for a round says so with its heal request.
+# has stopped. A replica that waits for a round says so with its heal request and this state (``waiting``).
 NOT_HOLDING = frozenset({"starting", "failed", "done"})
+# The heartbeat state of a replica that waits for a round to be published (``catchup.wait_for_round``).
+WAITING = "waiting"
 # How long the replicas that lost the claim wait for the winner's rollback before the next one takes over:
 # rolling back is a few listings and deletes.
 CLAIM_TIMEOUT_S = 120.0
@@ -91,16 +93,42 @@ def given_up(store: ObjectStore) -> set[int]:
     return {r for r in map(_rank_of, store.list(layout.GIVEN_UP)) if r is not None}
 
 
+def waiting(store: ObjectStore) -> dict[int, int]:
+    """The replicas that wait for a round to be published, each with the round it waits for: those with a heal
+    request whose heartbeat says they wait, and that the launcher has not given up.
+
+    The request alone does not say it: a replica killed while it waited leaves its request behind, and once
+    started again it trains (and holds rounds) with the request still there. A waiting replica beats
+    ``WAITING`` before it writes its request, so a request it made is never read without it."""
+    absent = given_up(store)
+    found: dict[int, int] = {}
+    for name in store.list(layout.HEAL):
+        rank = _rank_of(name)
+        if rank is None or rank in absent:
+            continue
+        try:
+            request = json.loads(store.get(f"{layout.HEAL}/{name}"))
+        except (FileNotFoundError, ValueError):
+            continue  # withdrawn meanwhile, or not ours to read
+        round_index = request.get("round") if isinstance(request, dict) else None
+        if not isinstance(round_index, int) or isinstance(round_index, bool):
+            continue
+        beat = _heartbeat(store, rank)
+        if beat is not None and beat.get("state") == WAITING:
+            found[rank] = round_index
+    return found
+
+
 def holders(store: ObjectStore, rank: int, replicas: int) -> list[int]:
     """The replicas other than ``rank`` that may still hold the run's round in progress: not waiting for a
-    round themselves (a heal request), nor starting, failed or done by their heartbeat, nor given up by the
+    round themselves (``waiting``), nor starting, failed or done by their heartbeat, nor given up by the
     launcher. A replica killed outright keeps its last heartbeat ("training") until it is started again, so it
     counts until then, or until the launcher gives it up (its restart got no hardware)."""
-    waiting = {_rank_of(name) for name in store.list(layout.HEAL)}
+    asking = waiting(store)
     absent = given_up(store)
     found = []
     for other in range(replicas):
-        if other == rank or other in waiting or other in absent:
+        if other == rank or other in asking or other in absent:
             continue
         beat = _heartbeat(store, other)
         if beat is not None and beat.get("state") not in NOT_HOLDING:

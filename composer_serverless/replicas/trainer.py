@@ -581,7 +581,9 @@ class Replica:
         self.log.info("behind the run: waiting for round %d to be published", target)
 
         def waiting() -> None:
-            self.reporter.beat(state="waiting", round=target, rounds=dl.rounds, step=0, steps=dl.sync_every)
+            self.reporter.beat(
+                state=recovery.WAITING, round=target, rounds=dl.rounds, step=0, steps=dl.sync_every
+            )
 
         waited = catchup.wait_for_round(
             self.run_store, target, self.rank, dl.replicas, self.epoch, dl.sync_timeout_s, waiting

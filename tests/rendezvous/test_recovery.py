@@ -10,6 +10,8 @@ import pytest
 
 from composer_serverless.rendezvous import checkpoint, latest, layout, recovery
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.telemetry import Reporter
+from composer_serverless.replicas import catchup
 
 
 @pytest.fixture
@@ -38,6 +40,43 @@ def test_a_replica_holds_the_round_unless_it_waits_starts_failed_or_finished(sto
     assert recovery.holders(store, 0, 7) == []
     _beat(store, 3, "waiting for the harvest")  # a replica at a round's end waits with its state: it holds it
     assert recovery.holders(store, 0, 7) == [3]
+
+
+def test_a_heal_request_left_behind_counts_only_while_its_replica_waits(store: ObjectStore) -> None:
+    """Rank 1 was killed while it waited for round 4: its request stays. While it is down it holds nothing,
+    and the publisher of round 4 publishes for it. Started again and training, with the request still there,
+    it holds rounds like any other (a waiter must not find the run stranded and roll it back while it trains),
+    and nobody publishes a whole global state every round for a request nobody makes."""
+    store.put(layout.heal_request(1), b'{"rank": 1, "round": 4}')
+    _beat(store, 1, recovery.WAITING)
+    assert recovery.holders(store, 0, 2) == [] and catchup.heal_requested(store, 4)
+    assert not catchup.heal_requested(store, 3)  # it waits for round 4: round 3's publisher owes it nothing
+    _beat(store, 1, "starting")
+    assert recovery.holders(store, 0, 2) == [] and not catchup.heal_requested(store, 4)
+    _beat(store, 1, "training", round_index=6)
+    assert recovery.holders(store, 0, 2) == [1] and not catchup.heal_requested(store, 6)
+    assert recovery.waiting(store) == {}
+
+
+def test_a_waiting_replica_says_so_before_its_request_is_there(store: ObjectStore) -> None:
+    """A request counts only with the heartbeat that says its replica waits, so the heartbeat comes first:
+    the publisher that reads the request the moment it lands publishes for it."""
+    seen_when_asked: list[bool] = []
+
+    class Watched(ObjectStore):
+        def put(self, key: str, data) -> None:
+            super().put(key, data)
+            if key == layout.heal_request(0):
+                seen_when_asked.append(catchup.heal_requested(self, 4))
+
+    watched = Watched(store.url)
+    latest.advance(watched, 4, checkpoint=False)  # published already: the wait ends at its first look
+    reporter = Reporter(watched, 0)
+    waited = catchup.wait_for_round(
+        watched, 4, 0, 2, 0, 60.0, lambda: reporter.beat(state=recovery.WAITING, round=4)
+    )
+    assert waited.published == 4 and seen_when_asked == [True]
+    assert not store.exists(layout.heal_request(0))
 
 
 def _published_checkpoints(store: ObjectStore) -> None:
