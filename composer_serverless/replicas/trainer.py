@@ -244,8 +244,11 @@ class Replica:
             # sync (the run is past the round) counts too, but the catch-up after it resets the count: a
             # replica that cannot catch up (nobody publishes the round it waits for) stops after
             # max_failed_syncs instead of waiting and syncing stale rounds for ever.
-            stale = self.node.all_true(outcome.committed or isinstance(outcome.error, StaleRoundError))
-            failures = 0 if self.node.all_true(outcome.committed) else failures + 1
+            committed = self.node.all_true(outcome.committed)
+            stale = not committed and self.node.all_true(
+                outcome.committed or isinstance(outcome.error, StaleRoundError)
+            )
+            failures = 0 if committed else failures + 1
             if failures >= dl.max_failed_syncs and not stale:
                 raise SyncError(f"{failures} syncs failed in a row; the last: {outcome.error}")
             if outcome.committed and self.manager.current_step() % dl.fragments == 0:
