@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -18,6 +19,7 @@ from rich.console import Console
 
 from composer_serverless.config import validate_config
 from composer_serverless.executors.base import LaunchRecord
+from composer_serverless.executors.local import UNSCHEDULED_ENV
 from composer_serverless.launch.launcher import launch
 from composer_serverless.rendezvous import layout, recovery
 from composer_serverless.rendezvous.store import ObjectStore
@@ -33,8 +35,10 @@ SYNC_EVERY = 5
 WAIT_S = 300
 
 
-def _kill_all_in(run: ObjectStore, round_index: int, killed: list[int]) -> None:
-    """SIGKILL every replica process together once all of them train ``round_index``."""
+def _kill_all_in(
+    run: ObjectStore, round_index: int, killed: list[int], before: Callable[[], None] = lambda: None
+) -> None:
+    """SIGKILL every replica process together once all of them train ``round_index`` (``before`` just before)."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         beats = read_heartbeats(run) if run.exists(layout.MEMBERS) else {}
@@ -43,6 +47,7 @@ def _kill_all_in(run: ObjectStore, round_index: int, killed: list[int]) -> None:
         ]
         if len(training) == REPLICAS:
             handles = LaunchRecord.from_json(run.get(layout.LAUNCH_RECORD)).current()
+            before()
             for handle in handles:
                 os.kill(int(handle.backend_id), signal.SIGKILL)
                 killed.append(int(handle.backend_id))
@@ -96,6 +101,56 @@ def test_every_replica_killed_at_once_rolls_back_by_itself_and_finishes(
     record = LaunchRecord.from_json(run.get(layout.LAUNCH_RECORD))
     assert sorted(h.attempt for h in record.handles) == [1, 1, 2, 2]  # each started again once
     assert not any(_running(int(h.backend_id)) for h in record.handles)  # nothing left running
+
+
+def test_every_replica_killed_and_one_restart_unscheduled_rolls_back_without_it(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both replicas are killed in round 4 and replica 1's restart gets no hardware (the local executor's
+    benchmark seam): the launcher gives it up, and replica 0, which finds the run rounds ahead, does not wait
+    for replica 1 (whose last heartbeat still says "training") to publish the round: it rolls the run back at
+    once and finishes alone. Before, it waited diloco.sync_timeout_s (600 s) for replica 1, trained on, synced a
+    stale round and waited again, without end."""
+    requests = tmp_path / "unscheduled"
+    requests.mkdir()
+    monkeypatch.setenv(UNSCHEDULED_ENV, str(requests))
+    config = validate_config(
+        {
+            "run_id": "given-up",
+            "store": str(tmp_path / "runs"),
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"seq_len": 16, "batch_size": 2},
+            "train": {"lr": 1e-2},
+            "diloco": {"replicas": REPLICAS, "min_replicas": 1, "sync_every": SYNC_EVERY, "rounds": ROUNDS},
+            "eval": {"sequences": 2},
+            "executor": {"threads_per_replica": 1, "max_restarts": 1},
+        }
+    )
+    run = ObjectStore(str(tmp_path / "runs")).child("given-up")
+    killed: list[int] = []
+    killer = threading.Thread(
+        target=_kill_all_in,
+        args=(run, KILL_IN, killed, lambda: (requests / "1").touch()),
+        daemon=True,
+    )
+    killer.start()
+    output = io.StringIO()
+    summary = launch(config, "given-up.toml", Console(file=output, width=200))
+    killer.join(timeout=5)
+    assert len(killed) == REPLICAS and not (requests / "1").exists()
+    assert summary is not None and summary["rounds_committed"] == ROUNDS, output.getvalue()
+    assert "replica 1 got no hardware" in output.getvalue()
+    (back,) = recovery.rollbacks(run)
+    assert back.to == 0 and back.by == 0
+    assert recovery.given_up(run) == {1}
+    beats = read_heartbeats(run)
+    assert (
+        beats[0]["state"] == "done" and beats[1]["state"] == "training"
+    )  # killed in round 4, never restarted
+    record = LaunchRecord.from_json(run.get(layout.LAUNCH_RECORD))
+    assert [(h.rank, h.attempt, h.backend_id) for h in record.handles if not h.backend_id.isdigit()] == [
+        (1, 2, "unscheduled-1-2")
+    ]
 
 
 def _running(pid: int) -> bool:

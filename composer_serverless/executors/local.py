@@ -11,6 +11,11 @@ signals a pid only while it still belongs to the replica that was started: a rec
 signalled. When the process is gone and was not ours to reap, its
 outcome comes from the replica's final heartbeat in the store. A process started but not yet recorded (the
 launcher killed in between) is found by its command line, which names the run and the rank.
+
+For the chaos benchmark and the suite only (no config can set it): with ``COMPOSER_SERVERLESS_LOCAL_UNSCHEDULED``
+naming a directory, a file there named after a rank asks that the next launch of that rank get no hardware,
+as a cloud backend's job past its scheduling deadline: the attempt is recorded, reads ``unscheduled``, and no
+process is started. The launch consumes the file, so one file denies one launch.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 
 CANCEL_GRACE_S = 5.0
+# The directory of requests that a rank's next launch get no hardware (see the module's docstring).
+UNSCHEDULED_ENV = "COMPOSER_SERVERLESS_LOCAL_UNSCHEDULED"
+_UNSCHEDULED = "unscheduled"  # the meta key of an attempt denied so, with why
 
 
 class LocalProcessExecutor:
@@ -136,6 +144,15 @@ class LocalProcessExecutor:
         for spec in plan.replicas:
             log = self._log_dir / f"rank-{spec.rank}.log"
             pending = journal.launching(spec.rank, {"host": socket.gethostname(), "boot_time": _boot_time()})
+            if _unscheduled_requested(spec.rank):
+                denied = dataclasses.replace(
+                    pending,
+                    backend_id=f"unscheduled-{spec.rank}-{pending.attempt}",
+                    meta={**pending.meta, _UNSCHEDULED: f"no hardware, as {UNSCHEDULED_ENV} asked"},
+                )
+                journal.launched(denied)
+                handles.append(denied)
+                continue
             with open(log, "ab") as out:
                 proc = subprocess.Popen(
                     spec.command,
@@ -158,6 +175,9 @@ class LocalProcessExecutor:
         beats = None
         statuses = []
         for handle in handles:
+            if _UNSCHEDULED in handle.meta:
+                statuses.append(ReplicaStatus(handle.rank, "unscheduled", None, handle.meta[_UNSCHEDULED]))
+                continue
             if not handle.created:
                 statuses.append(self._unrecorded_status(handle))
                 continue
@@ -227,13 +247,13 @@ class LocalProcessExecutor:
         A process is signalled only after its identity (start time, group) is checked against the handle; an
         attempt recorded without its pid is found by its command line (this run's worker, its rank).
         """
-        created = [h for h in handles if h.created]
+        created = [h for h in handles if h.created and _UNSCHEDULED not in h.meta]
         ranks = {h.rank for h in handles if not h.created}
         self._end([h for h in created if self._alive(h)], _worker_processes(self._run, ranks=ranks), grace_s)
 
     def cancel_run(self, record: LaunchRecord, grace_s: float = CANCEL_GRACE_S) -> None:
         """Every attempt the record names, and any other process running this run's worker here."""
-        created = [h for h in record.handles if h.created and self._alive(h)]
+        created = [h for h in record.handles if h.created and _UNSCHEDULED not in h.meta and self._alive(h)]
         named = {int(h.backend_id) for h in created}
         strays = [p for p in _worker_processes(self._run) if p.pid not in named]
         self._end(created, strays, grace_s)
@@ -281,6 +301,19 @@ class LocalProcessExecutor:
         if proc is not None and _same_process(handle):
             return proc.poll() is None
         return _verified_alive(handle, self._run)
+
+
+def _unscheduled_requested(rank: int) -> bool:
+    """Whether the benchmark or the suite asked that this launch of ``rank`` get no hardware; the request is
+    consumed."""
+    requests = os.environ.get(UNSCHEDULED_ENV)
+    if not requests:
+        return False
+    try:
+        (Path(requests) / str(rank)).unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def visible_gpus() -> list[str]:

@@ -13,7 +13,9 @@ Policy, per replica:
   The replica rejoins the run from the store. The failed attempt is cancelled, and seen ended, first: a
   replica reported failed by mistake (a listing that missed it) must not end up running twice.
 * ``unscheduled`` (no hardware before the backend's scheduling deadline): cancelled, reported, and the run
-  goes on without it; the run fails only if no replica is left.
+  goes on without it; the run fails only if no replica is left. The store records that it was given up
+  (``layout.given_up``): its last heartbeat may still say "training", and the other replicas must not count
+  on it to publish a round they wait for (``recovery.holders``). Starting the rank again removes the record.
 * ``cancelled`` by someone else (``cancel RUN`` from another terminal): the run is over.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import signal
 import threading
 import time
@@ -159,6 +162,7 @@ class Supervisor:
     # --- the executors' Journal ----------------------------------------------------------------------
 
     def launching(self, rank: int, meta: dict[str, str]) -> ReplicaHandle:
+        self.run.delete(layout.given_up(rank))  # started again: it may hold rounds once it trains
         handle = ReplicaHandle(rank, "", attempt=self.record.next_attempt(rank), meta=dict(meta))
         self._first_attempt.setdefault(rank, handle.attempt)
         self.launched(handle)
@@ -191,8 +195,7 @@ class Supervisor:
             if status.state == "failed":
                 events.append(self._relaunch_or_fail(handle, status))
             elif status.state == "unscheduled" and handle.rank not in self._given_up:
-                self.executor.cancel([handle])
-                self._given_up[handle.rank] = f"got no hardware ({status.detail})"
+                self._give_up(handle, f"got no hardware ({status.detail})")
                 events.append(
                     f"replica {handle.rank} {self._given_up[handle.rank]}; "
                     "cancelled it, the run goes on without it"
@@ -210,6 +213,13 @@ class Supervisor:
             ]
             raise RunFailed("no replica ran: " + "; ".join(why))
         return Poll(statuses, events, finished)
+
+    def _give_up(self, handle: ReplicaHandle, why: str) -> None:
+        """Cancel ``handle`` and record in the store that the run goes on without its rank."""
+        self.executor.cancel([handle])
+        self._given_up[handle.rank] = why
+        record = {"rank": handle.rank, "attempt": handle.attempt, "why": why, "time": time.time()}
+        self.run.put(layout.given_up(handle.rank), json.dumps(record).encode())
 
     def _relaunch_or_fail(self, handle: ReplicaHandle, status: ReplicaStatus) -> str:
         if LaunchRecord.from_json(self.run.get(layout.LAUNCH_RECORD)).cancelled:

@@ -112,6 +112,7 @@ def allreduce(
     workspace: Workspace | None = None,
     rows: RowMask | None = None,
     residual: Residuals | None = None,
+    absent: frozenset[int] = frozenset(),
 ) -> ExchangeResult:
     """Average ``values`` (flat fp32) over the quorum of this sync; see the module docstring.
 
@@ -139,6 +140,8 @@ def allreduce(
             published as its shard's owner left out, to its shard's average; neither is modified. The
             result's ``residual`` holds what the inputs left out of what they were to send and the new
             ``owned`` (None unless this replica published its shard). None: no error feedback.
+        absent: replicas not expected (the launcher gave them up): once every other one has arrived, the
+            quorum is fixed without waiting out the grace for them.
 
     Raises:
         StaleRoundError: ``is_stale`` said so when this replica was about to fix the quorum.
@@ -151,7 +154,19 @@ def allreduce(
         )
     try:
         return _Exchange(
-            store, values, prefix, identity, rank, settings, grace_s, is_stale, out, workspace, rows, residual
+            store,
+            values,
+            prefix,
+            identity,
+            rank,
+            settings,
+            grace_s,
+            is_stale,
+            out,
+            workspace,
+            rows,
+            residual,
+            absent,
         ).run()
     finally:
         workspace.busy.release()
@@ -174,6 +189,7 @@ class _Exchange:
         workspace: Workspace,
         rows: RowMask | None = None,
         residual: Residuals | None = None,
+        absent: frozenset[int] = frozenset(),
     ) -> None:
         self.store = store.child(prefix)
         self.is_stale = is_stale
@@ -198,6 +214,7 @@ class _Exchange:
         self.log = ReplicaLog(logger, rank, settings.local_rank if settings.local_ranks > 1 else None)
         self.settings = settings
         self.n = settings.replicas
+        self.expected = set(range(self.n)) - absent  # arrived all, these: no straggler to wait for
         self.grace_s = grace_s
         self.started = time.monotonic()
         self.quorum_at = self.started
@@ -314,9 +331,10 @@ class _Exchange:
             keys = set(self.store.list_tree(""))
             present = complete_ranks(keys, self.n, self.settings.local_ranks)
             now = time.monotonic()
+            full = self.expected.issubset(present)
             # Observed before looking for the quorum: the last replica to arrive usually finds it fixed
             # already, and its near-zero wait belongs in its history as much as the first one's long wait.
-            if len(present) == self.n and self.result.waited_for_all_s is None:
+            if full and self.result.waited_for_all_s is None:
                 self.result.waited_for_all_s = now - self.started
             if layout.quorum_generation(self.generation) in keys:
                 fixed = self._read_quorum()
@@ -325,7 +343,6 @@ class _Exchange:
             if self.rank in present:
                 self._prefetch(keys, present)
                 now = time.monotonic()
-            full = len(present) == self.n
             if full or (now >= grace_deadline and len(present) >= self.settings.min_replicas):
                 return self._decide(
                     present, "all arrived" if full else f"grace of {self.grace_s:.2f}s passed"

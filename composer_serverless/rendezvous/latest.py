@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from composer_serverless.rendezvous import layout
@@ -97,7 +98,9 @@ class RollBack:
     skipped: tuple[str, ...] = ()
 
 
-def roll_back(store: ObjectStore, local_ranks: int = 1) -> RollBack:
+def roll_back(
+    store: ObjectStore, local_ranks: int = 1, before_change: Callable[[], None] = lambda: None
+) -> RollBack:
     """Make the newest intact checkpoint the latest state again, for a resume of a run whose replicas all
     died. Global states, exchanges, evaluations and heal requests of later rounds are deleted: the resumed
     replicas redo those rounds from it, as an uninterrupted run did them.
@@ -106,7 +109,8 @@ def roll_back(store: ObjectStore, local_ranks: int = 1) -> RollBack:
     and every file of the size it lists). Otherwise, and when the pointer itself is unreadable, the newest
     whole state is: an older kept checkpoint (``advance``'s ``keep``), or a state between checkpoints, which
     has no replica states beside it, so the replicas resume it with their older own states, or fresh inner
-    optimizers, rather than not at all. Nothing is deleted before that choice is made.
+    optimizers, rather than not at all. Nothing is deleted before that choice is made. ``before_change`` is
+    called before each change to the store (a rollback's claimant stops there once its lease has run out).
 
     Raises:
         NoIntactState: the run has global states and not one of them is whole.
@@ -129,11 +133,15 @@ def roll_back(store: ObjectStore, local_ranks: int = 1) -> RollBack:
     for prefix in (layout.STATE, layout.ROUNDS, layout.EVALS):
         for name in store.list(prefix):
             if name.isdigit() and int(name) > chosen:
+                before_change()
                 store.delete(f"{prefix}/{name}")
+    before_change()
     store.delete(layout.HEAL)
     if _round(store, layout.LATEST) != chosen:
+        before_change()
         store.put(layout.LATEST, json.dumps({"round": chosen}).encode())
     if pointed != chosen:
+        before_change()
         _point_checkpoint(store, [chosen, *(k for k in kept if k < chosen)] if chosen else [])
     return RollBack(chosen, chosen in kept, tuple(skipped))
 

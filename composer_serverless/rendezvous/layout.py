@@ -43,6 +43,9 @@ or build it into an image too): a resume refuses code that changed since, unless
 INPUTS = "inputs"
 """Data files named by a path on the launcher's machine, uploaded for cloud replicas (``inputs/{slot}/``)."""
 LOGS = "logs"
+GIVEN_UP = "given-up"
+"""Replicas the launcher gave up on (``given-up/{rank}.json``: their restart got no hardware and was cancelled):
+they hold no round, whatever their last heartbeat says. Removed when the launcher starts the rank again."""
 """The local executor's replica logs (``logs/rank-{rank}.log``), when the store is a local directory."""
 SUMMARY = "summary.json"
 LOSS_PLOT = "loss.png"
@@ -123,6 +126,11 @@ SNAPSHOT_MANIFEST = "manifest.json"
 def heartbeat(rank: int) -> str:
     """Replica ``rank``'s heartbeat, overwritten in place (object stores cannot append)."""
     return f"{MEMBERS}/{rank}.json"
+
+
+def given_up(rank: int) -> str:
+    """The launcher's record that it gave replica ``rank`` up: the run goes on without it."""
+    return f"{GIVEN_UP}/{rank}.json"
 
 
 def heal_request(rank: int) -> str:
@@ -286,6 +294,7 @@ def describe() -> list[tuple[str, str]]:
         (CODE_DIGESTS, "each user code file's sha256 on every backend, for a resume to compare"),
         (f"{INPUTS}/", "data files named by a local path, uploaded for cloud replicas"),
         (heartbeat(rank), "heartbeat: state, round, step, the last step's loss (and reward)"),
+        (given_up(rank), "the launcher gave the replica up (no hardware): it holds no round"),
         (metrics(rank, k), "one row per round, with a row per inner step (object stores cannot append)"),
         (in_sync + sync_input(rank, shard, local), "pseudo-gradient shards of local rank {local}'s part"),
         (in_sync + QUORUM, "participants of the sync, created once"),

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torchft.work import _DummyWork
 
-from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous import layout, recovery
 from composer_serverless.rendezvous.allreduce import allreduce
 from composer_serverless.rendezvous.deadline import ArrivalHistory, GraceSettings
 from composer_serverless.rendezvous.exchange import ExchangeResult, ExchangeSettings, StaleRoundError
@@ -360,6 +360,7 @@ class ObjectStoreManager:
                     latest_round(self._store) >= outcome.round or newest_round(self._store) > outcome.round
                 ),
                 out=values,  # the average replaces the pseudo-gradient, as an all-reduce does
+                absent=frozenset(recovery.given_up(self._store)),
                 workspace=self._workspace,
                 rows=rows,
                 residual=residual,

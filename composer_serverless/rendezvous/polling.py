@@ -11,9 +11,22 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Where a wait reads the time (``time.monotonic`` seconds) and pauses: this process's own clock, or a
+    test's, which can let minutes pass at once."""
+
+    now: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+
+
+MONOTONIC = Clock()
 
 FIRST_S = 0.005
 CAP_S = 0.5
@@ -21,17 +34,22 @@ GROWTH = 1.5
 
 
 def poll_until(
-    check: Callable[[], T | None], deadline: float, *, first_s: float = FIRST_S, cap_s: float = CAP_S
+    check: Callable[[], T | None],
+    deadline: float,
+    *,
+    first_s: float = FIRST_S,
+    cap_s: float = CAP_S,
+    clock: Clock = MONOTONIC,
 ) -> T | None:
     """Call ``check`` until it returns something other than None, and return that; None once ``deadline``
-    (a ``time.monotonic()`` value) has passed. ``check`` runs at least once, and once more at the deadline."""
+    (a ``clock.now()`` value) has passed. ``check`` runs at least once, and once more at the deadline."""
     delay = first_s
     while True:
         result = check()
         if result is not None:
             return result
-        left = deadline - time.monotonic()
+        left = deadline - clock.now()
         if left <= 0:
             return None
-        time.sleep(min(left, delay * (0.5 + random.random())))
+        clock.sleep(min(left, delay * (0.5 + random.random())))
         delay = min(cap_s, delay * GROWTH)

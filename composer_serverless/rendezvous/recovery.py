@@ -12,12 +12,18 @@ One replica rolls the run back for all: each one that finds the run stranded cla
 epoch it saw (``layout.rollback_claim``, create-if-absent); the winner rolls back and records it in
 ``layout.ROLLBACKS`` (whose length is the epoch), the others wait for the epoch to move. Claims are kept, so a
 replica that looks late never rolls the run back a second time, past rounds the others have already redone.
-A claimant that dies mid-rollback leaves the others waiting ``CLAIM_TIMEOUT_S``, after which the next
-generation's claim takes over (rolling back is idempotent until a replica trains again, and none does until
-the epoch moves).
 
-Every replica compares the epoch it restored from with the store's at each sync (``epoch``): one that
-restored just before a rollback (it was starting) restores again.
+A claimant that dies mid-rollback is taken over by the next generation's claim, but never while it may still
+be changing the store: a claimant makes changes only for ``ROLLBACK_LEASE_S`` after it claimed (by its own
+clock; past it, it stops and claims again), and the others take over only ``takeover_after_s`` after they
+first saw the claim: the lease plus the longest one store call can take (``call_bound_s``: every retry of a
+request that hangs, and a whole store outage). So two claimants never change the store at once: the epoch
+moves by one, and no late delete removes a round the others restarted from. Rolling back is idempotent until a
+replica trains again, and none does while a claim of its epoch is open (``claimed``).
+
+Every replica compares the epoch it restored from with the store's at each sync (``epoch``), after it has
+read everything else it decides on: one that restored just before a rollback (it was starting) restores
+again, and one that finds a rollback of its epoch claimed and not yet made waits for it.
 """
 
 from __future__ import annotations
@@ -25,22 +31,44 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from composer_serverless.rendezvous import latest, layout
-from composer_serverless.rendezvous.polling import poll_until
+from composer_serverless.rendezvous.polling import MONOTONIC, Clock, poll_until
+from composer_serverless.rendezvous.retry import RetryPolicy
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
 
 # Heartbeat states in which a replica holds no round the others could need: it has not loaded one yet, or it
-# has stopped. A replica that waits for a round says so with its heal request.
+# has stopped. A replica that waits for a round says so with its heal request and this state (``waiting``).
 NOT_HOLDING = frozenset({"starting", "failed", "done"})
-# How long the replicas that lost the claim wait for the winner's rollback before the next one takes over:
-# rolling back is a few listings and deletes.
-CLAIM_TIMEOUT_S = 120.0
+# The heartbeat state of a replica that waits for a round to be published (``catchup.wait_for_round``).
+WAITING = "waiting"
+# How long after its claim a claimant may change the store: rolling back is a few listings and deletes.
+ROLLBACK_LEASE_S = 60.0
+# The longest one request may hang before the store's retry loop sees it fail (botocore's read timeout).
+REQUEST_TIMEOUT_S = 60.0
 MAX_CLAIM_GENERATIONS = 8
+
+
+class LeaseExpired(RuntimeError):
+    """A claimant's ``ROLLBACK_LEASE_S`` ran out before it finished: it must not change the store any more."""
+
+
+def call_bound_s(retry: RetryPolicy) -> float:
+    """The longest one store call can take under ``retry``: every attempt hanging until its request times out,
+    each followed by its longest backoff, and a write the store refuses retried for its whole outage."""
+    backoff = sum(min(retry.cap_s, retry.first_s * 2**a) * 1.5 for a in range(retry.attempts - 1))
+    return retry.attempts * REQUEST_TIMEOUT_S + backoff + retry.outage_s + retry.outage_poll_s * 1.5
+
+
+def takeover_after_s(retry: RetryPolicy) -> float:
+    """How long after first seeing a claim the others take it over: past its claimant's lease and the last
+    store call it may have begun within it."""
+    return ROLLBACK_LEASE_S + call_bound_s(retry)
 
 
 class RecoveryError(RuntimeError):
@@ -86,14 +114,47 @@ def epoch(store: ObjectStore) -> int:
     return len(rollbacks(store))
 
 
+def given_up(store: ObjectStore) -> set[int]:
+    """The replicas the launcher gave up on (``layout.given_up``): the run goes on without them."""
+    return {r for r in map(_rank_of, store.list(layout.GIVEN_UP)) if r is not None}
+
+
+def waiting(store: ObjectStore) -> dict[int, int]:
+    """The replicas that wait for a round to be published, each with the round it waits for: those with a heal
+    request whose heartbeat says they wait, and that the launcher has not given up.
+
+    The request alone does not say it: a replica killed while it waited leaves its request behind, and once
+    started again it trains (and holds rounds) with the request still there. A waiting replica beats
+    ``WAITING`` before it writes its request, so a request it made is never read without it."""
+    absent = given_up(store)
+    found: dict[int, int] = {}
+    for name in store.list(layout.HEAL):
+        rank = _rank_of(name)
+        if rank is None or rank in absent:
+            continue
+        try:
+            request = json.loads(store.get(f"{layout.HEAL}/{name}"))
+        except (FileNotFoundError, ValueError):
+            continue  # withdrawn meanwhile, or not ours to read
+        round_index = request.get("round") if isinstance(request, dict) else None
+        if not isinstance(round_index, int) or isinstance(round_index, bool):
+            continue
+        beat = _heartbeat(store, rank)
+        if beat is not None and beat.get("state") == WAITING:
+            found[rank] = round_index
+    return found
+
+
 def holders(store: ObjectStore, rank: int, replicas: int) -> list[int]:
     """The replicas other than ``rank`` that may still hold the run's round in progress: not waiting for a
-    round themselves (a heal request), nor starting, failed or done by their heartbeat. A replica killed
-    outright keeps its last heartbeat ("training") until it is started again, so it counts until then."""
-    waiting = {_rank_of(name) for name in store.list(layout.HEAL)}
+    round themselves (``waiting``), nor starting, failed or done by their heartbeat, nor given up by the
+    launcher. A replica killed outright keeps its last heartbeat ("training") until it is started again, so it
+    counts until then, or until the launcher gives it up (its restart got no hardware)."""
+    asking = waiting(store)
+    absent = given_up(store)
     found = []
     for other in range(replicas):
-        if other == rank or other in waiting:
+        if other == rank or other in asking or other in absent:
             continue
         beat = _heartbeat(store, other)
         if beat is not None and beat.get("state") not in NOT_HOLDING:
@@ -101,8 +162,21 @@ def holders(store: ObjectStore, rank: int, replicas: int) -> list[int]:
     return found
 
 
+def claimed(store: ObjectStore, seen: int) -> bool:
+    """Whether a rollback of epoch ``seen`` is claimed: if the epoch is still ``seen``, it is being made (or
+    its claimant died and the next one will take over), and nobody may train from the state before it."""
+    prefix = f"{seen}-"
+    return any(name.startswith(prefix) for name in store.list(layout.RECOVERY))
+
+
 def roll_back(
-    store: ObjectStore, seen: int, waited_for: int, rank: int, local_ranks: int = 1
+    store: ObjectStore,
+    seen: int,
+    waited_for: int,
+    rank: int,
+    local_ranks: int = 1,
+    *,
+    clock: Clock = MONOTONIC,
 ) -> Rollback | None:
     """Roll the run back from epoch ``seen`` to its newest intact checkpoint, once for every replica that found
     it stranded waiting for ``waited_for``: the rollback this replica made, or None if another one made it.
@@ -110,22 +184,37 @@ def roll_back(
     Raises:
         RecoveryError: every claimant died mid-rollback, or no state of the run can be resumed.
     """
+    takeover_s = takeover_after_s(store.retry)
     for generation in range(MAX_CLAIM_GENERATIONS):
+        key = layout.rollback_claim(seen, generation)
+        leased_until = (
+            clock.now() + ROLLBACK_LEASE_S
+        )  # read before the claim exists: never later than its start
         claim = json.dumps({"rank": rank, "waited_for": waited_for, "time": time.time()}).encode()
-        if store.create(layout.rollback_claim(seen, generation), claim):
+        if store.create(key, claim):
             if epoch(store) != seen:  # the previous claimant finished after all, just now
                 return None
-            return _roll_back(store, waited_for, rank, local_ranks)
+            try:
+                return _roll_back(store, waited_for, rank, local_ranks, _lease(clock, leased_until, key))
+            except LeaseExpired:
+                logger.warning(
+                    "replica %d: the store was too slow to roll the run back within %.0f s of claiming it as "
+                    "%s; stopped changing it, claiming the next",
+                    rank,
+                    ROLLBACK_LEASE_S,
+                    store.url_of(key),
+                )
+                continue
         moved = poll_until(
-            lambda: True if epoch(store) != seen else None, time.monotonic() + CLAIM_TIMEOUT_S, cap_s=1.0
+            lambda: True if epoch(store) != seen else None, clock.now() + takeover_s, cap_s=1.0, clock=clock
         )
         if moved:
             return None
         logger.warning(
             "replica %d: the rollback claimed as %s did not finish in %.0f s; claiming the next",
             rank,
-            store.url_of(layout.rollback_claim(seen, generation)),
-            CLAIM_TIMEOUT_S,
+            store.url_of(key),
+            takeover_s,
         )
     raise RecoveryError(
         f"{store.url}: {MAX_CLAIM_GENERATIONS} replicas claimed the rollback of epoch {seen} and none finished it"
@@ -133,9 +222,21 @@ def roll_back(
     )
 
 
-def _roll_back(store: ObjectStore, waited_for: int, rank: int, local_ranks: int) -> Rollback:
+def _lease(clock: Clock, until: float, key: str) -> Callable[[], None]:
+    """What a claimant calls before each change to the store: raises once its lease has run out."""
+
+    def check() -> None:
+        if clock.now() >= until:
+            raise LeaseExpired(f"the lease of {key} ran out")
+
+    return check
+
+
+def _roll_back(
+    store: ObjectStore, waited_for: int, rank: int, local_ranks: int, before_change: Callable[[], None]
+) -> Rollback:
     try:
-        back = latest.roll_back(store, local_ranks)
+        back = latest.roll_back(store, local_ranks, before_change)
     except latest.NoIntactState as e:
         raise RecoveryError(
             f"every replica waits for round {waited_for}, which no live replica holds, and the run cannot roll "
@@ -143,6 +244,7 @@ def _roll_back(store: ObjectStore, waited_for: int, rank: int, local_ranks: int)
         ) from e
     done = Rollback(waited_for, back.round, rank, back.skipped)
     record = [_as_json(r) for r in rollbacks(store)] + [_as_json(done)]
+    before_change()
     store.put(layout.ROLLBACKS, json.dumps({"rollbacks": record}, indent=1).encode())
     return done
 

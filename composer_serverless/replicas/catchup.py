@@ -68,7 +68,9 @@ def wait_for_round(
     """Ask for ``round_index`` to be published (a heal request) and wait, at most ``timeout_s``, until it is,
     until the run is found stranded (no replica but this one may hold it, ``recovery.holders``, looked at
     every ``HOLDERS_CHECK_S``), or until the run's rollback epoch moves past ``epoch``; ``on_wait`` is called
-    at every poll."""
+    at every poll, and first of all, before the request is written: ``on_wait`` beats ``recovery.WAITING``,
+    without which the request does not count (``recovery.waiting``)."""
+    on_wait()
     store.put(layout.heal_request(rank), json.dumps({"rank": rank, "round": round_index}).encode())
     holders: list[int] = list(range(replicas))
     looked_at = -math.inf
@@ -96,16 +98,6 @@ def wait_for_round(
 
 
 def heal_requested(store: ObjectStore, round_index: int) -> bool:
-    """Whether a replica waits for the state of ``round_index`` or of an earlier round."""
-    for name in store.list(layout.HEAL):
-        try:
-            request = json.loads(store.get(f"{layout.HEAL}/{name}"))
-        except (FileNotFoundError, ValueError):
-            continue  # withdrawn meanwhile, or not ours to read
-        if (
-            isinstance(request, dict)
-            and isinstance(request.get("round"), int)
-            and request["round"] <= round_index
-        ):
-            return True
-    return False
+    """Whether a replica waits for the state of ``round_index`` or of an earlier round (``recovery.waiting``:
+    a request left behind by a replica that no longer waits costs no upload)."""
+    return any(asked <= round_index for asked in recovery.waiting(store).values())

@@ -245,17 +245,27 @@ class Replica:
             seen = self.manager.syncs_attempted
             outcome = self.manager.last_sync
             assert outcome is not None
-            # Agreed: a sync that was stale on one rank and failed on another counts as failed on both.
-            if self.node.all_true(outcome.committed or isinstance(outcome.error, StaleRoundError)):
-                failures = 0
-            else:
-                failures += 1
-                if failures >= dl.max_failed_syncs:
-                    raise SyncError(f"{failures} syncs failed in a row; the last: {outcome.error}")
+            # Agreed: a sync that was stale on one rank and failed on another counts as failed on both. A stale
+            # sync (the run is past the round) counts too, but the catch-up after it resets the count: a
+            # replica that cannot catch up (nobody publishes the round it waits for) stops after
+            # max_failed_syncs instead of waiting and syncing stale rounds for ever.
+            committed = self.node.all_true(outcome.committed)
+            stale = not committed and self.node.all_true(
+                outcome.committed or isinstance(outcome.error, StaleRoundError)
+            )
+            failures = 0 if committed else failures + 1
+            if failures >= dl.max_failed_syncs and not stale:
+                raise SyncError(f"{failures} syncs failed in a row; the last: {outcome.error}")
             if outcome.committed and self.manager.current_step() % dl.fragments == 0:
                 self._finish_round(outcome)
             if self._align(late=outcome.late):
                 self.meter.reset()
+                failures = 0
+            elif failures >= dl.max_failed_syncs:
+                raise SyncError(
+                    f"{failures} syncs failed in a row, the last stale ({outcome.error}): the run is past this "
+                    "replica's round and it could not catch up (no replica published the round it waited for)"
+                )
 
     def _compute(self) -> contextlib.AbstractContextManager[object]:
         return precision.compute(self.config.model, self.device, sharded=self.node.size > 1)
@@ -526,31 +536,41 @@ class Replica:
         than the straggler grace and would stay so: it asks for the round in progress to be published, waits
         for it, and starts the next one with everyone else; if no live replica holds that round, the run
         rolls back. The lead looks and waits; its ranks follow its answers.
+
+        The rollback epoch is read last, after everything else the replica decides on: a rollback claims its
+        epoch before it changes anything and moves the epoch after, so an unchanged epoch without a claim
+        means nothing read before it came from a rollback in progress. A claimed one is waited for.
         """
         dl = self.config.diloco
         node = self.node
         step = self.manager.current_step()
-        looked = [latest_round(self.run_store), recovery.epoch(self.run_store)] if node.lead else [0, 0]
-        latest, epoch = node.broadcast_ints(looked)
+        boundary = step % dl.fragments == 0 and self.completed_rounds < dl.rounds
+        upcoming = self.completed_rounds + 1
+        looked = [0, -1, 0, 0]
+        if node.lead:
+            latest = latest_round(self.run_store)
+            ahead = catchup.behind(self.run_store, upcoming) if boundary else upcoming
+            falling_behind = boundary and (
+                late
+                or ahead > upcoming
+                or catchup.left_out_of(self.run_store, upcoming, self.rank, dl.replicas)
+            )
+            epoch = recovery.epoch(self.run_store)
+            claimed = epoch == self.epoch and recovery.claimed(self.run_store, epoch)
+            looked = [latest, ahead if falling_behind else -1, epoch, claimed]
+        latest, target, epoch, claimed = node.broadcast_ints(looked)
         if epoch != self.epoch:
+            self._rolled_back()
+            return True
+        if claimed:
+            if node.lead:
+                self.log.warning("the run is being rolled back: waiting for it before training on")
+                self._join_roll_back(upcoming)
             self._rolled_back()
             return True
         if latest * dl.fragments > step:
             self._jump(latest)
             return True
-        if step % dl.fragments or self.completed_rounds >= dl.rounds:
-            return False
-        upcoming = self.completed_rounds + 1
-        target = -1
-        if node.lead:
-            ahead = catchup.behind(self.run_store, upcoming)
-            if (
-                late
-                or ahead > upcoming
-                or catchup.left_out_of(self.run_store, upcoming, self.rank, dl.replicas)
-            ):
-                target = ahead
-        target = node.broadcast(target)
         if target < 0:
             return False
         waited = catchup.Waited()
@@ -579,7 +599,9 @@ class Replica:
         self.log.info("behind the run: waiting for round %d to be published", target)
 
         def waiting() -> None:
-            self.reporter.beat(state="waiting", round=target, rounds=dl.rounds, step=0, steps=dl.sync_every)
+            self.reporter.beat(
+                state=recovery.WAITING, round=target, rounds=dl.rounds, step=0, steps=dl.sync_every
+            )
 
         waited = catchup.wait_for_round(
             self.run_store, target, self.rank, dl.replicas, self.epoch, dl.sync_timeout_s, waiting
@@ -601,6 +623,11 @@ class Replica:
             "intact checkpoint",
             target,
         )
+        self._join_roll_back(target)
+
+    def _join_roll_back(self, target: int) -> None:
+        """Take part in the rollback of this replica's epoch (``recovery.roll_back``): wait for the one claimed,
+        or make it (taking over a claimant that died)."""
         done = recovery.roll_back(
             self.run_store, self.epoch, target, self.rank, self.config.ranks_per_replica
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +24,7 @@ from composer_serverless.executors.base import (
 )
 from composer_serverless.launch.launcher import follow
 from composer_serverless.launch.supervisor import RunCancelled, RunFailed, Supervisor
+from composer_serverless.rendezvous import layout, recovery
 from composer_serverless.rendezvous.store import ObjectStore
 from tests.conftest import TINY
 
@@ -227,6 +229,30 @@ def test_unscheduled_replica_is_cancelled_and_the_run_goes_on(tmp_path):
     assert events == [
         "replica 1 got no hardware (unscheduled detail); cancelled it, the run goes on without it"
     ]
+
+
+def test_a_replica_given_up_holds_no_round_until_it_is_started_again(tmp_path):
+    """Rank 1 was killed while training (its last heartbeat says so) and its restart got no hardware: the
+    supervisor cancels it and records that it gave it up, so a replica waiting for a round no longer counts it
+    among those that may publish it (else it would wait diloco.sync_timeout_s for it, again and again). A
+    resume that starts rank 1 again removes the record."""
+    executor = ScriptedExecutor(
+        {(0, 1): ["running"], (1, 1): ["unscheduled", "cancelled"], (1, 2): ["running"]}
+    )
+    supervisor = _supervisor(tmp_path, executor)
+    run = supervisor.run
+    run.put(layout.heartbeat(1), json.dumps({"rank": 1, "state": "training", "round": 4}).encode())
+    assert recovery.holders(run, 0, 2) == [1]
+    supervisor.poll()
+    assert recovery.holders(run, 0, 2) == []
+    given_up = json.loads(run.get(layout.given_up(1)))
+    assert {k: given_up[k] for k in ("rank", "attempt", "why")} == {
+        "rank": 1,
+        "attempt": 1,
+        "why": "got no hardware (unscheduled detail)",
+    }
+    supervisor.start(supervisor.record.plan.only({1}), note=lambda line: None)
+    assert not run.exists(layout.given_up(1)) and recovery.holders(run, 0, 2) == [1]
 
 
 def test_cancel_from_elsewhere_ends_the_watch(tmp_path):

@@ -382,6 +382,27 @@ def test_a_rejected_input_is_left_out_and_never_executed(tmp_path: Path, kind: s
     assert not marker.exists()
 
 
+def test_a_replica_the_launcher_gave_up_is_not_waited_for(tmp_path: Path) -> None:
+    """Replica 1 was given up (its restart got no hardware): replica 0 alone is everyone expected, so it fixes
+    the quorum at once instead of waiting out the grace (up to quorum_grace_max_s, every round) for it. The
+    grace here never ends and the sync's deadline is 5 s: before, the exchange failed at that deadline."""
+    url = f"file://{tmp_path}/run"
+    values = tensors(2)
+    result = allreduce(
+        ObjectStore(url),
+        values[0],
+        prefix=PREFIX,
+        identity=IDENTITY,
+        rank=0,
+        settings=ExchangeSettings(2, 1, "fp32", 5),
+        grace_s=1e9,
+        absent=frozenset({1}),
+    )
+    assert result.participants == [0] and torch.equal(result.average, values[0])
+    quorum = json.loads(ObjectStore(url).get(f"{PREFIX}/{layout.QUORUM}"))
+    assert quorum["reason"] == "all arrived"
+
+
 def test_a_replica_that_cannot_upload_still_receives_the_average(tmp_path: Path) -> None:
     """Replica 1's uploads fail for good; it goes on as a non-participant. It starts first, and replica 0
     only once replica 1 has tried to upload, so the order of events is fixed."""
