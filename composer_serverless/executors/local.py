@@ -15,7 +15,9 @@ launcher killed in between) is found by its command line, which names the run an
 For the chaos benchmark and the suite only (no config can set it): with ``COMPOSER_SERVERLESS_LOCAL_UNSCHEDULED``
 naming a directory, a file there named after a rank asks that the next launch of that rank get no hardware,
 as a cloud backend's job past its scheduling deadline: the attempt is recorded, reads ``unscheduled``, and no
-process is started. The launch consumes the file, so one file denies one launch.
+process is started. The launch consumes the file, so one file denies one launch. Cancelling such an attempt
+ends it as a cloud backend's cancel ends a job still waiting for hardware: it reads ``cancelled`` from then on,
+in any process that shares the directory (a ``--resume`` after the launcher died waits for exactly that).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import psutil
@@ -176,7 +178,9 @@ class LocalProcessExecutor:
         statuses = []
         for handle in handles:
             if _UNSCHEDULED in handle.meta:
-                statuses.append(ReplicaStatus(handle.rank, "unscheduled", None, handle.meta[_UNSCHEDULED]))
+                marker = _denied_marker(handle)
+                state = "cancelled" if marker is not None and marker.exists() else "unscheduled"
+                statuses.append(ReplicaStatus(handle.rank, state, None, handle.meta[_UNSCHEDULED]))
                 continue
             if not handle.created:
                 statuses.append(self._unrecorded_status(handle))
@@ -247,12 +251,14 @@ class LocalProcessExecutor:
         A process is signalled only after its identity (start time, group) is checked against the handle; an
         attempt recorded without its pid is found by its command line (this run's worker, its rank).
         """
+        _cancel_denied(handles)
         created = [h for h in handles if h.created and _UNSCHEDULED not in h.meta]
         ranks = {h.rank for h in handles if not h.created}
         self._end([h for h in created if self._alive(h)], _worker_processes(self._run, ranks=ranks), grace_s)
 
     def cancel_run(self, record: LaunchRecord, grace_s: float = CANCEL_GRACE_S) -> None:
         """Every attempt the record names, and any other process running this run's worker here."""
+        _cancel_denied(record.handles)
         created = [h for h in record.handles if h.created and _UNSCHEDULED not in h.meta and self._alive(h)]
         named = {int(h.backend_id) for h in created}
         strays = [p for p in _worker_processes(self._run) if p.pid not in named]
@@ -314,6 +320,19 @@ def _unscheduled_requested(rank: int) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def _denied_marker(handle: ReplicaHandle) -> Path | None:
+    """Where the cancellation of an attempt denied hardware is recorded: beside the requests that denied it."""
+    requests = os.environ.get(UNSCHEDULED_ENV)
+    return Path(requests) / f"cancelled-{handle.backend_id}" if requests else None
+
+
+def _cancel_denied(handles: Sequence[ReplicaHandle]) -> None:
+    for handle in handles:
+        marker = _denied_marker(handle) if _UNSCHEDULED in handle.meta else None
+        if marker is not None:
+            marker.touch()
 
 
 def visible_gpus() -> list[str]:

@@ -32,8 +32,9 @@ class Journal:
 
 def test_a_requested_launch_gets_no_hardware_once(tmp_path: Path, monkeypatch) -> None:
     """A file named after rank 1 in the requests directory: rank 1's launch starts no process and reads
-    ``unscheduled``; cancelling it is a no-op. The request is spent: its next launch starts a process. Rank 0
-    is started as always."""
+    ``unscheduled`` until it is cancelled, then ``cancelled``, as a cloud job cancelled while it waited for
+    hardware does, also to another executor (a ``--resume`` after the launcher died waits for exactly that).
+    The request is spent: its next launch starts a process. Rank 0 is started as always."""
     requests = tmp_path / "requests"
     requests.mkdir()
     (requests / "1").touch()
@@ -48,8 +49,9 @@ def test_a_requested_launch_gets_no_hardware_once(tmp_path: Path, monkeypatch) -
     (status,) = executor.status([denied])
     assert (status.state, status.detail) == ("unscheduled", f"no hardware, as {UNSCHEDULED_ENV} asked")
     executor.cancel([denied], grace_s=0.1)
+    elsewhere = LocalProcessExecutor(ObjectStore(str(tmp_path / "run")), tmp_path / "logs")
+    assert executor.status([denied])[0].state == elsewhere.status([denied])[0].state == "cancelled"
     executor.cancel_run(LaunchRecord(plan, (started, denied)), grace_s=0.1)
-    assert executor.status([denied])[0].state == "unscheduled"
     (again,) = executor.launch(dataclasses.replace(plan, replicas=specs[1:]), journal)
     assert again.backend_id.isdigit() and again.attempt == 2
     executor.cancel_run(LaunchRecord(plan, (started, denied, again)), grace_s=0.1)
