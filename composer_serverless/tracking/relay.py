@@ -21,7 +21,10 @@ Exactly once, with any number of relays at once and no clock but the store's:
   round. It has lapsed when the store's clock says so: the newest generation was last written more than
   ``LEASE_S`` before an object the taker writes now, both timed by the store, so clocks of different machines
   are never compared. A relay that finds a newer generation than its own has lost the lease: it stops at once
-  and writes nothing more. Giving the lease up is creating the next generation, marked free.
+  and writes nothing more. Giving the lease up is creating the next generation, marked free. A generation also
+  names its relay's process (host, boot, pid, start time): a relay on the same machine takes over at once from
+  one whose process is gone (a launcher killed, then resumed), instead of leaving the trackers ``LEASE_S``
+  behind; from another machine only the store's clock decides.
 
 The rule this buys: a step never reaches a tracker twice. A relay killed (or whose tracker failed) after it
 claimed a round and before that tracker had the round leaves the round claimed: no relay logs it to that
@@ -33,10 +36,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import secrets
+import socket
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from composer_serverless.config import RunConfig
 from composer_serverless.rendezvous import layout
@@ -170,13 +177,12 @@ class Relay:
         newest = _newest_generation(self._run)
         if newest > 0:
             lease = json.loads(self._run.get(layout.tracking_lease(newest)))
-            if lease["owner"] is not None and not self._lapsed(newest):
+            if lease["owner"] is not None and not _gone(lease) and not self._lapsed(newest):
                 if not self._told:
                     logger.info("another relay (the launcher watching the run) logs its metrics; leaving it")
                     self._told = True
                 return False
-        mine = json.dumps({"owner": self._owner}).encode()
-        if not self._run.create(layout.tracking_lease(newest + 1), mine):
+        if not self._run.create(layout.tracking_lease(newest + 1), self._lease_body()):
             return False  # another relay took it at the same moment
         self._generation = newest + 1
         return True
@@ -187,7 +193,7 @@ class Relay:
         generation = self._generation
         if generation is None:
             return False
-        self._run.put(layout.tracking_lease(generation), json.dumps({"owner": self._owner}).encode())
+        self._run.put(layout.tracking_lease(generation), self._lease_body())
         if not _overtaken(self._run, generation):
             return True
         logger.warning(
@@ -195,6 +201,9 @@ class Relay:
         )
         self._generation = None
         return False
+
+    def _lease_body(self) -> bytes:
+        return json.dumps({"owner": self._owner, "process": _this_process()}).encode()
 
     def _lapsed(self, generation: int) -> bool:
         """Whether generation ``generation`` was last renewed more than ``LEASE_S`` ago by the store's clock:
@@ -225,6 +234,28 @@ def holder(run: ObjectStore) -> str | None:
     relay ever took it or the last one gave it up."""
     newest = _newest_generation(run)
     return json.loads(run.get(layout.tracking_lease(newest)))["owner"] if newest else None
+
+
+def _this_process() -> dict[str, Any]:
+    """What names this process on any machine: its host and boot, its pid and its start time."""
+    return {
+        "host": socket.gethostname(),
+        "boot_time": round(psutil.boot_time()),
+        "pid": os.getpid(),
+        "create_time": psutil.Process().create_time(),
+    }
+
+
+def _gone(lease: dict[str, Any]) -> bool:
+    """Whether the relay holding ``lease`` ran on this machine (same host, same boot) in a process that has
+    ended: its pid is gone, or belongs to a process started at another time. Unknown elsewhere: False."""
+    held_by, here = lease.get("process"), _this_process()
+    if held_by is None or (held_by["host"], held_by["boot_time"]) != (here["host"], here["boot_time"]):
+        return False
+    try:
+        return psutil.Process(held_by["pid"]).create_time() != held_by["create_time"]
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _overtaken(run: ObjectStore, generation: int) -> bool:

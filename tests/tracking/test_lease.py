@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -238,3 +240,49 @@ def test_a_round_whose_logging_failed_stays_claimed_and_is_never_logged_twice(tm
     failing.close()
     assert Relay(run, config).catch_up(ended=True) == 2  # round 3
     assert recorded.miscounted(NAMES, range(1, 7)) == {"tensorboard": {4: 0}, "wandb": {3: 0, 4: 0}}
+
+
+_HOLD_THE_LEASE = """
+import sys, time
+from composer_serverless.config import RunConfig
+from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.tracking.relay import Relay
+config = RunConfig.model_validate_json(sys.stdin.read())
+assert Relay(ObjectStore(config.store).child("leased"), config).catch_up(ended=False) == 2
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_relay_takes_the_lease_at_once_from_a_dead_relay_on_this_machine(tmp_path) -> None:
+    """A launcher killed while it held the lease, then resumed on the same machine: the new relay sees that the
+    holder's process is gone and relays at once, instead of leaving the trackers a lease behind; while the
+    holder's process lives, its lease is left alone."""
+    root = str(tmp_path / "store")
+    run = ObjectStore(root).child("leased")
+    config = validate_config(
+        {
+            "run_id": "leased",
+            "store": root,
+            "model": {"tiny": {}},
+            "diloco": {"replicas": 2, "sync_every": 2, "rounds": 3},
+            "tracking": {"report_to": ["tensorboard"], "dir": str(tmp_path / "relay")},
+        }
+    )
+    _write_round(run, 1)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_THE_LEASE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        holder.stdin.write(config.model_dump_json())
+        holder.stdin.close()
+        assert holder.stdout.readline().strip() == "holding"
+        _write_round(run, 2)
+        resumed = Relay(run, config)
+        assert resumed.catch_up(ended=False) == 0, "the holder's process lives: its lease is live"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert resumed.catch_up(ended=False) == 2  # round 2, at once: no waiting out LEASE_S
+    resumed.close()
+    assert relay.cursors(run, ["tensorboard"]) == {"tensorboard": 2}
