@@ -225,3 +225,24 @@ def test_an_unreadable_config_file_exits_2(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["launch", str(config)])
     assert result.exit_code == 2, result.output
     assert "cannot read" in result.output and "Permission denied" in result.output
+
+
+def test_cli_refuses_error_reset_with_a_merge_before_touching_the_store(tmp_path):
+    """Reset keeps the residual as local = global - residual; the alpha merge would break that: exit 2 with the
+    fix, nothing written. Either setting alone is accepted."""
+    store = tmp_path / "store"
+    config = _write_config(tmp_path, str(store))
+    reset = ["--set", "diloco.codec=sparse", "--set", "diloco.error_feedback=reset"]
+    result = CliRunner().invoke(
+        app, ["launch", str(config), *reset, "--set", "diloco.fragment_update_alpha=0.5"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "fragment_update_alpha = 0.5 mixes the pre-sync local weights back into them" in result.output
+    assert "set fragment_update_alpha = 0, or error_feedback = 'resend'" in result.output
+    assert "fix: edit the [diloco] table in" in result.output
+    assert not store.exists()
+    for accepted in (
+        {"codec": "sparse", "error_feedback": "reset"},
+        {"codec": "sparse", "fragment_update_alpha": 0.5},
+    ):
+        validate_config({**MINIMAL, "diloco": {"sync_every": 4, "rounds": 1, **accepted}})
