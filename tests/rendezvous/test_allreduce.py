@@ -574,3 +574,46 @@ def test_outliers_are_judged_against_the_median() -> None:
     assert outliers({0: 1.0, 1: 1e30}, 10.0) == {}
     assert outliers({0: 1.0, 1: 1.0, 2: 1e30}, None) == {}
     assert "more than 10 times the median 1" in outliers({0: 1.0, 1: 1.0, 2: 1e30}, 10.0)[2]
+
+
+def test_a_retried_sync_keeps_the_residual_of_the_inputs_it_stored_before(tmp_path: Path) -> None:
+    """A replica's earlier attempt at a sync stored its input of shard 1 (made from other values); its retry
+    finds it there: the sync averages the stored input, so the residual of shard 1 is what the retry was to
+    send minus what the stored input carries, not minus what the retry's own encoding would have carried. A
+    second retry, after the quorum was fixed, accounts for every stored input the same way."""
+    n, numel = 2, 20_001
+    codec = Sparse(0.02)
+    url = f"file://{tmp_path}/run"
+    values = tensors(n, numel)
+    earlier = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+    residual = torch.randn(numel, generator=torch.Generator().manual_seed(8))
+    bounds = shard_bounds(numel, n)
+    (s0, e0), (s1, e1) = bounds
+    identity = {**IDENTITY, "local": "0", "rank": "0", "shard": "1"}
+    stored = encode((earlier + residual)[s1:e1], {**identity, NORM: repr(l2_norm(earlier + residual))}, codec)
+    assert ObjectStore(url).child(PREFIX).create(layout.sync_input(0, 1), stored)
+    settings = ExchangeSettings(replicas=n, min_replicas=n, codec=codec, timeout_s=60)
+    residuals = {r: Residuals(residual.clone(), torch.zeros(e - s)) for r, (s, e) in enumerate(bounds)}
+    results = exchange(url, values, settings, grace=10, residuals=residuals)
+    sending = values[0] + residual
+    sent = torch.cat(
+        [
+            expand(compress(sending[s0:e0], codec), codec, e0 - s0),
+            decode(stored, identity, codec, e1 - s1),
+        ]
+    )
+    assert not torch.equal(sent[s1:e1], expand(compress(sending[s1:e1], codec), codec, e1 - s1))
+    assert torch.equal(results[0].residual.inputs, sending - sent)
+    # Retried once more, now that the quorum is fixed: no input is written, every one is the stored one.
+    again = allreduce(
+        ObjectStore(url),
+        values[0],
+        prefix=PREFIX,
+        identity=IDENTITY,
+        rank=0,
+        settings=settings,
+        grace_s=0,
+        residual=residuals[0],
+    )
+    assert again.participants == [0, 1] and torch.equal(again.average, results[0].average)
+    assert torch.equal(again.residual.inputs, sending - sent)
