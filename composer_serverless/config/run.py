@@ -134,7 +134,8 @@ class DiLoCoConfig(StrictModel):
         10.0,
         gt=1,
         description="leave out of a round any pseudo-gradient whose norm is more than this many times the "
-        "median of the round's (with at least 3 contributions), as a non-finite one is: a replica whose update "
+        "lower median of the round's non-zero norms (with a quorum of at least 3), as a non-finite one is: a "
+        "replica whose update "
         "blew up cannot end the run for everyone. Unset to average every finite contribution",
     )
     verify_global: bool = Field(

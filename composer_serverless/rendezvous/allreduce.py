@@ -480,7 +480,7 @@ class _Exchange:
                 self._left_out(peer, shard, str(e))
                 continue
             inputs[peer] = payload
-        for peer, why in outliers(norms, self.settings.outlier_factor).items():
+        for peer, why in outliers(norms, self.settings.outlier_factor, len(participants)).items():
             self._left_out(peer, shard, why)
             del inputs[peer]
         if not inputs:
