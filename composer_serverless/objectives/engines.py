@@ -120,17 +120,19 @@ def _generating(model: nn.Module) -> Iterator[None]:
     from transformers import GenerationConfig
 
     was_training = model.training
-    kept = getattr(model, "generation_config", None)
+    # Every module that holds a generation config of its own: the model, or the one a wrapper (PEFT's) hands
+    # ``generate`` to, whose config is the one merged.
+    kept = {m: vars(m)["generation_config"] for m in model.modules() if "generation_config" in vars(m)}
     model.eval()
-    if kept is not None:
-        model.generation_config = GenerationConfig()
+    for module in kept:
+        module.generation_config = GenerationConfig()
     try:
         with torch.no_grad():
             yield
     finally:
         model.train(was_training)
-        if kept is not None:
-            model.generation_config = kept
+        for module, config in kept.items():
+            module.generation_config = config
 
 
 def left_pad(

@@ -169,20 +169,24 @@ def _greedy_by_hand(model: LlamaForCausalLM, steps: int) -> list[int]:
     return ids[len(PROMPT) :]
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
 @pytest.mark.parametrize("name", ENGINES)
-def test_a_checkpoints_generation_config_reaches_no_engine(name):
+def test_a_checkpoints_generation_config_reaches_no_engine(name, lora):
     """With a checkpoint's generation config that suppresses tokens, forbids repeats, delays EOS, cuts by
-    min-p and more: every engine's greedy tokens are the argmax by hand (and so each other's), and the
-    model keeps its generation config afterwards."""
-    model = _small_model()
-    model.generation_config = _leaky()
-    expected = _greedy_by_hand(model, 6)
-    assert len(expected) > len(set(expected)) or {4, 5, 6, 7} & set(expected), (
-        expected
-    )  # the config would bite
+    min-p and more: every engine's greedy tokens are the argmax by hand (and so each other's), also through
+    PEFT's wrapper (whose ``generate`` hands on to the wrapped model, whose config is the one merged), and
+    the model keeps its generation config afterwards."""
+    from peft import LoraConfig, get_peft_model
+
+    base = _small_model()
+    base.generation_config = _leaky()
+    expected = _greedy_by_hand(base, 6)
+    # The config would bite: the argmax repeats a token or picks one it suppresses.
+    assert len(expected) > len(set(expected)) or {4, 5, 6, 7} & set(expected), expected
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])) if lora else base
     request = Request([PROMPT], 2, 6, None, [EOS], 0)
     assert _engine(name).complete(model, request) == [expected, expected]
-    assert model.generation_config.min_p == 0.3
+    assert base.generation_config.min_p == 0.3
 
 
 @pytest.mark.parametrize("leaky", [False, True], ids=["plain", "leaky-checkpoint"])
