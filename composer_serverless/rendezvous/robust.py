@@ -7,13 +7,17 @@ round are of one size (the same model, the same steps, the same learning rate, d
 so one many times the median of the round's is not a different view of the data: it is a fault, and leaving
 it out costs the round one replica's share, as a dead replica does.
 
-The rule is one decision per replica per sync, the same in every shard, so a replica is left out of all of
-a sync's average or of none of it (an input that cannot be read is another matter: it is left out of its own
-shard only). It is judged on the norm every input states for its whole pseudo-gradient (required; checked
-against the shard's own values, ``codec.measure``), never on a shard's own norm. It needs company: with a quorum
-of fewer than ``MIN_CONTRIBUTIONS`` there is no majority to say which one is wrong, and every contribution is
-kept; the count is the quorum's, the same for every shard's owner, not the number of inputs a shard's owner
-could read. The reference is the lower median of the non-zero norms: a replica that sent nothing (no progress,
+Every shard's owner judges a replica on the same thing, the norm each of its inputs states for its whole
+pseudo-gradient (required; checked against the shard's own values, ``codec.measure``), never on a shard's own
+norm, so owners that read the same inputs leave out the same replicas in every shard. What can still differ
+between shards is which inputs could be read: an unreadable input is left out of its own shard only, and its
+norm is missing from that shard's reference (the rule stays on, see below). A replica states one norm in all
+its inputs of an exchange; only inputs an earlier attempt of a sync stored can state another, and no owner
+cross-checks a replica's norms between shards (each reads one shard of each replica).
+
+The rule needs company: with a quorum of fewer than ``MIN_CONTRIBUTIONS`` there is no majority to say which one
+is wrong, and every contribution is kept; the count is the quorum's, the same for every shard's owner, not the
+number of inputs a shard's owner could read. The reference is the lower median of the non-zero norms: a replica that sent nothing (no progress,
 a frozen fragment) says nothing about the round's scale and would otherwise pull the median to 0 and reject
 every replica that moved; the lower of the middle two, so that with an even count the reference is a norm some
 replica sent and a blown-up one is never the reference while the others agree.
