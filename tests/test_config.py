@@ -276,3 +276,24 @@ def test_fp16_is_refused_with_the_reason_and_the_spelling_to_use(tmp_path):
         "model.dtype: 'fp16' (float16) is not supported: training in it needs loss scaling; use 'bf16' "
         "(bfloat16: the same memory, float32's range)" in " ".join(result.output.split())
     )
+
+
+def test_cli_refuses_error_reset_with_a_merge_before_touching_the_store(tmp_path):
+    """Reset keeps the residual as local = global - residual; the alpha merge would break that: exit 2 with the
+    fix, nothing written. Either setting alone is accepted."""
+    store = tmp_path / "store"
+    config = _write_config(tmp_path, str(store))
+    reset = ["--set", "diloco.codec=sparse", "--set", "diloco.error_feedback=reset"]
+    result = CliRunner().invoke(
+        app, ["launch", str(config), *reset, "--set", "diloco.fragment_update_alpha=0.5"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "fragment_update_alpha = 0.5 mixes the pre-sync local weights back into them" in result.output
+    assert "set fragment_update_alpha = 0, or error_feedback = 'resend'" in result.output
+    assert "fix: edit the [diloco] table in" in result.output
+    assert not store.exists()
+    for accepted in (
+        {"codec": "sparse", "error_feedback": "reset"},
+        {"codec": "sparse", "fragment_update_alpha": 0.5},
+    ):
+        validate_config({**MINIMAL, "diloco": {"sync_every": 4, "rounds": 1, **accepted}})

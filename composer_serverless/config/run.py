@@ -134,7 +134,8 @@ class DiLoCoConfig(StrictModel):
         10.0,
         gt=1,
         description="leave out of a round any pseudo-gradient whose norm is more than this many times the "
-        "median of the round's (with at least 3 contributions), as a non-finite one is: a replica whose update "
+        "lower median of the round's non-zero norms (with a quorum of at least 3), as a non-finite one is: a "
+        "replica whose update "
         "blew up cannot end the run for everyone. Unset to average every finite contribution",
     )
     verify_global: bool = Field(
@@ -242,6 +243,16 @@ class DiLoCoConfig(StrictModel):
             )
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov = true needs outer_momentum > 0; set nesterov = false for plain SGD")
+        if self.codec == "sparse" and self.error_feedback == "reset" and self.fragment_update_alpha > 0:
+            # Reset keeps the unsent residual as local = global - residual; the merge then mixes the pre-sync
+            # local weights back in, so the next pseudo-gradient carries only part of the residual, plus the
+            # progress the sync already sent.
+            raise ValueError(
+                f"error_feedback = 'reset' keeps what the sparse inputs left out in the local weights (local = "
+                f"global - residual), and fragment_update_alpha = {self.fragment_update_alpha} mixes the "
+                "pre-sync local weights back into them, so part of the residual would be lost and part of the "
+                "sent progress sent again; set fragment_update_alpha = 0, or error_feedback = 'resend'"
+            )
         return self
 
 

@@ -3,7 +3,9 @@
 Every engine answers the same request (each prompt's token ids, completed ``repeats`` times) with the same
 thing: each row's tokens up to and including its first EOS, or ``max_new_tokens`` of them. Sampling is pure
 in every engine, ``softmax(logits / temperature)`` with top-k, top-p and repetition penalties off, because the
-GRPO and SDPO log-probabilities are those of that distribution. The model generates in eval mode without
+GRPO and SDPO log-probabilities are those of that distribution; every engine builds its whole generation config
+from a neutral one (``generation_config``), so nothing a checkpoint's ``generation_config.json`` sets (``min_p``,
+``suppress_tokens``, ``min_new_tokens``, ...) joins in. The model generates in eval mode without
 gradient, under whatever precision context the trainer holds (its bf16 autocast over float32 masters), with
 the parameters it has now: no engine keeps a copy of the weights, so each rollout sees the last optimizer step
 and the last sync.
@@ -81,7 +83,7 @@ def _cut(row: Sequence[int], eos_ids: Sequence[int], limit: int) -> list[int]:
 
 
 def _sampling(temperature: float | None) -> dict[str, Any]:
-    """Pure sampling (or greedy decoding), whatever the checkpoint's generation config asks for."""
+    """Pure sampling (or greedy decoding): top-k, top-p and the repetition penalty off."""
     if temperature is None:
         return {"do_sample": False, "repetition_penalty": 1.0}
     return {
@@ -93,15 +95,44 @@ def _sampling(temperature: float | None) -> dict[str, Any]:
     }
 
 
+def generation_config(request: Request, **settings: Any) -> Any:
+    """The whole generation config of a request, every engine's: a neutral ``GenerationConfig`` with the
+    request's length, end and pad tokens, pure sampling (``_sampling``) and the engine's ``settings``, and
+    nothing else, so no logits processor a checkpoint's ``generation_config.json`` asks for (``min_p``,
+    ``typical_p``, ``epsilon_cutoff``, ``no_repeat_ngram_size``, ``suppress_tokens``, ``min_new_tokens``, ...)
+    reshapes the distribution GRPO's ratios are computed under."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=request.max_new_tokens,
+        eos_token_id=list(request.eos_ids),
+        pad_token_id=request.pad_id,
+        **_sampling(request.temperature),
+        **settings,
+    )
+
+
 @contextlib.contextmanager
 def _generating(model: nn.Module) -> Iterator[None]:
+    """Eval mode without gradient, and a neutral ``generation_config`` on the model meanwhile: ``generate``
+    fills every field the config it is given leaves unset (None) from the model's, and the neutral value of
+    several processors (``min_p``, ``suppress_tokens``, ...) is None."""
+    from transformers import GenerationConfig
+
     was_training = model.training
+    # Every module that holds a generation config of its own: the model, or the one a wrapper (PEFT's) hands
+    # ``generate`` to, whose config is the one merged.
+    kept = {m: vars(m)["generation_config"] for m in model.modules() if "generation_config" in vars(m)}
     model.eval()
+    for module in kept:
+        module.generation_config = GenerationConfig()
     try:
         with torch.no_grad():
             yield
     finally:
         model.train(was_training)
+        for module, config in kept.items():
+            module.generation_config = config
 
 
 def left_pad(
@@ -139,12 +170,11 @@ class GenerateEngine:
             out = model.generate(  # type: ignore[operator]
                 input_ids=ids.repeat_interleave(request.repeats, dim=0),
                 attention_mask=mask.repeat_interleave(request.repeats, dim=0),
-                max_new_tokens=request.max_new_tokens,
-                eos_token_id=list(request.eos_ids),
-                pad_token_id=request.pad_id,
-                cache_implementation="static" if self.static else "dynamic",
-                disable_compile=not (self.static and captures_graphs(device)),
-                **_sampling(request.temperature),
+                generation_config=generation_config(
+                    request,
+                    cache_implementation="static" if self.static else "dynamic",
+                    disable_compile=not (self.static and captures_graphs(device)),
+                ),
             )
         rows = out[:, width:].tolist()  # one transfer to the host
         return [_cut(row, request.eos_ids, request.max_new_tokens) for row in rows]
@@ -161,7 +191,6 @@ class PagedEngine:
     name: str = "paged"
 
     def complete(self, model: nn.Module, request: Request) -> list[list[int]]:
-        from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         device = next(model.parameters()).device
@@ -170,13 +199,7 @@ class PagedEngine:
         prompts = [list(p) for p in request.prompts]
         if not sampled:
             prompts = [p for p in prompts for _ in range(request.repeats)]
-        generation = GenerationConfig(
-            max_new_tokens=request.max_new_tokens,
-            eos_token_id=list(request.eos_ids),
-            pad_token_id=request.pad_id,
-            num_return_sequences=request.repeats if sampled else 1,
-            **_sampling(request.temperature),
-        )
+        generation = generation_config(request, num_return_sequences=request.repeats if sampled else 1)
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
         batching = ContinuousBatchingConfig(
             page_size=PAGE,

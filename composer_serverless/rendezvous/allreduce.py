@@ -250,6 +250,11 @@ class _Exchange:
         if quorum is None:
             self._scatter()
             quorum = self._await_quorum()
+        elif self.unsent is not None and self.rank in quorum:
+            # A retry of a sync whose quorum an earlier attempt of this replica joined: its stored inputs are
+            # what the sync averages, so they are what the residual accounts for.
+            self.store.map(self._unsent_after_stored, list(range(self.n)))
+            self._keep_unsent(l2_norm(self.sending))
         participants = quorum
         self.quorum_at = time.monotonic()
         self.result.participants = participants
@@ -287,38 +292,68 @@ class _Exchange:
             identity = {**self._input_identity(self.rank, shard), NORM: whole}
             bits = self.rows.bits(self.spans[shard]) if self.rows else None
             parts = encode_parts(self.sending[start:end], identity, self.settings.codec, self.key, bits)
-            if self.unsent is not None:
-                sent = decode(
-                    parts,
-                    identity,
-                    self.settings.codec,
-                    end - start,
-                    verify=False,
-                    key=self.key,
-                    rows=self.row_bits[shard],
-                )
-                torch.sub(self.sending[start:end], sent, out=self.unsent[start:end])
             if self.store.create(layout.sync_input(self.rank, shard, self.local), parts):
                 self._count(up=sum(len(p) for p in parts))
                 self.mine[shard] = parts
+                if self.unsent is not None:
+                    self._unsent_after(shard, parts, verify=False)
             else:
                 # An earlier attempt at this sync (before a restart or a rollback) already wrote this input;
-                # inputs are immutable, so the stored bytes are the ones that count.
+                # inputs are immutable, so the stored bytes are the ones that count, for the average and for
+                # what the residual keeps.
                 self.log.info(
                     "input %s exists from an earlier attempt; using the stored one",
                     layout.sync_input(self.rank, shard, self.local),
                 )
+                if self.unsent is not None:
+                    self._unsent_after_stored(shard)
 
         try:
             self.store.map(upload, order)
             if self.unsent is not None:
-                self.result.residual = Residuals(self.unsent, None)
-                self.result.carried = carried_share(norm, l2_norm(self.unsent))
+                self._keep_unsent(norm)
         except (
             Exception
         ) as e:  # a replica that cannot upload still receives the average, as a non-participant
             self.result.upload_failed = True
             self.log.warning("upload failed (%s: %s); continuing without contributing", type(e).__name__, e)
+
+    def _unsent_after(self, shard: int, payload: Payload | None, *, verify: bool) -> None:
+        """What this replica's input of ``shard`` (``payload``, as stored) left out of what it was to send
+        into ``unsent``: all of it when there is no readable payload (a sync never averages that input)."""
+        start, end = self.bounds[shard]
+        if payload is not None:
+            try:
+                sent = decode(
+                    payload,
+                    self._input_identity(self.rank, shard),
+                    self.settings.codec,
+                    end - start,
+                    verify=verify,
+                    key=self.key,
+                    rows=self.row_bits[shard],
+                )
+            except PayloadError as e:
+                self.log.warning("own stored input of shard %d is unreadable (%s)", shard, e)
+            else:
+                torch.sub(self.sending[start:end], sent, out=self.unsent[start:end])
+                return
+        self.unsent[start:end].copy_(self.sending[start:end])
+
+    def _unsent_after_stored(self, shard: int) -> None:
+        """``_unsent_after`` for the input of ``shard`` an earlier attempt of this sync stored."""
+        key = layout.sync_input(self.rank, shard, self.local)
+        try:
+            stored: bytes | None = self.store.get(key)
+        except FileNotFoundError:
+            stored = None
+        else:
+            self._count(down=len(stored))
+        self._unsent_after(shard, stored, verify=True)
+
+    def _keep_unsent(self, norm: float) -> None:
+        self.result.residual = Residuals(self.unsent, None)
+        self.result.carried = carried_share(norm, l2_norm(self.unsent))
 
     # --- phase 2: quorum ---------------------------------------------------------------------------
 
@@ -462,7 +497,7 @@ class _Exchange:
                 self._left_out(peer, shard, str(e))
                 continue
             inputs[peer] = payload
-        for peer, why in outliers(norms, self.settings.outlier_factor).items():
+        for peer, why in outliers(norms, self.settings.outlier_factor, len(participants)).items():
             self._left_out(peer, shard, why)
             del inputs[peer]
         if not inputs:

@@ -38,8 +38,8 @@ replica's data held each token (``rows.py``). A reader that expects them (``rows
 with exactly that many, in one zlib stream no longer than zlib's bound for them, which it never inflates past
 their size; one that expects none, only a payload without.
 
-An input (one shard of a replica's pseudo-gradient) may state the L2 norm of the whole pseudo-gradient it is
-a shard of (``NORM``): a shard's owner sees only its shard, and a robust average compares whole contributions
+An input (one shard of a replica's pseudo-gradient) states the L2 norm of the whole pseudo-gradient it is
+a shard of (``NORM``; ``measure`` rejects an input without it): a shard's owner sees only its shard, and a robust average compares whole contributions
 (``robust.py``). ``measure`` holds the claim to the shard's own values: a shard cannot be larger than the
 whole it is part of.
 """
@@ -318,7 +318,7 @@ def l2_norm(values: torch.Tensor) -> float:
 @dataclass(frozen=True)
 class Measured:
     """A checked input's size: the norm of its own values, and the norm of the whole pseudo-gradient its
-    header states (its own norm when it states none, which is the least the whole can be)."""
+    header states."""
 
     norm: float
     whole: float
@@ -337,15 +337,18 @@ def measure(
     """Check a payload as ``decode`` does and measure it (one more pass over its values).
 
     Raises:
-        PayloadError: as ``decode``; or its ``NORM`` is not a finite non-negative number, or is smaller than
-            the norm of its own values (beyond ``NORM_SLACK``): a shard cannot outweigh its whole.
+        PayloadError: as ``decode``; or it states no ``NORM``, or one that is not a finite non-negative
+            number, or smaller than the norm of its own values (beyond ``NORM_SLACK``): a shard cannot outweigh
+            its whole.
     """
     values, metadata, _ = _checked(data, expect, codec, numel, verify, key, finite=False, rows=rows)
     norm = l2_norm(values)  # NaN or Inf exactly when a value is: the finiteness check's pass, spared
     if not math.isfinite(norm):
         raise PayloadError(NON_FINITE)
     if NORM not in metadata:
-        return Measured(norm, norm)
+        raise PayloadError(
+            "payload states no norm of the whole pseudo-gradient it is part of; every input states one"
+        )
     try:
         whole = float(metadata[NORM])
     except ValueError:

@@ -18,9 +18,11 @@ The residual is one fp32 tensor per fragment (per rank of an FSDP replica: the r
 bucket), in host memory: it is as large as the fragment, and on an accelerator it would take the memory the
 inner step needs. It is this replica's own: it goes into its own saved state (``state.py``), beside the local
 weights that differ from the global ones (with ``reset``, all of them), so a resume continues bit-exactly.
-The residual moves only when a sync commits with this replica's inputs averaged; a sync that fails leaves it
-as it was, and so does one that averaged without this replica's input (it arrived late, or an input was
-rejected).
+The residual moves only when a sync commits with this replica's inputs averaged, shard by shard: a sync that
+fails leaves it as it was, and so does one that averaged without this replica's input (it arrived late, or the
+outlier rule left it out, which it does in every shard alike); a shard whose average left out an input that
+could not be read keeps its part of the old residual, the shards that averaged this replica's input take the
+new one. A retried sync accounts for the inputs an earlier attempt stored, which are what the sync averages.
 
 A shard's owner re-sparsifies the average it publishes (``allreduce.py``), and keeps what that leaves out:
 its second residual, of its own shard's size, is added to the next average it publishes (bidirectional error
@@ -90,15 +92,25 @@ class ErrorFeedback:
             kept = self.residuals[fragment] = Residuals(torch.zeros(numel), torch.zeros(owned))
         return kept
 
-    def keep(self, fragment: int, inputs: torch.Tensor | None, owned: torch.Tensor | None) -> None:
-        """The residuals after a sync that committed: of the inputs if they were averaged, of the owned
-        shard's average if this replica published it; None leaves one as it was."""
+    def keep(
+        self,
+        fragment: int,
+        inputs: torch.Tensor | None,
+        owned: torch.Tensor | None,
+        averaged: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """The residuals after a sync that committed: of the inputs where they were averaged (``averaged``, the
+        [start, end) spans of the shards whose average holds this replica's input; None: all of them), of the
+        owned shard's average if this replica published it; None leaves one as it was. A shard whose average
+        left this replica's input out (unreadable there) keeps its old residual, as a sync that averaged none
+        of its inputs does."""
         if fragment not in self.residuals:
             raise KeyError(f"fragment {fragment} has no residual to update")
         kept = self.residuals[fragment]
         assert kept.inputs is not None and kept.owned is not None
         if inputs is not None:
-            kept.inputs.copy_(inputs)
+            for start, end in [(0, inputs.numel())] if averaged is None else averaged:
+                kept.inputs[start:end].copy_(inputs[start:end])
         if owned is not None:
             kept.owned.copy_(owned)
 

@@ -80,6 +80,8 @@ class _Sync:
     # were averaged).
     residual: Residuals | None = None
     carried: float | None = None  # and the share of what the inputs were to send that they carried
+    # The [start, end) spans of the shards whose average holds this replica's input: where the residual moves.
+    averaged: list[tuple[int, int]] = field(default_factory=list)
 
 
 class _ExchangeWork(dist._Work):
@@ -267,7 +269,10 @@ class ObjectStoreManager:
             averaged = outcome.contributed and self._rank not in outcome.rejected
             if self.feedback is not None and sync.residual is not None:
                 self.feedback.keep(
-                    outcome.fragment, sync.residual.inputs if averaged else None, sync.residual.owned
+                    outcome.fragment,
+                    sync.residual.inputs if outcome.contributed else None,
+                    sync.residual.owned,
+                    sync.averaged,
                 )
             if averaged and sync.carried is not None:
                 self.carried_total += sync.carried
@@ -368,6 +373,10 @@ class ObjectStoreManager:
             if sync is not None:
                 sync.residual = result.residual
                 sync.carried = result.carried
+                bounds = shard_bounds(values.numel(), self._settings.replicas)
+                sync.averaged = [
+                    bounds[shard] for shard, ranks in sorted(result.summed.items()) if self._rank in ranks
+                ]
             if values.data_ptr() != staged.data_ptr():
                 staged.copy_(values)
             outcome.participants = result.participants

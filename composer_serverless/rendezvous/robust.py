@@ -7,10 +7,20 @@ round are of one size (the same model, the same steps, the same learning rate, d
 so one many times the median of the round's is not a different view of the data: it is a fault, and leaving
 it out costs the round one replica's share, as a dead replica does.
 
-The median needs company: with fewer than ``MIN_CONTRIBUTIONS`` there is no majority to say which one is
-wrong, and every contribution is kept. The decision uses the norms the payloads state for their whole
-pseudo-gradient (each checked against the shard's own values, ``codec.measure``), so every shard's owner
-decides the same for the same replica, and every replica applies the same average.
+Every shard's owner judges a replica on the same thing, the norm each of its inputs states for its whole
+pseudo-gradient (required; checked against the shard's own values, ``codec.measure``), never on a shard's own
+norm, so owners that read the same inputs leave out the same replicas in every shard. What can still differ
+between shards is which inputs could be read: an unreadable input is left out of its own shard only, and its
+norm is missing from that shard's reference (the rule stays on, see below). A replica states one norm in all
+its inputs of an exchange; only inputs an earlier attempt of a sync stored can state another, and no owner
+cross-checks a replica's norms between shards (each reads one shard of each replica).
+
+The rule needs company: with a quorum of fewer than ``MIN_CONTRIBUTIONS`` there is no majority to say which one
+is wrong, and every contribution is kept; the count is the quorum's, the same for every shard's owner, not the
+number of inputs a shard's owner could read. The reference is the lower median of the non-zero norms: a replica that sent nothing (no progress,
+a frozen fragment) says nothing about the round's scale and would otherwise pull the median to 0 and reject
+every replica that moved; the lower of the middle two, so that with an even count the reference is a norm some
+replica sent and a blown-up one is never the reference while the others agree.
 """
 
 from __future__ import annotations
@@ -20,17 +30,19 @@ import statistics
 MIN_CONTRIBUTIONS = 3
 
 
-def outliers(norms: dict[int, float], factor: float | None) -> dict[int, str]:
-    """The ranks among ``norms`` (rank -> its pseudo-gradient's norm) to leave out, each with why: a norm above
-    ``factor`` times the median of all of them. None (or fewer than ``MIN_CONTRIBUTIONS``): none."""
-    if factor is None or len(norms) < MIN_CONTRIBUTIONS:
+def outliers(norms: dict[int, float], factor: float | None, quorum: int) -> dict[int, str]:
+    """The ranks among ``norms`` (rank -> the norm its input states for its whole pseudo-gradient) to leave out,
+    each with why: a norm above ``factor`` times the lower median of the non-zero norms. None for ``factor``, a
+    ``quorum`` (the sync's participants) below ``MIN_CONTRIBUTIONS``, or no non-zero norm: none."""
+    moving = [norm for norm in norms.values() if norm > 0]
+    if factor is None or quorum < MIN_CONTRIBUTIONS or not moving:
         return {}
-    median = statistics.median(norms.values())
+    reference = statistics.median_low(moving)
     return {
         rank: (
-            f"its pseudo-gradient norm {norm:.4g} is more than {factor:g} times the median {median:.4g} of the "
-            f"{len(norms)} contributions"
+            f"its pseudo-gradient norm {norm:.4g} is more than {factor:g} times the median {reference:.4g} of the "
+            f"{len(moving)} non-zero contributions"
         )
         for rank, norm in sorted(norms.items())
-        if norm > factor * median
+        if norm > factor * reference
     }

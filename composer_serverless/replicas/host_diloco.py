@@ -176,11 +176,17 @@ class HostDiLoCo(DiLoCo):
             [outer(f.parameters()) for f in model_fragments],
             **kwargs,  # type: ignore[arg-type]
         )
-        # Every element of a fragment at its first tensor's width, as torchft packs a bucket.
+        # Every element of a fragment at its first tensor's width, as torchft packs a bucket. The shared
+        # buffer is allocated in units of the widest of those widths, so each fragment's view of it at its
+        # own dtype is whole: a bf16 fragment of an odd number of elements as the largest would otherwise
+        # leave a byte count that a float32 fragment cannot view.
+        widths = [next(iter(f.original_parameters.values())).element_size() for f in self._fragments]
         sizes = [
-            sum(t.numel() for t in f.original_parameters.values())
-            * next(iter(f.original_parameters.values())).element_size()
-            for f in self._fragments
+            sum(t.numel() for t in f.original_parameters.values()) * width
+            for f, width in zip(self._fragments, widths, strict=True)
         ]
-        bucket = torch.empty(max(sizes), dtype=torch.uint8, pin_memory=torch.accelerator.is_available())
+        unit = max(widths)
+        bucket = torch.empty(
+            -(-max(sizes) // unit) * unit, dtype=torch.uint8, pin_memory=torch.accelerator.is_available()
+        )
         self._fragments = [HostFragment.adopt(f, outer, bucket, i) for i, f in enumerate(self._fragments)]

@@ -62,6 +62,7 @@ from composer_serverless.replicas.diloco import (
     split_fragments,
     transfer_settings,
 )
+from composer_serverless.replicas.host_diloco import offset_local
 from composer_serverless.replicas.meter import RoundMeter, read_step
 from composer_serverless.replicas.node import SOLO, Node
 from composer_serverless.replicas.shards import full_state_dict, local, reshard, shard_model
@@ -122,17 +123,25 @@ def _train(
     device = replica_device(node.local_rank)  # the GPU it was given, or a clear error: never a silent CPU
     # The download cache lives as long as training: weights may stay memory-mapped from its files.
     with tempfile.TemporaryDirectory(prefix="composer-serverless-") as cache:
-        # One seed for loading, so weights a checkpoint lacks are initialised alike on every replica;
-        # a seed per rank for training, so replicas sample differently.
+        # One seed for loading, so weights a checkpoint lacks are initialised alike on every replica (and on
+        # every rank of one, which FSDP shards from the same whole model); then a seed per rank for training.
         torch.manual_seed(config.seed)
         loaded = load_run_model(run, config, Path(cache))
-        torch.manual_seed(config.seed + rank)
+        torch.manual_seed(training_seed(config.seed, rank, node))
         model = loaded.model.to(device).train()
         if node.size > 1:
             shard_model(model, node.size, device, precision.compute_dtype(config.model))
         Replica(
             run, config, rank, reporter, model, loaded.tokenizer, adapters=loaded.adapters, node=node, key=key
         ).run()
+
+
+def training_seed(seed: int, rank: int, node: Node) -> int:
+    """The seed of replica ``rank``'s local rank ``node.local_rank`` for training: one per (replica, local rank)
+    of the run, so no two ranks draw the same random stream (a replica's G ranks sample their rollouts and
+    dropout apart, as replicas do), and the same on every run of the same config. ``seed + rank`` with one rank
+    per replica."""
+    return seed + rank * node.size + node.local_rank
 
 
 class Replica:
@@ -351,6 +360,13 @@ class Replica:
             for name, p in self.model.named_parameters():
                 if name in params:
                     local(p).copy_(params[name])
+        feedback = self.manager.feedback
+        if feedback is not None and feedback.reset:
+            # With error reset the last sync left the local weights at the global ones minus the residual, what
+            # this replica has not sent yet; restoring the global ones alone would drop it.
+            for index, fragment in enumerate(self.fragments):
+                if index in feedback.residuals:
+                    offset_local(fragment, feedback.residuals[index].inputs)
         self.log.warning(
             "the training loss is %s %s: step discarded, parameters restored to the last sync's global ones "
             "(%d of %d such steps before the replica stops)",

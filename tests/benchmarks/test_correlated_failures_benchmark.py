@@ -60,6 +60,6 @@ def test_the_poisoned_input_is_one_the_exchange_leaves_out(tmp_path: Path, tiny_
     shard_numel = int(header["__metadata__"]["numel"])
     measured = measure(payload, identity, "fp32", shard_numel)
     assert measured.norm == measured.whole > 1e30
-    assert list(outliers({0: 1.0, 1: measured.whole, 2: 1.2, 3: 0.9}, 10.0)) == [1]
+    assert list(outliers({0: 1.0, 1: measured.whole, 2: 1.2, 3: 0.9}, 10.0, 4)) == [1]
     with pytest.raises(PayloadError):  # nor does it pass as any other replica's
         measure(payload, {**identity, "rank": "2"}, "fp32", shard_numel)

@@ -43,6 +43,12 @@ def tensors(n: int, numel: int = NUMEL) -> dict[int, torch.Tensor]:
     return {r: torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(n)}
 
 
+def _input(rank: int, shard: int) -> dict[str, str]:
+    """The identity of replica ``rank``'s input of ``shard`` (local rank 0); every input also states its
+    whole pseudo-gradient's norm (``NORM``)."""
+    return {**IDENTITY, "local": "0", "rank": str(rank), "shard": str(shard)}
+
+
 def exchange(
     url: str,
     values: dict[int, torch.Tensor],
@@ -254,7 +260,7 @@ def test_a_dead_shard_owner_does_not_stall_the_round(tmp_path: Path) -> None:
     for s, (start, end) in enumerate(shard_bounds(NUMEL, 3)):
         store.create(
             layout.sync_input(2, s),
-            encode(values[2][start:end], {**IDENTITY, "local": "0", "rank": "2", "shard": str(s)}, "int8"),
+            encode(values[2][start:end], {**_input(2, s), NORM: repr(l2_norm(values[2]))}, "int8"),
         )
     settings = ExchangeSettings(replicas=3, min_replicas=3, codec="int8", timeout_s=60)
     results = exchange(url, {0: values[0], 1: values[1]}, settings, grace=0.05)
@@ -276,7 +282,7 @@ def test_the_average_can_overwrite_the_values_it_averages(tmp_path: Path, codec:
     for s, (start, end) in enumerate(shard_bounds(NUMEL, 4)):
         store.create(
             layout.sync_input(2, s),
-            encode(values[2][start:end], {**IDENTITY, "local": "0", "rank": "2", "shard": str(s)}, codec),
+            encode(values[2][start:end], {**_input(2, s), NORM: repr(l2_norm(values[2]))}, codec),
         )
     settings = ExchangeSettings(replicas=4, min_replicas=3, codec=codec, timeout_s=60)
     results = exchange(url, {0: values[0], 1: values[1]}, settings, grace=0.05, in_place=True)
@@ -343,7 +349,7 @@ class _CreatesAFile:
 
 def _forged(kind: str, marker: Path, numel: int) -> bytes:
     """Replica 2's input for shard 0 as someone who can write to the bucket could make it."""
-    identity = {**IDENTITY, "local": "0", "rank": "2", "shard": "0"}
+    identity = {**_input(2, 0), NORM: repr(float(numel))}  # at least the norm of any of these values
     if kind == "pickle":
         return pickle.dumps(_CreatesAFile(marker))
     if kind == "oversized":  # a valid payload with a MiB more behind it
@@ -367,7 +373,7 @@ def test_a_rejected_input_is_left_out_and_never_executed(tmp_path: Path, kind: s
         start, end = bounds[s]
         store.create(
             layout.sync_input(2, s),
-            encode(values[2][start:end], {**IDENTITY, "local": "0", "rank": "2", "shard": str(s)}, "fp32"),
+            encode(values[2][start:end], {**_input(2, s), NORM: repr(l2_norm(values[2]))}, "fp32"),
         )
     results = exchange(url, {0: values[0], 1: values[1]}, ExchangeSettings(3, 3, "fp32", 60), grace=0.05)
     full = expected_average(values, [0, 1, 2], "fp32", 3)
@@ -491,7 +497,7 @@ def test_the_last_replica_to_arrive_observes_the_arrival_of_all(tmp_path: Path) 
     store = ObjectStore(url).child(PREFIX)
     for peer in (0, 1):
         for s, (start, end) in enumerate(shard_bounds(NUMEL, 3)):
-            identity = {**IDENTITY, "local": "0", "rank": str(peer), "shard": str(s)}
+            identity = {**_input(peer, s), NORM: repr(l2_norm(values[peer]))}
             store.create(layout.sync_input(peer, s), encode(values[peer][start:end], identity, "fp32"))
 
     class QuorumFixedByAPeer(ObjectStore):
@@ -520,7 +526,7 @@ def test_with_a_run_key_an_input_without_a_valid_mac_is_left_out(tmp_path: Path,
     store = ObjectStore(url).child(PREFIX)
     bounds = shard_bounds(NUMEL, 3)
     for s, (start, end) in enumerate(bounds):
-        identity = {**IDENTITY, "local": "0", "rank": "2", "shard": str(s)}
+        identity = {**_input(2, s), NORM: repr(l2_norm(values[2]))}
         writer = (None if forgery == "no MAC" else RunKey.generate()) if s == 0 else key
         store.create(layout.sync_input(2, s), encode(values[2][start:end], identity, "fp32", writer))
     settings = ExchangeSettings(3, 3, "fp32", 60, key=key)
@@ -587,11 +593,81 @@ def test_a_shard_larger_than_the_whole_it_claims_to_be_part_of_is_left_out(tmp_p
         assert result.contributors == [0, 1]
 
 
-def test_outliers_are_judged_against_the_median() -> None:
-    """Hand-computed: the median of (1, 2, 3, 40) is 2.5, so with factor 10 only 40 (> 25) is out; with
-    fewer than three contributions there is no majority and nothing is left out; None turns it off."""
-    assert list(outliers({0: 1.0, 1: 2.0, 2: 3.0, 3: 40.0}, 10.0)) == [3]
-    assert outliers({0: 1.0, 1: 2.0, 2: 3.0, 3: 24.0}, 10.0) == {}
-    assert outliers({0: 1.0, 1: 1e30}, 10.0) == {}
-    assert outliers({0: 1.0, 1: 1.0, 2: 1e30}, None) == {}
-    assert "more than 10 times the median 1" in outliers({0: 1.0, 1: 1.0, 2: 1e30}, 10.0)[2]
+def test_outliers_are_judged_against_the_lower_median_of_the_nonzero_norms() -> None:
+    """Hand-computed. The lower median of (1, 2, 3, 40) is 2, so with factor 10 40 (> 20) is out and 19 is not;
+    zeros are no reference (three zeros of five would make the median 0 and reject 1 and 1.2); the count that
+    turns the rule on is the quorum's, so a shard whose owner read only two of three inputs still judges them;
+    a quorum of two turns it off, as does None."""
+    assert list(outliers({0: 1.0, 1: 2.0, 2: 3.0, 3: 40.0}, 10.0, 4)) == [3]
+    assert outliers({0: 1.0, 1: 2.0, 2: 3.0, 3: 19.0}, 10.0, 4) == {}
+    assert outliers({0: 0.0, 1: 0.0, 2: 0.0, 3: 1.0, 4: 1.2}, 10.0, 5) == {}
+    assert list(outliers({0: 0.0, 1: 0.0, 2: 0.0, 3: 1.0, 4: 12.0}, 10.0, 5)) == [4]
+    assert outliers({0: 0.0, 1: 0.0, 2: 0.0}, 10.0, 3) == {}
+    assert list(outliers({0: 1.0, 2: 1e30}, 10.0, 3)) == [2]
+    assert outliers({0: 1.0, 1: 1e30}, 10.0, 2) == {}
+    assert outliers({0: 1.0, 1: 1.0, 2: 1e30}, None, 3) == {}
+    assert (
+        "more than 10 times the median 1 of the 3 non-zero contributions"
+        in outliers({0: 1.0, 1: 1.0, 2: 1e30}, 10.0, 3)[2]
+    )
+
+
+def test_an_unreadable_input_leaves_the_outlier_rule_on_in_its_shard(tmp_path: Path) -> None:
+    """Three replicas; replica 2's pseudo-gradient blew up (1e30 per value, a valid payload) and replica 1's
+    input of shard 0 is unreadable. Shard 0's owner reads two inputs but the quorum is three: replica 2 is left
+    out there too, as in every other shard, and no shard averages the blow-up."""
+    url = f"file://{tmp_path}/run"
+    values = tensors(3)
+    values[2] = torch.full((NUMEL,), 1e30)
+    ObjectStore(url).child(PREFIX).create(layout.sync_input(1, 0), b"not a payload")
+    settings = ExchangeSettings(3, 3, "fp32", 60, outlier_factor=10.0)
+    results = exchange(url, values, settings, grace=10)
+    bounds = shard_bounds(NUMEL, 3)
+    for result in results.values():
+        assert result.summed == {0: [0], 1: [0, 1], 2: [0, 1]}
+        assert float(result.average.abs().max()) < 1e3
+        start, end = bounds[0]
+        assert torch.equal(result.average[start:end], values[0][start:end])
+
+
+def test_a_retried_sync_keeps_the_residual_of_the_inputs_it_stored_before(tmp_path: Path) -> None:
+    """A replica's earlier attempt at a sync stored its input of shard 1 (made from other values); its retry
+    finds it there: the sync averages the stored input, so the residual of shard 1 is what the retry was to
+    send minus what the stored input carries, not minus what the retry's own encoding would have carried. A
+    second retry, after the quorum was fixed, accounts for every stored input the same way."""
+    n, numel = 2, 20_001
+    codec = Sparse(0.02)
+    url = f"file://{tmp_path}/run"
+    values = tensors(n, numel)
+    earlier = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+    residual = torch.randn(numel, generator=torch.Generator().manual_seed(8))
+    bounds = shard_bounds(numel, n)
+    (s0, e0), (s1, e1) = bounds
+    identity = {**IDENTITY, "local": "0", "rank": "0", "shard": "1"}
+    stored = encode((earlier + residual)[s1:e1], {**identity, NORM: repr(l2_norm(earlier + residual))}, codec)
+    assert ObjectStore(url).child(PREFIX).create(layout.sync_input(0, 1), stored)
+    settings = ExchangeSettings(replicas=n, min_replicas=n, codec=codec, timeout_s=60)
+    residuals = {r: Residuals(residual.clone(), torch.zeros(e - s)) for r, (s, e) in enumerate(bounds)}
+    results = exchange(url, values, settings, grace=10, residuals=residuals)
+    sending = values[0] + residual
+    sent = torch.cat(
+        [
+            expand(compress(sending[s0:e0], codec), codec, e0 - s0),
+            decode(stored, identity, codec, e1 - s1),
+        ]
+    )
+    assert not torch.equal(sent[s1:e1], expand(compress(sending[s1:e1], codec), codec, e1 - s1))
+    assert torch.equal(results[0].residual.inputs, sending - sent)
+    # Retried once more, now that the quorum is fixed: no input is written, every one is the stored one.
+    again = allreduce(
+        ObjectStore(url),
+        values[0],
+        prefix=PREFIX,
+        identity=IDENTITY,
+        rank=0,
+        settings=settings,
+        grace_s=0,
+        residual=residuals[0],
+    )
+    assert again.participants == [0, 1] and torch.equal(again.average, results[0].average)
+    assert torch.equal(again.residual.inputs, sending - sent)

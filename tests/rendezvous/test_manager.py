@@ -229,3 +229,42 @@ def test_error_feedback_keeps_the_residual_of_a_committed_sync_only(tmp_path: Pa
     assert not manager.should_commit()
     assert torch.equal(feedback.residual(0, 8, 8).inputs, residual)  # a failed sync moved nothing
     assert manager.carried_syncs == 1  # and counts for nothing
+
+
+def test_error_feedback_moves_the_residual_of_the_shards_that_averaged_the_input(tmp_path: Path) -> None:
+    """Two replicas, a fragment of 16 values in two shards of 8; replica 0's input of shard 1 is unreadable
+    (an earlier attempt stored garbage there), so shard 1's average leaves it out and shard 0's holds it. The
+    sync commits; replica 0's residual takes what its input of shard 0 left out (k = 2 of each chunk of 8:
+    4 and 3 sent exactly) and keeps its old residual (zeros) in shard 1."""
+    codec = Sparse(density=0.25, chunk=8)
+    url = f"file://{tmp_path}/run"
+    ObjectStore(url).child(layout.sync(1, 0)).create(layout.sync_input(0, 1), b"not a payload")
+    feedbacks = {rank: ErrorFeedback() for rank in (0, 1)}
+    deltas = {
+        0: torch.tensor([4.0, 1.0, -2.0, 0.5, 0.0, 0.0, 3.0, -0.25] * 2),
+        1: torch.arange(16.0),
+    }
+    committed = {}
+
+    def replica(rank: int) -> None:
+        manager = ObjectStoreManager(
+            ObjectStore(url),
+            run_id="r",
+            rank=rank,
+            fragments=1,
+            settings=ExchangeSettings(replicas=2, min_replicas=2, codec=codec, timeout_s=30),
+            grace=GraceSettings(min_s=0.0, max_s=5.0, mads=4.0),
+            feedback=feedbacks[rank],
+        )
+        manager.start_quorum()
+        manager.allreduce(deltas[rank].clone()).wait()
+        committed[rank] = (manager.should_commit(), manager.last_sync)
+
+    threads = [threading.Thread(target=replica, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert committed[0][0] and committed[0][1].rejected == [0], committed
+    left = torch.tensor([0.0, 1.0, -2.0, 0.5, 0.0, 0.0, 0.0, -0.25])
+    assert torch.equal(feedbacks[0].residual(0, 16, 8).inputs, torch.cat([left, torch.zeros(8)]))

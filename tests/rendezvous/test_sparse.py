@@ -11,6 +11,7 @@ import torch
 
 from composer_serverless.rendezvous.codec import (
     CHECKSUM,
+    NORM,
     PayloadError,
     accumulate,
     checksum,
@@ -87,7 +88,10 @@ def test_deterministic_and_the_same_through_every_reader() -> None:
     key = RunKey(bytes(32))
     assert torch.equal(decode(encode(x, IDENTITY, codec, key), IDENTITY, codec, x.numel(), key=key), dense)
     # No more than the whole's norm: a shard's norm check holds for the sparse values it stands for.
-    assert measure(bytes(a), IDENTITY, codec, x.numel()).norm <= float(x.norm())
+    stated = encode(x, {**IDENTITY, NORM: repr(float(x.norm()))}, codec)
+    assert measure(stated, IDENTITY, codec, x.numel()).norm <= float(x.norm())
+    with pytest.raises(PayloadError, match="states no norm of the whole pseudo-gradient"):
+        measure(bytes(a), IDENTITY, codec, x.numel())
 
 
 def _tamper(payload: bytearray, tensor: str, data: bytes) -> bytes:

@@ -21,6 +21,8 @@ from composer_serverless.objectives import lm as objective
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats, read_metrics
+from composer_serverless.replicas import trainer
+from composer_serverless.replicas.diloco import global_parameters
 from composer_serverless.replicas.trainer import MAX_NONFINITE_STEPS, DivergedError, run_replica
 
 
@@ -96,3 +98,51 @@ def test_a_loss_that_stays_non_finite_stops_the_replica_with_the_fix(
     beat = read_heartbeats(run)[0]
     assert beat["state"] == "failed" and "DivergedError" in beat["error"]
     assert torch.isfinite(torch.tensor(beat.get("loss", 0.0)))  # the last loss it reported was a number
+
+
+def test_with_error_reset_a_discarded_step_keeps_the_residual_in_the_local_weights(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch
+) -> None:
+    """With the sparse codec and error reset the last sync left the local weights at the global ones minus the
+    replica's residual: a discarded step (round 2's first) puts them back there, not at the global ones, which
+    would drop what the replica had not sent yet."""
+    config = validate_config(
+        {
+            "run_id": "reset",
+            "store": str(tmp_path),
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"seq_len": 16, "batch_size": 2},
+            "train": {"lr": 0.05},
+            "diloco": {
+                "replicas": 1,
+                "sync_every": 2,
+                "rounds": 2,
+                "codec": "sparse",
+                "error_feedback": "reset",
+            },
+            "eval": {"sequences": 2},
+        }
+    )
+    run, _ = create_run(config, "test", Console(quiet=True))
+    _nan_at(monkeypatch, lambda call: call == 3)
+    real = trainer.Replica._discard_step
+    checked: list[bool] = []
+
+    def discard_and_check(self, value: float) -> None:
+        real(self, value)
+        params = global_parameters(self.manager, self.names)
+        model = dict(self.model.named_parameters())
+        for index, names in enumerate(self.names):
+            residual = self.manager.feedback.residuals[index].inputs
+            assert bool(residual.abs().sum() > 0)
+            offset = 0
+            for name in names.values():
+                size = params[name].numel()
+                expected = params[name].reshape(-1) - residual[offset : offset + size]
+                checked.append(torch.equal(model[name].detach().cpu().reshape(-1), expected))
+                offset += size
+
+    monkeypatch.setattr(trainer.Replica, "_discard_step", discard_and_check)
+    with simulated():
+        run_replica(ObjectStore(run.url), 0)
+    assert checked and all(checked), checked

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.objectives.engines import (
@@ -137,12 +137,68 @@ def _chi_square(counts: Counter, exact: dict[tuple[int, ...], float], draws: int
     return statistic, dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
+def _leaky() -> GenerationConfig:
+    """A checkpoint's ``generation_config.json`` that asks for every processor that reshapes or cuts the
+    distribution: none of it may reach a rollout."""
+    return GenerationConfig(
+        min_p=0.3,
+        typical_p=0.5,
+        epsilon_cutoff=0.05,
+        eta_cutoff=0.05,
+        top_k=2,
+        top_p=0.5,
+        temperature=3.0,
+        repetition_penalty=2.0,
+        no_repeat_ngram_size=1,
+        suppress_tokens=[4, 5],
+        begin_suppress_tokens=[6],
+        min_new_tokens=4,
+        bad_words_ids=[[7]],
+    )
+
+
+def _greedy_by_hand(model: LlamaForCausalLM, steps: int) -> list[int]:
+    """The argmax of the logits, token by token, over the whole sequence each time (no cache, no config)."""
+    ids = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(steps):
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(token)
+            if token == EOS:
+                break
+    return ids[len(PROMPT) :]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
 @pytest.mark.parametrize("name", ENGINES)
-def test_seeded_samples_follow_softmax_of_logits_over_temperature(name):
+def test_a_checkpoints_generation_config_reaches_no_engine(name, lora):
+    """With a checkpoint's generation config that suppresses tokens, forbids repeats, delays EOS, cuts by
+    min-p and more: every engine's greedy tokens are the argmax by hand (and so each other's), also through
+    PEFT's wrapper (whose ``generate`` hands on to the wrapped model, whose config is the one merged), and
+    the model keeps its generation config afterwards."""
+    from peft import LoraConfig, get_peft_model
+
+    base = _small_model()
+    base.generation_config = _leaky()
+    expected = _greedy_by_hand(base, 6)
+    # The config would bite: the argmax repeats a token or picks one it suppresses.
+    assert len(expected) > len(set(expected)) or {4, 5, 6, 7} & set(expected), expected
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])) if lora else base
+    request = Request([PROMPT], 2, 6, None, [EOS], 0)
+    assert _engine(name).complete(model, request) == [expected, expected]
+    assert base.generation_config.min_p == 0.3
+
+
+@pytest.mark.parametrize("leaky", [False, True], ids=["plain", "leaky-checkpoint"])
+@pytest.mark.parametrize("name", ENGINES)
+def test_seeded_samples_follow_softmax_of_logits_over_temperature(name, leaky):
     """Each engine's samples of every two-token completion against their exact probabilities at the
     temperature asked: accepted there, and rejected against the distribution of another temperature (the
-    test can tell them apart). Seeded, so the outcome is the same on every run."""
+    test can tell them apart). Seeded, so the outcome is the same on every run. With a checkpoint whose
+    generation config asks for min-p, typical-p, suppressed tokens and the like, the same."""
     model = _small_model()
+    if leaky:
+        model.generation_config = _leaky()
     torch.manual_seed(0)
     request = Request([PROMPT], DRAWS, 2, 0.7, [EOS], 0)
     counts = Counter(tuple(row) for row in _engine(name).complete(model, request))

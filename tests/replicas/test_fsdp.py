@@ -235,3 +235,54 @@ def test_no_whole_bf16_weight_is_alive_after_a_sharded_forward(tmp_path: Path, w
     )
     counted = json.loads(out.read_text())
     assert counted["alive"] == (0 if with_policy else counted["weights"]), counted
+
+
+def _samples_on_rank(local_rank: int, rendezvous: str, out: str) -> None:
+    """One of replica 1's 2 gloo ranks: seeded as the trainer seeds it, each engine that draws from the
+    process's RNG samples the same request; the rows go to ``out``-``local_rank``."""
+    import torch.distributed as dist
+
+    from composer_serverless.objectives.engines import GenerateEngine, Request
+    from composer_serverless.replicas.node import Node
+    from composer_serverless.replicas.trainer import training_seed
+    from tests.replicas.test_engines import EOS, PROMPT, _small_model
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=local_rank, world_size=2)
+    node = Node(local_rank, 2, dist.group.WORLD)
+    model = _small_model()  # the same weights on both ranks, as loading gives them
+    request = Request([PROMPT], 16, 2, 1.0, [EOS], 0)
+    rows = {}
+    for engine in (GenerateEngine(static=False), GenerateEngine(static=True)):
+        torch.manual_seed(training_seed(0, 1, node))
+        rows[engine.name] = engine.complete(model, request)
+    Path(f"{out}-{local_rank}").write_text(json.dumps({"seed": training_seed(0, 1, node), "rows": rows}))
+    dist.barrier()  # as in _bf16_weights_alive_after_forward: no teardown, the exit status is what counts
+    os._exit(0)
+
+
+def test_the_ranks_of_one_replica_draw_different_samples(tmp_path: Path) -> None:
+    """Replica 1 of a run with seed 0 and 2 ranks per replica: its ranks are seeded 0 + 1 * 2 + local rank,
+    so the reference and static engines sample the same request differently on each rank, and each rank's
+    rows are those of a process seeded with its seed alone (deterministic)."""
+    import torch.multiprocessing as mp
+
+    from composer_serverless.objectives.engines import GenerateEngine, Request
+    from tests.replicas.test_engines import EOS, PROMPT, _small_model
+
+    out = tmp_path / "rows"
+    mp.start_processes(
+        _samples_on_rank,
+        args=(str(tmp_path / "rendezvous"), str(out)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    ranks = [json.loads(Path(f"{out}-{r}").read_text()) for r in (0, 1)]
+    assert [r["seed"] for r in ranks] == [2, 3]
+    model = _small_model()
+    request = Request([PROMPT], 16, 2, 1.0, [EOS], 0)
+    for name, static in (("reference", False), ("static", True)):
+        assert ranks[0]["rows"][name] != ranks[1]["rows"][name], name
+        for rank in ranks:
+            torch.manual_seed(rank["seed"])
+            assert GenerateEngine(static=static).complete(model, request) == rank["rows"][name]

@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 import torch
+from torch import nn
 from torchft.local_sgd import DiLoCo
 
 from composer_serverless.accelerator.simulated import simulated
@@ -80,13 +81,13 @@ class FailingManager(ObjectStoreManager):
         super()._exchange(staged, copied, outcome, rows, residual, sync)
 
 
-def one_replica(dl, codec, feedback: ErrorFeedback | None = None) -> ObjectStoreManager:
-    """The manager of a run of one replica and one fragment, in a fresh in-memory store."""
+def one_replica(dl, codec, feedback: ErrorFeedback | None = None, fragments: int = 1) -> ObjectStoreManager:
+    """The manager of a run of one replica and ``fragments`` fragments, in a fresh in-memory store."""
     return ObjectStoreManager(
         ObjectStore(f"memory://host-diloco-{uuid.uuid4().hex}"),
         run_id="host",
         rank=0,
-        fragments=1,
+        fragments=fragments,
         settings=ExchangeSettings(replicas=1, min_replicas=1, codec=codec, timeout_s=60),
         grace=grace_settings(dl),
         feedback=feedback,
@@ -253,3 +254,30 @@ def test_with_error_reset_the_local_weights_restart_from_global_minus_the_residu
             assert torch.equal(mine, expected)
             offset += glob.numel()
         assert offset == residual.numel()
+
+
+def test_fragments_whose_largest_is_bf16_of_an_odd_size_share_one_bucket() -> None:
+    """Fragment 0 is bf16 with 5 elements (10 bytes), fragment 1 float32 with 1 (4 bytes): the shared bucket
+    must hold a whole float32 view as well as the bf16 one. Both fragments sync, and are torchft's bit for
+    bit."""
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 1, bias=False).to(torch.bfloat16), nn.Linear(1, 1, bias=False))
+
+    config = _config(2, 0, 0.0)
+    dl = config.diloco
+    results = []
+    for factory in (torchft_diloco, make_diloco):
+        model = build()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        manager = one_replica(dl, "fp32", fragments=2)
+        x = torch.ones(1, 5, dtype=torch.bfloat16)
+        with factory(manager, [model[0], model[1]], inner, dl):
+            while manager.current_step() < 2:
+                model[1](model[0](x).float()).square().sum().backward()
+                inner.step()
+                inner.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert not torch.equal(results[1][1], build()[1].weight.detach()), "the float32 fragment synced"
