@@ -117,7 +117,7 @@ def chat_codec(tokenizer: Any, eos_ids: Sequence[int]) -> Codec:
     return Codec(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tool_turns, frozenset(eos_ids))
 
 
-def _run_all(jobs: list[Callable[[], Any]], timeout_s: float) -> list[tuple[str, Any]]:
+def run_all(jobs: list[Callable[[], Any]], timeout_s: float) -> list[tuple[str, Any]]:
     """Each job in a daemon thread of its own, all at once; per job ``("ok", value)``, ``("raised", error)``
     or ``("timeout", None)`` when it was not done ``timeout_s`` after it started. A hung job's thread is left
     behind (a daemon: it never holds the process up)."""
@@ -195,7 +195,7 @@ def run_episodes(
         live = _answer(episodes, environments, asked, codec, limits, conversation)
     for i, (episode, environment) in enumerate(zip(episodes, environments, strict=True)):
         if episode.failed is None:
-            outcome = _run_all([environment.reward], limits.tool_timeout_s)[0]
+            outcome = run_all([environment.reward], limits.tool_timeout_s)[0]
             if outcome[0] == "ok":
                 episode.env_reward = outcome[1]
             else:
@@ -204,7 +204,7 @@ def run_episodes(
                     i,
                     "its reward " + ("timed out" if outcome[0] == "timeout" else f"raised {outcome[1]!r}"),
                 )
-        _run_all([environment.close], limits.tool_timeout_s)
+        run_all([environment.close], limits.tool_timeout_s)
     return episodes
 
 
@@ -224,7 +224,7 @@ def _answer(
     for n in range(depth):
         wave = [(i, calls[n]) for i, calls in asked if n < len(calls) and i not in broken]
         tools = [(i, c) for i, c in wave if isinstance(c, ToolCall)]
-        outcomes = _run_all(
+        outcomes = run_all(
             [lambda e=environments[i], c=c: e.step(c) for i, c in tools], limits.tool_timeout_s
         )
         for (i, call), (status, value) in zip(tools, outcomes, strict=True):

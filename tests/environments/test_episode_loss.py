@@ -123,10 +123,13 @@ def test_the_hint_enters_at_the_error_site_and_sdpo_covers_the_tokens_after_it_o
         hint = site_hint_batch(episodes, [(site.position, hint_ids), None], rl, tokenizer.pad_token_id)
         teacher = hint.teacher_ids[0][hint.teacher_mask[0].bool()].tolist()
         start = len(failing.prompt_ids)
-        assert teacher == failing.prompt_ids + failing.ids[: site.position] + hint_ids + failing.ids[site.position :]
-        assert tokenizer.decode(teacher[start + site.position - 13 : start + site.position + len(hint_ids)]) == (
-            f"<|assistant|> Hint: {site.hint}"
+        assert (
+            teacher
+            == failing.prompt_ids + failing.ids[: site.position] + hint_ids + failing.ids[site.position :]
         )
+        assert tokenizer.decode(
+            teacher[start + site.position - 13 : start + site.position + len(hint_ids)]
+        ) == (f"<|assistant|> Hint: {site.hint}")
         after = torch.zeros_like(tensors["loss_mask"])
         after[0, site.position : len(failing.ids)] = 1
         assert torch.equal(hint.distill_mask, tensors["loss_mask"] * after)
