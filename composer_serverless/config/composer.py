@@ -122,6 +122,68 @@ class RolloutConfig(StrictModel):
         return self
 
 
+class EpisodesConfig(StrictModel):
+    """Multi-turn episodes against tools and an environment, TRL's conventions (``environments/``): the model
+    writes a turn, its ``<tool_call>`` calls are answered as tool turns, until it answers without a call."""
+
+    tools: tuple[str, ...] = Field(
+        (),
+        description="stateless tool functions, 'file.py:function' (relative to the config file) or "
+        "'package.module:function'; their schemas come from type hints and docstrings (TRL's tools)",
+    )
+    environment: str | None = Field(
+        None,
+        description="an environment class, 'file.py:Class': one instance per episode, reset(**row) on the "
+        "dataset row, its public methods are tools, get_reward() its own reward (TRL's environment_factory)",
+    )
+    max_turns: int = Field(
+        4, ge=1, description="model turns per episode at most (TRL's max_tool_calling_iterations + 1)"
+    )
+    max_tokens: int = Field(
+        512, ge=1, description="tokens of an episode after its prompt at most, tool turns included"
+    )
+    tool_timeout_s: float = Field(
+        30.0, gt=0, description="a tool call not answered within this ends its episode (reward 0)"
+    )
+    environment_reward_weight: float = Field(
+        1.0, description="the weight of the environment's get_reward() in the summed reward"
+    )
+    hint: str = Field(
+        " Hint: {hint}",
+        description="the text inserted at an error site for the SDPO teacher; {hint} is the tool's error or "
+        "the environment's hint",
+    )
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_paths(cls, tools: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [t for t in tools if not (FILE_PATH.match(t) or IMPORT_PATH.match(t))]
+        if bad:
+            raise ValueError(f"{bad}: name each tool 'file.py:function' or 'package.module:function'")
+        return tools
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_path(cls, environment: str | None) -> str | None:
+        if environment is not None and not (FILE_PATH.match(environment) or IMPORT_PATH.match(environment)):
+            raise ValueError(f"{environment!r}: name the environment class 'file.py:Class'")
+        return environment
+
+    @model_validator(mode="after")
+    def _something_to_call(self) -> EpisodesConfig:
+        if not self.tools and self.environment is None:
+            raise ValueError("episodes need tools, an environment, or both")
+        if "{hint}" not in self.hint:
+            raise ValueError("hint must hold {hint}, where the error's hint goes")
+        return self
+
+    @property
+    def files(self) -> list[str]:
+        """The user's files the tools and environment are in (shipped to every backend)."""
+        specs = [*self.tools, *([self.environment] if self.environment else [])]
+        return [s.rpartition(":")[0] for s in specs if FILE_PATH.match(s)]
+
+
 class GRPOChannelConfig(StrictModel):
     """Channel 1, the policy gradient on verifiable rewards. Defaults: TRL 1.16 with DAPO's clip-higher."""
 
@@ -281,6 +343,10 @@ class ComposerConfig(StrictModel):
         description="a system turn put before every string prompt rendered with the chat template (the "
         "answer format, say); conversational prompts keep their own",
     )
+    episodes: EpisodesConfig | None = Field(
+        None,
+        description="multi-turn episodes with tools and an environment instead of one completion per prompt",
+    )
     record_rollouts: bool = Field(
         False,
         description="write each round's rollouts (prompt, sampled completion, reward) to the store, where "
@@ -294,6 +360,12 @@ class ComposerConfig(StrictModel):
                 "every reward has weight 0: they are evaluation metrics, and nothing is left to train on; "
                 "give at least one of them a non-zero weight"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_draw_once(self) -> ComposerConfig:
+        if self.episodes is not None and self.rollout.dynamic_sampling:
+            raise ValueError("rollout.dynamic_sampling is not available with episodes yet: set it to false")
         return self
 
     @model_validator(mode="after")

@@ -98,6 +98,8 @@ def plan(config: RunConfig, cloud: bool) -> Shipment:
     names = list(config.code.paths)
     if config.composer is not None:
         names += [r.fn.rpartition(":")[0] for r in config.composer.rewards if FILE_PATH.match(r.fn)]
+        if config.composer.episodes is not None:  # tool and environment files, as reward files
+            names += config.composer.episodes.files
     files: list[str] = []
     for name in dict.fromkeys(names):
         if root is None or not (root / name).exists():

@@ -233,11 +233,12 @@ def _with_rewards_checked(config: RunConfig, train: list[Any]) -> RunConfig:
     if composer is None:
         return config
     feedback = False  # of the user's rewards (the built-ins give it, as sdpo_weight knows)
-    if any(r.fn not in BUILTIN_REWARDS for r in composer.rewards):  # imported where they cannot reach here
+    user_code = any(r.fn not in BUILTIN_REWARDS for r in composer.rewards) or composer.episodes is not None
+    if user_code:  # rewards, tools and environments are imported where they cannot reach here
         found = _child_check("composer_serverless.objectives.reward_check", config, "the reward check")
         if found["problems"]:
             raise ConfigError(
-                "the rewards cannot be used as configured:\n"
+                "the rewards, tools or environment cannot be used as configured:\n"
                 + "\n".join(textwrap.indent(p, "  ") for p in found["problems"])
             )
         feedback = found["feedback"]

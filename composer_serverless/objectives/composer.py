@@ -55,6 +55,7 @@ from composer_serverless.losses.replay import ReplaySettings
 from composer_serverless.losses.sdpo import SDPOSettings
 from composer_serverless.objectives import inputs
 from composer_serverless.objectives.engines import make_engine
+from composer_serverless.objectives.episode_rollout import episode_settings, run_step_episodes, score_episodes
 from composer_serverless.objectives.harvest_schedule import (
     HarvesterWatch,
     Taken,
@@ -66,8 +67,15 @@ from composer_serverless.objectives.hints import HintBuilder
 from composer_serverless.objectives.lm import Ranks
 from composer_serverless.objectives.pairs import ReplayPairs
 from composer_serverless.objectives.pass_at_k import prompt_pass_at_k
-from composer_serverless.objectives.rewards import RewardSet, code_root, mean
-from composer_serverless.objectives.rollout import Rollout, RolloutSettings, generate, rollout, whole_weights
+from composer_serverless.objectives.rewards import RewardSet, Scored, code_root, mean
+from composer_serverless.objectives.rollout import (
+    Rollout,
+    RolloutSettings,
+    eos_token_ids,
+    generate,
+    rollout,
+    whole_weights,
+)
 from composer_serverless.objectives.shares import EvalPart, share
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
@@ -238,6 +246,7 @@ class ComposerObjective:
             engine=make_engine(
                 composer.rollout.engine, next(model.parameters()).device, composer.rollout.engine_memory
             ),
+            episodes=episode_settings(composer, code_root(config)),
         )
         for record in [train[0], *[r for r in train if r.conversational][:1]]:
             self._rollout.render(record.prompt)  # a tokenizer without a chat template fails here, not later
@@ -370,12 +379,28 @@ class ComposerObjective:
         texts: list[str] = []
         token_ids: list[list[int]] = []
         truncated: list[bool] = []
+        episode_scores: list[float] = []
         per_call = max(1, EVAL_BATCH // n)  # prompts per generate call: at most EVAL_BATCH rows
         with forked:
             if sampled:
                 torch.manual_seed(eval_seed(self._seed, part, parts))
             for start in range(0, len(records), per_call):
                 chunk = records[start : start + per_call]
+                if self._rollout.episodes is not None:  # episodes, each of its own environment
+                    rows = [r for r in chunk for _ in range(n)]
+                    episodes = run_step_episodes(
+                        model,
+                        self._tokenizer,
+                        rows,
+                        self._rollout.episodes,
+                        self._rollout.engine,
+                        self._eval.temperature if sampled else None,
+                        eos_token_ids(model, self._tokenizer),
+                    )
+                    episode_scores += score_episodes(
+                        episodes, rows, self._rewards, self._rollout.episodes
+                    ).totals
+                    continue
                 samples = generate(
                     model,
                     self._tokenizer,
@@ -388,7 +413,11 @@ class ComposerObjective:
                 token_ids += samples.token_ids
                 truncated += samples.truncated.tolist()
         rows = [r for r in records for _ in range(n)]
-        scored = self._rewards.score(texts, rows, token_ids, truncated)
+        if self._rollout.episodes is not None:
+            # The episodes' summed rewards (the environment's included), one value per reward: 'reward'.
+            scored = Scored(episode_scores, {}, [None] * len(rows))
+        else:
+            scored = self._rewards.score(texts, rows, token_ids, truncated)
         out: EvalPart = {}
         for name, values in (("reward", scored.totals), *scored.by_reward.items()):
             out[f"eval/{name}"] = mean(values)  # over the rows a reward applies to

@@ -1,6 +1,6 @@
 """The launcher's check of a run's rewards, run in a child process (``python -m
 composer_serverless.objectives.reward_check``, the resolved config on stdin, by ``launch/launcher.py`` as it runs the
-model check): every reward imported and called as TRL calls rewards, on the first training records with
+model check): the tools and environment of episodes imported and checked (``episodes_problem``), every reward imported and called as TRL calls rewards, on the first training records with
 placeholder completions, before anything is written or paid for. A wrong signature, a reward that raises, a
 missing package or a missing file is reported with its fix. It also says whether any reward of non-zero weight
 gave feedback in words, which decides SDPO's weight when it is 'auto'.
@@ -14,11 +14,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from composer_serverless.config import RunConfig
+from composer_serverless.config.composer import EpisodesConfig
 from composer_serverless.data.records import PromptRecord
+from composer_serverless.environments.tools import EnvironmentConfigError, EnvironmentFactory
 from composer_serverless.objectives import inputs
+from composer_serverless.objectives.episode_rollout import reset_row
 from composer_serverless.objectives.rewards import RewardError, RewardSet, code_root
 from composer_serverless.objectives.user_code import failed_at
 
@@ -32,12 +36,37 @@ def placeholders(record: PromptRecord) -> list[str]:
     return [*([record.answer] if record.answer else []), "placeholder completion"]
 
 
+def episodes_problem(episodes: EpisodesConfig, root: Path | None, record: PromptRecord) -> str | None:
+    """What is wrong with the tools and environment: a file that does not import, a class without ``reset``, a
+    tool without a schema, or a ``reset`` that raises on the first training row; None when all is well."""
+    try:
+        factory = EnvironmentFactory.load(episodes.tools, episodes.environment, root)
+    except EnvironmentConfigError as e:
+        return str(e)
+    environment = factory()
+    try:
+        environment.reset(reset_row(record))
+    except Exception as e:
+        return (
+            f"environment {episodes.environment!r}: reset raised {type(e).__name__}: {e} on {record.source}\n"
+            "  fix: make reset(**row) accept the dataset's columns (take those you need by name, the rest "
+            "with **kwargs)"
+        )
+    finally:
+        environment.close()
+    return None
+
+
 def check(config: RunConfig) -> dict[str, Any]:
     """``{"problems": [...], "feedback": bool}``: what is wrong with the rewards, and whether one gave feedback."""
     composer = inputs.composer_table(config)
     probed = inputs.read_prompt_set(composer, heldout=False, limit=PROBE_RECORDS)
     pairs = [(r, c) for r in probed for c in placeholders(r)]
     records, completions = [r for r, _ in pairs], [c for _, c in pairs]
+    if composer.episodes is not None:
+        problem = episodes_problem(composer.episodes, code_root(config), probed[0])
+        if problem is not None:
+            return {"problems": [problem], "feedback": False}
     try:
         rewards = RewardSet(composer.rewards, code_root(config))
     except RewardError as e:

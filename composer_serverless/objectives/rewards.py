@@ -3,7 +3,8 @@
 A reward is ``fn(prompts, completions, completion_ids, **columns) -> list[float | None]``, called on a batch
 as TRL's ``GRPOTrainer`` calls its ``reward_funcs``: ``prompts[i]`` is row i's prompt (a string, or its
 conversation), ``completions[i]`` the sampled completion (a string; for a conversational prompt
-``[{"role": "assistant", "content": text}]``), ``completion_ids[i]`` its token ids, and every other column of
+``[{"role": "assistant", "content": text}]``; an episode's is its turns, assistant and tool messages, as TRL
+passes them with tools), ``completion_ids[i]`` its token ids, and every other column of
 the rows comes by name, one value per row (None where a row lacks it). ``None`` means the reward does not
 apply to that row. ``async def`` rewards are awaited.
 
@@ -70,7 +71,7 @@ class Reward:
     def __call__(
         self,
         records: Sequence[PromptRecord],
-        completions: Sequence[str],
+        completions: Sequence[Any],
         completion_ids: Sequence[Sequence[int]],
         truncated: Sequence[bool] | None = None,
     ) -> tuple[list[float | None], list[str | None]]:
@@ -97,7 +98,7 @@ class Reward:
 
 def call_arguments(
     records: Sequence[PromptRecord],
-    completions: Sequence[str],
+    completions: Sequence[Any],
     completion_ids: Sequence[Sequence[int]],
     truncated: Sequence[bool] | None = None,
 ) -> dict[str, Any]:
@@ -111,7 +112,7 @@ def call_arguments(
     return {
         "prompts": [r.prompt if isinstance(r.prompt, str) else list(r.prompt) for r in records],
         "completions": [
-            c if not r.conversational else [{"role": "assistant", "content": c}]
+            c if isinstance(c, list) or not r.conversational else [{"role": "assistant", "content": c}]
             for r, c in zip(records, completions, strict=True)
         ],
         "completion_ids": [list(ids) for ids in completion_ids],
@@ -354,7 +355,7 @@ class RewardSet:
 
     def score(
         self,
-        completions: Sequence[str],
+        completions: Sequence[Any],
         records: Sequence[PromptRecord],
         completion_ids: Sequence[Sequence[int]] | None = None,
         truncated: Sequence[bool] | None = None,

@@ -36,6 +36,14 @@ from composer_serverless.objectives.engines import (
     completion_tensors,
     left_pad,
 )
+from composer_serverless.objectives.episode_rollout import (
+    EpisodeSettings,
+    episode_hints,
+    episode_metrics,
+    episode_rl_batch,
+    run_step_episodes,
+    score_episodes,
+)
 from composer_serverless.objectives.hints import HintBuilder
 from composer_serverless.objectives.rewards import RewardSet, Scored, mean
 
@@ -200,6 +208,8 @@ class RolloutSettings:
     # How a record's prompt becomes the model's input (rendered with the chat template, or as it is).
     render: Callable[[Prompt], Rendered] = lambda prompt: Rendered(str(prompt), templated=False)
     engine: RolloutEngine = REFERENCE
+    # Multi-turn episodes against tools and an environment instead of one completion per prompt.
+    episodes: EpisodeSettings | None = None
 
 
 def overlong_punishment(
@@ -356,6 +366,8 @@ def rollout(
             sharded replica's ranks decide together whether the teacher passes run (``micro.across_ranks``).
     """
     g = settings.group_size
+    if settings.episodes is not None:
+        return _episode_rollout(model, tokenizer, draw, rewards, hints, settings, always_hint=always_hint)
     first = _draw(model, tokenizer, draw, rewards, settings)
     batch, draws = first, [first]
     if settings.dynamic_sampling:
@@ -387,6 +399,51 @@ def rollout(
         metrics["rollout/draws"] = float(len(draws))
         metrics["rollout/groups"] = float(len(batch.records) // g)
     return Rollout(batch.records, samples, batch.scored, rl, hint, metrics)
+
+
+def _episode_rollout(
+    model: nn.Module,
+    tokenizer: Any,
+    draw: Callable[[int], list[PromptRecord]],
+    rewards: RewardSet,
+    hints: HintBuilder | None,
+    settings: RolloutSettings,
+    *,
+    always_hint: bool,
+) -> Rollout:
+    """``rollout`` with G episodes per prompt (``episode_rollout``); the samples are the whole trajectories."""
+    assert settings.episodes is not None
+    g = settings.group_size
+    rows = [r for r in draw(settings.prompts_per_step) for _ in range(g)]
+    device = next(model.parameters()).device
+    clock = PhaseClock(device)
+    clock.start()
+    eos = eos_token_ids(model, tokenizer)
+    episodes = run_step_episodes(
+        model, tokenizer, rows, settings.episodes, settings.engine, settings.temperature, eos
+    )
+    clock.lap("generate")
+    scored = score_episodes(episodes, rows, rewards, settings.episodes)
+    advantages = group_advantages(torch.tensor(scored.totals, dtype=torch.float32), g, settings.scale_rewards)
+    rl = episode_rl_batch(episodes, advantages, tokenizer.pad_token_id, device)
+    hint = None
+    if hints is not None:
+        hint = episode_hints(
+            episodes, scored.feedback, rl, tokenizer, settings.episodes.hint, always=always_hint
+        )
+    samples = Samples(
+        rl.prompt_ids,
+        rl.prompt_mask,
+        rl.completion_ids,
+        rl.completion_mask,
+        [tokenizer.decode(e.ids, skip_special_tokens=True) for e in episodes],
+        torch.tensor([e.truncated for e in episodes], device=device),
+        [list(e.ids) for e in episodes],
+    )
+    metrics = {**_metrics(scored, samples, hint, g), **episode_metrics(episodes)}
+    metrics["rollout/tokens"] = rl.scored_mask().sum().float()  # the model's tokens only
+    metrics["rollout/generate_s"] = clock.read()["generate"]
+    return Rollout(rows, samples, scored, rl, hint, metrics)
 
 
 def _hint_batch(
