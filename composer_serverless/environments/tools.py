@@ -9,16 +9,15 @@
   environment's own reward for the episode (TRL's environment-owned reward); a truthy ``done`` attribute ends
   the episode.
 
-Files are named relative to the config file's directory (the run's code root) and shipped to every backend as
-reward files are.
+Files are named relative to the config file (or by absolute path), imported as reward files are
+(``data/code_files.py``) and shipped to every backend as reward files are.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import inspect
 import json
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
+from composer_serverless.data.code_files import import_file
 from composer_serverless.environments.protocol import ErrorMark, Step, ToolCall
 
 EXCLUDED_METHODS = ("reset", "get_reward")
@@ -43,21 +43,10 @@ def load(spec: str, root: Path | None) -> Any:
             path = (root or Path.cwd()) / target
             if not path.is_file():
                 raise EnvironmentConfigError(
-                    f"{spec!r}: {path} is not there\n  fix: name the file relative to the config file, inside "
-                    "its directory"
+                    f"{spec!r}: {path} is not there\n  fix: name the file relative to the config file, or by "
+                    "absolute path"
                 )
-            module_name = f"composer_serverless_user_{path.stem}_{abs(hash(str(path)))}"
-            module = sys.modules.get(module_name)
-            if module is None:
-                loader_spec = importlib.util.spec_from_file_location(module_name, path)
-                assert loader_spec is not None and loader_spec.loader is not None
-                module = importlib.util.module_from_spec(loader_spec)
-                sys.modules[module_name] = module
-                try:
-                    loader_spec.loader.exec_module(module)
-                except BaseException:
-                    del sys.modules[module_name]
-                    raise
+            module = import_file(path)
         else:
             module = importlib.import_module(target)
     except EnvironmentConfigError:

@@ -32,14 +32,11 @@ reward is named by a file relative to the config (``my_task.py:accuracy``) or an
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import importlib
-import importlib.util
 import inspect
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +46,7 @@ from typing import Any
 from composer_serverless.config import RewardConfig, RunConfig
 from composer_serverless.config.code import CODE_DIR_ENV
 from composer_serverless.config.composer import BUILTIN_COLUMNS
+from composer_serverless.data.code_files import import_file
 from composer_serverless.data.records import RESERVED_COLUMNS, PromptRecord
 
 # Sandboxed test runs wait on child processes, not on the GIL, so a few run side by side.
@@ -285,21 +283,7 @@ def _import_file(relative: str, code_root: Path | None) -> Any:
         raise RewardError(
             f"reward file {path} does not exist\n  fix: name it relative to the config file, or by absolute path"
         )
-    name = f"composer_serverless_user_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    return import_file(path)
 
 
 def resolve(config: RewardConfig, code_root: Path | None = None) -> Reward:
