@@ -124,6 +124,11 @@ def test_trackio_and_wandb_take_the_completions_table(tmp_path) -> None:
         tracker.log(1, {"train/loss": 2.0})
         tracker.table(1, "completions", ["round", "replica", "prompt", "completion", "reward"], rows)
         tracker.close()
+    # finish() hands the run's last records to W&B's service process; teardown waits until it has written
+    # them, so the transaction log read below is whole (one clean-clone run read it before it was).
+    import wandb
+
+    wandb.teardown()
     logged = SQLiteStorage.get_logs(project, "tabled")
     (table,) = [row["completions"] for row in logged if "completions" in row]
     assert [(r["prompt"], r["completion"], r["reward"]) for r in table["_value"]] == [
