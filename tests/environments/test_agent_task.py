@@ -70,9 +70,7 @@ alpha = 1.0
 prompts = "./train.jsonl"
 heldout = "./test.jsonl"
 
-[[composer.rewards]]
-fn = "exact_match"
-
+{rewards}
 [composer.rollout]
 group_size = 2
 prompts_per_step = 2
@@ -86,10 +84,24 @@ max_tokens = 48
 
 [executor]
 threads_per_replica = 1
+{extra}"""
+# A reward function beside the environment's own reward (left out, the environment owns the reward alone).
+EXACT_MATCH = """
+[[composer.rewards]]
+fn = "exact_match"
 """
 
 
-def write_task(root: Path, model: Path, tools: str = TOOLS, environment: str = ENVIRONMENT) -> Path:
+def write_task(
+    root: Path,
+    model: Path,
+    tools: str = TOOLS,
+    environment: str = ENVIRONMENT,
+    rewards: str = EXACT_MATCH,
+    extra: str = "",
+) -> Path:
+    """The task under ``root``: the tool and environment files, the data and the config (``extra`` appended
+    to it: an [executor] table's keys, or tables of its own); returns the config."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "my_tools.py").write_text(tools)
     (root / "my_env.py").write_text(environment)
@@ -97,40 +109,51 @@ def write_task(root: Path, model: Path, tools: str = TOOLS, environment: str = E
         rows = [{"prompt": f"Open vault {i}.", "secret": str(i), "answer": str(i)} for i in range(count)]
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = root / "task.toml"
-    config.write_text(CONFIG.format(model=model))
+    config.write_text(CONFIG.format(model=model, rewards=rewards, extra=extra))
     return config
 
 
 @pytest.mark.parametrize(
-    ("tools", "environment", "message"),
+    ("tools", "environment", "rewards", "message"),
     [
         (
             TOOLS.replace("key: str", "key"),
             ENVIRONMENT,
+            EXACT_MATCH,
             "tool 'my_tools.py:lookup' has no schema: Argument key is missing a type hint in function lookup\n"
             "    fix: give every argument a type hint and the function a docstring with an Args: section",
         ),
         (
             TOOLS,
             ENVIRONMENT.replace("def reset(", "def restart("),
+            EXACT_MATCH,
             "environment 'my_env.py:Vault' has no reset method\n    fix: define reset(self, **row)",
         ),
         (
             "import no_such_module_here\n" + TOOLS,
             ENVIRONMENT,
+            EXACT_MATCH,
             "'my_tools.py:lookup' does not import: ModuleNotFoundError: No module named 'no_such_module_here'",
         ),
         (
             TOOLS,
             ENVIRONMENT.replace("def reset(self, secret, **row)", "def reset(self, secret)"),
+            EXACT_MATCH,
             "environment 'my_env.py:Vault': reset raised TypeError",
+        ),
+        (
+            TOOLS,
+            ENVIRONMENT.replace("def get_reward(", "def _score("),
+            "",
+            "environment 'my_env.py:Vault' has no get_reward method, and no reward function of non-zero "
+            "weight is configured: nothing would score the episodes\n    fix: define get_reward(self)",
         ),
     ],
 )
 def test_a_tool_or_environment_that_cannot_be_used_exits_2_before_anything_is_written(
-    tmp_path, chat_model_dir, capsys, monkeypatch, tools, environment, message
+    tmp_path, chat_model_dir, capsys, monkeypatch, tools, environment, rewards, message
 ):
-    config = write_task(tmp_path / "task", chat_model_dir, tools, environment)
+    config = write_task(tmp_path / "task", chat_model_dir, tools, environment, rewards)
     monkeypatch.chdir(config.parent)
     assert cli_run(["launch", str(config), "--set", "run_id=agent"]) == 2
     out = capsys.readouterr()
@@ -143,7 +166,9 @@ def test_a_tool_or_environment_that_cannot_be_used_exits_2_before_anything_is_wr
 def test_an_environment_class_and_a_tool_next_to_the_config_train_two_replicas(
     tmp_path, chat_model_dir, monkeypatch
 ):
-    config = write_task(tmp_path / "task", chat_model_dir)
+    """No reward function: the environment owns the reward alone (TRL's environment-owned reward), and it is
+    the whole reward the step's rows show."""
+    config = write_task(tmp_path / "task", chat_model_dir, rewards="")
     monkeypatch.chdir(config.parent)
     with replicas_on_the_simulated_accelerator():
         assert cli_run(["launch", str(config), "--set", "run_id=agent"]) == 0
@@ -157,3 +182,5 @@ def test_an_environment_class_and_a_tool_next_to_the_config_train_two_replicas(
         {"rollout/turns", "rollout/tool_calls", "rollout/reward/Vault"} <= t.keys() for t in trained
     )
     assert all(1 <= t["rollout/turns"] <= 2 for t in trained)
+    assert all(t["rollout/reward_mean"] == pytest.approx(t["rollout/reward/Vault"]) for t in trained)
+    assert not any(key.startswith("rollout/reward/exact_match") for t in trained for key in t)
