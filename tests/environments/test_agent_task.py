@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from composer_serverless.cli import run as cli_run
+from composer_serverless.executors import shipment
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 
 TOOLS = '''
@@ -83,7 +84,7 @@ max_turns = 2
 max_tokens = 48
 
 [executor]
-threads_per_replica = 1
+{executor}
 {extra}"""
 # A reward function beside the environment's own reward (left out, the environment owns the reward alone).
 EXACT_MATCH = """
@@ -98,10 +99,11 @@ def write_task(
     tools: str = TOOLS,
     environment: str = ENVIRONMENT,
     rewards: str = EXACT_MATCH,
+    executor: str = "threads_per_replica = 1",
     extra: str = "",
 ) -> Path:
-    """The task under ``root``: the tool and environment files, the data and the config (``extra`` appended
-    to it: an [executor] table's keys, or tables of its own); returns the config."""
+    """The task under ``root``: the tool and environment files, the data and the config (its [executor]
+    table's keys, and ``extra`` tables appended); returns the config."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "my_tools.py").write_text(tools)
     (root / "my_env.py").write_text(environment)
@@ -109,7 +111,7 @@ def write_task(
         rows = [{"prompt": f"Open vault {i}.", "secret": str(i), "answer": str(i)} for i in range(count)]
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = root / "task.toml"
-    config.write_text(CONFIG.format(model=model, rewards=rewards, extra=extra))
+    config.write_text(CONFIG.format(model=model, rewards=rewards, executor=executor, extra=extra))
     return config
 
 
@@ -184,3 +186,32 @@ def test_an_environment_class_and_a_tool_next_to_the_config_train_two_replicas(
     assert all(1 <= t["rollout/turns"] <= 2 for t in trained)
     assert all(t["rollout/reward_mean"] == pytest.approx(t["rollout/reward/Vault"]) for t in trained)
     assert not any(key.startswith("rollout/reward/exact_match") for t in trained for key in t)
+
+
+# The environment's own package (installed here, so the local run and the HF Jobs fake's pip find it).
+REQUIREMENTS = '\n[code]\nrequirements = ["packaging>=20"]\n'
+
+
+@pytest.mark.parametrize("executor", ["modal", "hf_jobs"])
+def test_the_cloud_dry_runs_list_the_tool_and_environment_files_and_their_requirements(
+    tmp_path, chat_model_dir, capsys, monkeypatch, executor
+):
+    """What a Modal image is built with and what an HF Jobs replica fetches: the tool file and the environment
+    file next to the config (named in [composer.episodes] only, never in [code] paths), and the packages
+    the environment needs; nothing written."""
+    config = write_task(tmp_path / "task", chat_model_dir, extra=REQUIREMENTS)
+    monkeypatch.chdir(tmp_path)
+    args = ["launch", str(config), "--executor", executor, "--set", "store=s3://bucket/runs", "--dry-run"]
+    assert cli_run(args) == 0, capsys.readouterr().err
+    shipped = json.loads(capsys.readouterr().out)["resources"]["shipped"]
+    assert shipped["root"] == str(tmp_path / "task")
+    assert shipped["code"] == ["my_tools.py", "my_env.py"]
+    assert shipped["requirements"] == ["packaging>=20"]
+    assert shipped["how"] == {"modal": shipment.IMAGE, "hf_jobs": shipment.STORE}[executor]
+    assert sorted(p.name for p in (tmp_path / "task").iterdir()) == [
+        "my_env.py",
+        "my_tools.py",
+        "task.toml",
+        "test.jsonl",
+        "train.jsonl",
+    ]
