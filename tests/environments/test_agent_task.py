@@ -215,3 +215,28 @@ def test_the_cloud_dry_runs_list_the_tool_and_environment_files_and_their_requir
         "test.jsonl",
         "train.jsonl",
     ]
+
+
+@pytest.mark.slow
+def test_a_sweep_over_an_episode_setting_runs_each_cell_with_its_value(
+    tmp_path, chat_model_dir, capsys, monkeypatch
+):
+    """Two cells of the agent task, one replica x one round each on the simulated accelerator, swept over
+    the episodes' token budget: each cell's run.json holds its value, and its episodes kept to it (4 episodes
+    a step of at most 2 model tokens each in the first cell; turns of up to 6 tokens in the second)."""
+    config = write_task(tmp_path / "task", chat_model_dir)
+    monkeypatch.chdir(config.parent)
+    args = ["sweep", str(config), "--grid", "composer.episodes.max_tokens=2,40"]
+    args += ["--set", "run_id=grid", "--set", "diloco.replicas=1", "--set", "diloco.rounds=1"]
+    with replicas_on_the_simulated_accelerator():
+        assert cli_run(args) == 0, capsys.readouterr().err
+    tokens = {}
+    for index, budget in enumerate((2, 40)):
+        run = tmp_path / "task" / "runs" / f"grid-c{index}"
+        assert json.loads((run / "run.json").read_text())["composer"]["episodes"]["max_tokens"] == budget
+        assert json.loads((run / "summary.json").read_text())["rounds_committed"] == 1
+        assert ran_on_the_simulated_accelerator(run / "logs")
+        row = json.loads((run / "metrics" / "0" / "000001.json").read_text())["train"]
+        assert 1 <= row["rollout/turns"] <= 2
+        tokens[budget] = row["rollout/tokens"]
+    assert 4 <= tokens[2] <= 4 * 2 < tokens[40], tokens
