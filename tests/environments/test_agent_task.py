@@ -196,9 +196,10 @@ REQUIREMENTS = '\n[code]\nrequirements = ["packaging>=20"]\n'
 def test_the_cloud_dry_runs_list_the_tool_and_environment_files_and_their_requirements(
     tmp_path, chat_model_dir, capsys, monkeypatch, executor
 ):
-    """What a Modal image is built with and what an HF Jobs replica fetches: the tool file and the environment
-    file next to the config (named in [composer.episodes] only, never in [code] paths), and the packages
-    the environment needs; nothing written."""
+    """What a Modal image is built with (and the image Modal's SDK would build from the plan) and what an HF
+    Jobs replica fetches: the tool file and the environment file next to the config (named in
+    [composer.episodes] only, never in [code] paths), and the packages the environment needs; nothing
+    written."""
     config = write_task(tmp_path / "task", chat_model_dir, extra=REQUIREMENTS)
     monkeypatch.chdir(tmp_path)
     args = ["launch", str(config), "--executor", executor, "--set", "store=s3://bucket/runs", "--dry-run"]
@@ -208,6 +209,19 @@ def test_the_cloud_dry_runs_list_the_tool_and_environment_files_and_their_requir
     assert shipped["code"] == ["my_tools.py", "my_env.py"]
     assert shipped["requirements"] == ["packaging>=20"]
     assert shipped["how"] == {"modal": shipment.IMAGE, "hf_jobs": shipment.STORE}[executor]
+    if executor == "modal":  # the image Modal's SDK would build from that plan mounts them and installs them
+        from composer_serverless.executors.modal import replica_module
+        from composer_serverless.executors.modal_image import REMOTE_CODE
+        from tests.executors.test_images import _layers
+
+        try:
+            commands, mounts = _layers(replica_module(shipped).image)
+        finally:
+            replica_module({"code": [], "requirements": []})
+        assert mounts == {
+            f"{REMOTE_CODE}/{f}": str(tmp_path / "task" / f) for f in ("my_tools.py", "my_env.py")
+        }
+        assert [c for c in commands if "pip install" in c][-1] == "RUN python -m pip install 'packaging>=20'"
     assert sorted(p.name for p in (tmp_path / "task").iterdir()) == [
         "my_env.py",
         "my_tools.py",
