@@ -103,6 +103,12 @@ SUMMARY = {
 }
 
 
+def test_an_environment_that_owns_the_reward_alone_is_the_cards_reward() -> None:
+    config = _composer_config(rewards=[], episodes={"environment": "my_env.py:Vault"})
+    text = card_text(config, SUMMARY, round_index=30, final=True, title="me/agent")
+    assert "| objective | composer: GRPO (dapo loss) + 1 x SDPO; rewards: `Vault.get_reward()` x 1 |" in text
+
+
 def test_the_card_says_what_was_trained_how_and_what_it_reached() -> None:
     text = card_text(_composer_config(), SUMMARY, round_index=20, final=False, title="me/gsm8k-diloco")
     card = ModelCard(text)  # the front matter is YAML the Hub reads

@@ -322,7 +322,9 @@ class ComposerConfig(StrictModel):
     )
     data: ComposerDataConfig
     rewards: list[RewardConfig] = Field(
-        min_length=1, description="the rewards summed into each rollout's reward"
+        [],
+        description="the rewards summed into each rollout's reward; may be left empty only where "
+        "episodes.environment owns the reward (its get_reward(), TRL's environment-owned reward)",
     )
     rollout: RolloutConfig = Field(RolloutConfig(), description="sampling of the completions each step")
     grpo: GRPOChannelConfig = Field(GRPOChannelConfig(), description="channel 1, GRPO/DAPO")
@@ -355,6 +357,16 @@ class ComposerConfig(StrictModel):
 
     @model_validator(mode="after")
     def _something_to_train_on(self) -> ComposerConfig:
+        # An environment's get_reward() is a reward too (whether the class defines one is checked where the
+        # class is imported: the launcher's reward check).
+        episodes = self.episodes
+        if episodes is not None and episodes.environment is not None and episodes.environment_reward_weight:
+            return self
+        if not self.rewards:
+            raise ValueError(
+                "no rewards: name at least one in [[composer.rewards]], or an environment that owns the "
+                "reward (episodes.environment with a get_reward method)"
+            )
         if all(r.weight == 0 for r in self.rewards):
             raise ValueError(
                 "every reward has weight 0: they are evaluation metrics, and nothing is left to train on; "

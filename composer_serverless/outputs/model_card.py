@@ -118,6 +118,11 @@ def _settings(config: RunConfig) -> list[tuple[str, str]]:
     composer = config.composer if train.objective == "composer" else None
     if composer is not None:
         rewards = ", ".join(f"`{r.name or r.fn}` x {r.weight:g}" for r in composer.rewards)
+        episodes = composer.episodes
+        if not composer.rewards and episodes is not None and episodes.environment is not None:
+            # The environment owns the reward alone (the launcher checked that its class has get_reward).
+            owner = episodes.environment.rpartition(":")[2]
+            rewards = f"`{owner}.get_reward()` x {episodes.environment_reward_weight:g}"
         rows.append(("objective", f"composer: {_channels(composer)}; rewards: {rewards}"))
     else:
         rows.append(("objective", "causal LM (next-token cross-entropy)"))
