@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from composer_serverless.objectives.sandbox import network_namespace_available, run_tests
+from composer_serverless.environments.sandbox import network_namespace_available, run_tests
 
 
 @pytest.fixture
