@@ -47,7 +47,7 @@ def test_the_shipped_composer_config_validates_and_round_trips_through_run_json(
         ("train.objective", "lm", "[composer] is set but train.objective = 'lm'"),
         ("composer.data.pairs", None, "beta > 0 needs preference pairs"),
         ("composer.data.heldout", None, "composer.data.heldout: required but not set"),
-        ("composer.rewards", [], "composer.rewards: List should have at least 1 item"),
+        ("composer.rewards", [], "no rewards: give at least one [[composer.rewards]] table"),
         ("composer.rewards.0.fn", "format", "set pattern exactly when fn = 'format'"),
         ("composer.rewards.0.pattern", "x", "set pattern exactly when fn = 'format'"),
         ("composer.rewards.0.fn", "my rewards:score", "neither a built-in reward"),

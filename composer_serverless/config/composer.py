@@ -355,7 +355,9 @@ class ComposerConfig(StrictModel):
     )
     data: ComposerDataConfig
     rewards: list[RewardConfig] = Field(
-        min_length=1, description="the rewards summed into each rollout's reward"
+        [],
+        description="the rewards summed into each rollout's reward (with a built-in environment's own, which "
+        "may stand alone: builtin:code needs none)",
     )
     rollout: RolloutConfig = Field(RolloutConfig(), description="sampling of the completions each step")
     grpo: GRPOChannelConfig = Field(GRPOChannelConfig(), description="channel 1, GRPO/DAPO")
@@ -388,7 +390,12 @@ class ComposerConfig(StrictModel):
 
     @model_validator(mode="after")
     def _something_to_train_on(self) -> ComposerConfig:
-        if all(r.weight == 0 for r in self.rewards):
+        if not self.rewards and (self.episodes is None or self.episodes.builtin is None):
+            raise ValueError(
+                "no rewards: give at least one [[composer.rewards]] table (only a built-in environment, "
+                "episodes.environment = 'builtin:code', owns a reward of its own)"
+            )
+        if self.rewards and all(r.weight == 0 for r in self.rewards):
             raise ValueError(
                 "every reward has weight 0: they are evaluation metrics, and nothing is left to train on; "
                 "give at least one of them a non-zero weight"

@@ -66,7 +66,7 @@ def row_tests(row: dict[str, Any]) -> tuple[str, ...]:
         raise ValueError(
             f"builtin:code needs a {TESTS_COLUMN!r} column on every row, a list of Python snippets (usually "
             f"asserts) the submitted code must pass; this row has {row.get(TESTS_COLUMN)!r}\n  fix: add the "
-            f"column, or map yours to it with composer.data.columns"
+            f'column, or map yours to it: [composer.data.columns] {TESTS_COLUMN} = "<its name>"'
         )
     return tests
 
