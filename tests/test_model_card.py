@@ -158,6 +158,12 @@ def test_a_composer_card_names_the_channels_on_and_the_pairs_a_step_replays() ->
     ) in text
 
 
+def test_a_card_names_the_builtin_environments_reward_which_may_be_the_only_one() -> None:
+    config = _composer_config(rewards=[], episodes={"environment": "builtin:code"})
+    text = card_text(config, None, round_index=1, final=False, title="x")
+    assert "| objective | composer: GRPO (dapo loss) + 1 x SDPO; rewards: `builtin:code`'s own x 1 |" in text
+
+
 def test_an_lm_card_says_the_tokens_of_a_step_and_one_layer_in_the_singular() -> None:
     config = validate_config(
         {

@@ -20,7 +20,8 @@ from typing import Any
 from composer_serverless.config import RunConfig
 from composer_serverless.config.composer import EpisodesConfig
 from composer_serverless.data.records import PromptRecord
-from composer_serverless.environments.tools import EnvironmentConfigError, EnvironmentFactory
+from composer_serverless.environments.builtin import environment_factory
+from composer_serverless.environments.tools import EnvironmentConfigError
 from composer_serverless.objectives import inputs
 from composer_serverless.objectives.episode_rollout import reset_row
 from composer_serverless.objectives.rewards import RewardError, RewardSet, code_root
@@ -43,7 +44,7 @@ def episodes_problem(
     tool without a schema, an environment left to own the reward (``rewarded``: no weighted reward function)
     without a ``get_reward``, or a ``reset`` that raises on the first training row; None when all is well."""
     try:
-        factory = EnvironmentFactory.load(episodes.tools, episodes.environment, root)
+        factory = environment_factory(episodes, root)
     except EnvironmentConfigError as e:
         return str(e)
     if not rewarded and not factory.owns_reward:
@@ -56,6 +57,8 @@ def episodes_problem(
     try:
         environment.reset(reset_row(record))
     except Exception as e:
+        if episodes.builtin is not None:  # its message says what the row lacks and how to fix it
+            return f"environment {episodes.environment!r} cannot start on {record.source}: {e}"
         return (
             f"environment {episodes.environment!r}: reset raised {type(e).__name__}: {e} on {record.source}\n"
             "  fix: make reset(**row) accept the dataset's columns (take those you need by name, the rest "
