@@ -115,6 +115,7 @@ TRACKING_TENSORBOARD = f"{TRACKING}/tensorboard"
 # Inside a sync's prefix.
 SYNC_INPUTS = "in"
 SYNC_OUTPUTS = "out"
+SYNC_NORMS = "norm"
 QUORUM = "quorum.json"
 
 # The three objects of a snapshot (a global state or a replica's own state); the manifest is written last.
@@ -182,6 +183,12 @@ def sync_input(rank: int, shard: int, local: int = 0) -> str:
     """Relative to a sync's prefix: replica ``rank``'s pseudo-gradient shard ``shard`` of local rank
     ``local``'s part of the model."""
     return f"{sync_inputs(local)}/{rank}-{shard}"
+
+
+def sync_norm(rank: int, local: int = 0) -> str:
+    """Relative to a sync's prefix: the norm replica ``rank`` published for local rank ``local``'s part of its
+    pseudo-gradient, the one every shard's owner judges it on (``norms.py``)."""
+    return f"{local}/{SYNC_NORMS}/{rank}.json"
 
 
 def sync_outputs(local: int = 0) -> str:
