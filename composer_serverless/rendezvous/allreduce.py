@@ -40,7 +40,8 @@ replica applies alike, whoever wrote it.
 
 A payload that fails its checksum (with a run key, its MAC), header or identity is logged and left out of
 the sum, never averaged; so is one whose pseudo-gradient's norm lies far outside the others' (``robust.py``,
-with ``outlier_factor``).
+with ``outlier_factor``): judged on the norm each replica published once for the sync (``norms.py``,
+``norm/{rank}.json``, created before its first input), the same numbers for every shard's owner.
 
 Each phase moves its objects ``store.transfers.concurrency`` at a time (``ObjectStore.map``): a cloud store
 gives each connection a fraction of its bandwidth, so a replica moving one shard at a time would be capped at

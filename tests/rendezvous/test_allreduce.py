@@ -746,3 +746,48 @@ def test_an_input_whose_norm_is_not_the_published_one_is_refused(
     ]
     assert refusals and f"states a norm of {float(other)!r}" in refusals[0]
     assert f"replica 2 published {published!r}" in refusals[0]
+
+
+def test_with_a_run_key_a_forged_norm_record_leaves_its_replica_out_of_every_shard(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An authenticated run: someone without the key created replica 2's norm record first, stating a
+    tiny norm (to hide a blow-up, or to make an honest replica's inputs look absurd). Its MAC is missing, so
+    no owner judges replica 2 on it: replica 2 is left out of every shard alike, and says why in its log."""
+    url = f"file://{tmp_path}/run"
+    key = RunKey.generate()
+    values = tensors(3)
+    forged = {"norm": repr(1e-6), "identity": {**IDENTITY, "local": "0", "rank": "2"}}
+    ObjectStore(url).child(PREFIX).create(layout.sync_norm(2), json.dumps(forged).encode())
+    results = exchange(
+        url, values, ExchangeSettings(3, 3, "fp32", 60, key=key, outlier_factor=10.0), grace=10
+    )
+    expected = expected_average(values, [0, 1], "fp32", 3)
+    for result in results.values():
+        assert result.summed == {0: [0, 1], 1: [0, 1], 2: [0, 1]}
+        assert torch.equal(result.average, expected)
+    assert "own norm record 0/norm/2.json is unusable (its MAC is missing or wrong)" in caplog.text
+
+
+def test_a_replica_of_two_ranks_is_judged_on_its_whole_norm_in_both_parts(tmp_path: Path) -> None:
+    """Three replicas of two local ranks each; replica 2's part on local rank 0 blew up 100-fold, its part on
+    local rank 1 is sane. Each local rank's exchange judges replica 2 on its whole pseudo-gradient (the root of
+    the sum of its parts' squares, over 70 times the others'), so both leave it out of every shard: a replica
+    commits a sync on all of its ranks alike, and so it is averaged in on all or none."""
+    url = f"file://{tmp_path}/run"
+    parts = {local: tensors(3) for local in range(2)}
+    parts[0][2] = parts[0][2] * 100
+    results: dict[int, dict[int, ExchangeResult]] = {}
+
+    def local_rank(local: int) -> None:
+        settings = ExchangeSettings(3, 3, "fp32", 60, local_rank=local, local_ranks=2, outlier_factor=10.0)
+        results[local] = exchange(url, parts[local], settings, grace=10)
+
+    threads = [threading.Thread(target=local_rank, args=(local,)) for local in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for local in range(2):
+        for result in results[local].values():
+            assert result.summed == {0: [0, 1], 1: [0, 1], 2: [0, 1]}, local
