@@ -14,6 +14,23 @@ from composer_serverless.cli import run as cli_run
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 
 CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "configs"
+DATA = CONFIGS.parent / "data" / "agent-safe"
+
+
+def test_the_warm_starts_traces_show_the_environments_own_tool_schema_and_train_only_the_model_turns():
+    from composer_serverless.data.chat import render_chat
+    from composer_serverless.environments.tools import EnvironmentFactory
+    from composer_serverless.models.loading import char_tokenizer
+
+    tools = EnvironmentFactory.load((), "agent_safe.py:Safe", CONFIGS)().tools
+    tokenizer = char_tokenizer(None, "qwen2.5")
+    trace = json.loads((DATA / "traces.jsonl").read_text().splitlines()[0])
+    assert trace["tools"] == tools
+    ids, mask = render_chat(tokenizer, trace["messages"], trace["tools"])
+    code = trace["messages"][2]["content"]
+    trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    call = '<tool_call>\n{"name": "read_note", "arguments": {}}\n</tool_call>'
+    assert trained == f"{call}<|im_end|>\n{code}<|im_end|>\n"
 
 
 @pytest.mark.slow

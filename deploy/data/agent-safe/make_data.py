@@ -24,7 +24,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def row(rng: random.Random) -> dict[str, str]:
-    code = f"{rng.randrange(100):02d}"
+    code = f"{rng.randrange(10_000):04d}"
     return {"prompt": f"What is the code of safe {rng.randrange(1000)}?", "code": code, "answer": code}
 
 
