@@ -91,7 +91,10 @@ class TinyModelConfig(StrictModel):
                 f"remove {', '.join(fitted)}"
             )
         if self.chat_template is not None and self.tokenizer != "chars":
-            raise ValueError("chat_template is given to tokenizer = 'chars'; set that or remove it")
+            raise ValueError(
+                "chat_template is for tokenizer = 'chars' (the BPE tokenizer has no chat tokens); set that or "
+                "remove chat_template"
+            )
         if self.alphabet is not None:
             if self.tokenizer != "chars":
                 raise ValueError("alphabet is the vocabulary of tokenizer = 'chars'; set that or remove it")

@@ -4,6 +4,7 @@ gorilla's BFCL Qwen handler quotes it whole) with our episode loop, and the calc
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +121,20 @@ def test_the_calculator_recipe_loads_and_its_dry_run_passes_with_the_model_unche
     assert "model: not checked: model.path 'Qwen/Qwen2.5-0.5B-Instruct'" in out
     assert '"calculator.py"' in out and '"gsm8k_reward.py"' in out
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_chat_template_on_the_bpe_tokenizer_or_a_tools_column_that_is_no_list_is_refused(tmp_path):
+    import pydantic
+    import pytest
+
+    from composer_serverless.config import DataConfig, TinyModelConfig
+    from composer_serverless.data.corpus import documents
+    from composer_serverless.data.records import RecordError
+
+    with pytest.raises(pydantic.ValidationError, match="chat_template is for tokenizer = 'chars'"):
+        TinyModelConfig(chat_template="qwen2.5")
+    bad = tmp_path / "chats.jsonl"
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    bad.write_text(json.dumps({"messages": turns, "tools": {"name": "calculate"}}) + "\n")
+    with pytest.raises(RecordError, match="chats.jsonl:1: 'tools' must be a list of JSON-schema objects"):
+        documents(DataConfig(corpus=str(bad), format="chat", heldout=str(bad)))
