@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-composer test lint install clean gpu-check
+.PHONY: demo demo-composer demo-agent test lint install clean gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,15 @@ demo: $(STAMP)
 
 demo-composer: $(STAMP)
 	$(VENV)/bin/composer-serverless launch deploy/configs/local-composer.toml
+
+# Agentic RL in two runs: a warm start on example traces (the tool-call syntax), then GRPO on episodes against
+# the environment (deploy/configs/local-agent-warmup.toml, local-agent.toml). Fresh run ids every time.
+AGENT_RUN = agent-$(shell date +%Y%m%d-%H%M%S)
+demo-agent: $(STAMP)
+	$(eval RUN := $(AGENT_RUN))
+	$(VENV)/bin/composer-serverless launch deploy/configs/local-agent-warmup.toml --set run_id=$(RUN)-warmup
+	$(VENV)/bin/composer-serverless launch deploy/configs/local-agent.toml --set run_id=$(RUN) \
+		--set model.path=runs/$(RUN)-warmup/final
 
 # The GPU lines end to end (benchmarks/gpu_check.py): on a CUDA machine at the Qwen2.5 shapes; elsewhere at a
 # tiny shape on the simulated accelerator. Writes docs/results/gpu/<device>.json and .md.

@@ -61,6 +61,14 @@ class TinyModelConfig(StrictModel):
         "printable ASCII. A small alphabet gives a fresh model a real chance of sampling a right answer",
     )
 
+    chat_template: Literal["qwen2.5"] | None = Field(
+        None,
+        description="'chars' only: give the tokenizer a published chat template, 'qwen2.5' (Qwen2.5-Instruct's, "
+        "with tool calling: tools in <tools>, calls in <tool_call>, answers in <tool_response>), its "
+        "<|im_start|> and <|im_end|> as tokens and <|im_end|> as EOS, as Qwen2.5's tokenizer has; for chat "
+        "data and agentic episodes. Unset: no chat template",
+    )
+
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
@@ -81,6 +89,11 @@ class TinyModelConfig(StrictModel):
             raise ValueError(
                 "tokenizer = 'chars' takes its vocabulary from alphabet and is not fit on a corpus; "
                 f"remove {', '.join(fitted)}"
+            )
+        if self.chat_template is not None and self.tokenizer != "chars":
+            raise ValueError(
+                "chat_template is for tokenizer = 'chars' (the BPE tokenizer has no chat tokens); set that or "
+                "remove chat_template"
             )
         if self.alphabet is not None:
             if self.tokenizer != "chars":

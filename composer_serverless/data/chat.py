@@ -11,15 +11,20 @@ masked this way and is refused with the fix, rather than trained on wrongly.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 Messages = Sequence[dict[str, Any]]
+GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
-def render_chat(tokenizer: Any, messages: Messages) -> tuple[list[int], list[bool]]:
-    """The conversation's token ids and, per token, whether it is an assistant token (trained on).
+def render_chat(
+    tokenizer: Any, messages: Messages, tools: Sequence[dict[str, Any]] | None = None
+) -> tuple[list[int], list[bool]]:
+    """The conversation's token ids and, per token, whether it is an assistant token (trained on). ``tools``
+    (JSON schemas) are rendered as the template renders them for an agent's prompt (TRL's ``tools`` column).
 
     Raises:
         ValueError: the tokenizer has no chat template, the conversation has no assistant turn, or the
@@ -32,11 +37,14 @@ def render_chat(tokenizer: Any, messages: Messages) -> tuple[list[int], list[boo
         )
     if not any(m.get("role") == "assistant" for m in messages):
         raise ValueError("the conversation has no assistant turn, so nothing in it would be trained on")
+    tools = list(tools) if tools else None
     marked = tokenizer.apply_chat_template(
         list(messages),
+        tools=tools,
         tokenize=True,
         return_dict=True,
-        return_assistant_tokens_mask="generation" in tokenizer.chat_template,
+        # The marker itself: "add_generation_prompt", in nearly every template, is not one.
+        return_assistant_tokens_mask=GENERATION_MARKER.search(tokenizer.chat_template) is not None,
     )
     ids = list(marked["input_ids"])
     if any(marked.get("assistant_masks") or ()):
@@ -45,8 +53,8 @@ def render_chat(tokenizer: Any, messages: Messages) -> tuple[list[int], list[boo
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before = _ids(tokenizer, messages[:i], add_generation_prompt=True)
-        through = _ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        before = _ids(tokenizer, messages[:i], tools, add_generation_prompt=True)
+        through = _ids(tokenizer, messages[: i + 1], tools, add_generation_prompt=False)
         if through[: len(before)] != before or ids[: len(through)] != through:
             raise ValueError(
                 "the chat template renders a conversation's start differently once more turns follow, so its "
@@ -93,10 +101,16 @@ def render_prompt(
     )
 
 
-def _ids(tokenizer: Any, messages: Messages, *, add_generation_prompt: bool) -> list[int]:
+def _ids(
+    tokenizer: Any, messages: Messages, tools: list[dict[str, Any]] | None, *, add_generation_prompt: bool
+) -> list[int]:
     if not messages:
         return []
     out = tokenizer.apply_chat_template(
-        list(messages), tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+        list(messages),
+        tools=tools,
+        tokenize=True,
+        return_dict=True,
+        add_generation_prompt=add_generation_prompt,
     )
     return list(out["input_ids"])

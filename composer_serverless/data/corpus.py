@@ -25,6 +25,17 @@ from composer_serverless.data.records import RecordError, read_rows
 
 # A document's token ids, and per token whether it is trained on (the loss mask).
 Tokens = tuple[list[int], list[bool]]
+# The column of a chat record that holds the tools its conversation may call (TRL's SFT datasets' name).
+TOOLS_FIELD = "tools"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat record: its messages, and the schemas of the tools they may call (rendered into the prompt by
+    the chat template, as the episodes' prompts are), or None."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
 
 
 class Documents(Protocol):
@@ -56,7 +67,7 @@ class Corpus:
 
 @dataclass(frozen=True)
 class RecordCorpus:
-    """The user's records by ``file:line``: a text each, or a conversation each (``chat``)."""
+    """The user's records by ``file:line``: a text each, or a ``Conversation`` each (``chat``)."""
 
     values: dict[str, Any]
     train: tuple[str, ...]
@@ -66,7 +77,8 @@ class RecordCorpus:
     def tokens(self, doc: str, tokenizer: Any) -> Tokens:
         if not self.chat:
             return _text_tokens(self.values[doc], tokenizer)
-        ids, mask = render_chat(tokenizer, self.values[doc])
+        conversation = self.values[doc]
+        ids, mask = render_chat(tokenizer, conversation.messages, conversation.tools)
         if not ids or ids[-1] != tokenizer.eos_token_id:  # a separator from the next document, not learned
             ids, mask = [*ids, tokenizer.eos_token_id], [*mask, False]
         return ids, mask
@@ -114,6 +126,15 @@ def _record_values(url: str, field: str, *, chat: bool) -> dict[str, Any]:
                     f"{where}: {field!r} must be a list of {{role, content}} messages with an assistant turn "
                     f"(got {type(value).__name__})"
                 )
+            tools = row.get(TOOLS_FIELD)
+            if tools is not None and not (
+                isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+            ):
+                raise RecordError(
+                    f"{where}: {TOOLS_FIELD!r} must be a list of JSON-schema objects, one per tool, as "
+                    f"TRL's tool-calling datasets hold them (got {type(tools).__name__})"
+                )
+            value = Conversation(value, tools)
         elif not isinstance(value, str) or not value:
             raise RecordError(f"{where}: {field!r} must be a non-empty string (got {type(value).__name__})")
         values[where] = value

@@ -167,6 +167,7 @@ def _objective(config: Any, model: Any, hf: Any) -> list[str]:
 
 def _chat(config: Any, tokenizer: Any) -> list[str]:
     from composer_serverless.data.chat import render_chat
+    from composer_serverless.data.corpus import TOOLS_FIELD
     from composer_serverless.data.records import read_rows
 
     chat_data = not config.data.is_stdlib and config.data.format == "chat" and config.train.objective == "lm"
@@ -184,7 +185,7 @@ def _chat(config: Any, tokenizer: Any) -> list[str]:
     field = config.data.messages_field
     for row, where in itertools.islice(read_rows(config.data.corpus), CHAT_RECORDS_CHECKED):
         try:
-            render_chat(tokenizer, row.get(field) or [])
+            render_chat(tokenizer, row.get(field) or [], row.get(TOOLS_FIELD))
         except ValueError as e:
             return [f"{where}: {e}"]
     return []

@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 UNK_TOKEN = "<|unk|>"
+# ChatML's turn markers, tokens of their own in the tokenizers of the models whose templates we ship.
+CHAT_START = "<|im_start|>"
+CHAT_END = "<|im_end|>"
+TEMPLATES = Path(__file__).parent / "templates"
 # Printable ASCII without the vertical whitespace nobody types (\r, \x0b, \x0c): 96 characters.
 CHARS = "".join(c for c in string.printable if c not in "\r\x0b\x0c")
 # Room for positions: evaluation and packing never exceed the configured sequence length.
@@ -59,27 +63,42 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
     )
 
 
-def char_tokenizer(alphabet: str | None = None) -> Any:
+def chat_template_text(name: str) -> str:
+    """A chat template shipped with the package (``models/templates/<name>.jinja``), exactly as published."""
+    return (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def char_tokenizer(alphabet: str | None = None, chat_template: str | None = None) -> Any:
     """One token per character of ``alphabet`` (default: printable ASCII), plus end-of-text, padding and
     unknown (any other character).
 
     The vocabulary is the exploration problem of RL from scratch: a fresh model samples a given one-character
     answer followed by EOS with probability about 1 / V^2, 1e-4 over printable ASCII and 1e-3 over 30 symbols.
+
+    With ``chat_template`` (a name in ``models/templates``, all ChatML) the tokenizer carries that template
+    and, as the published tokenizer does, ``<|im_start|>`` and ``<|im_end|>`` as single tokens with
+    ``<|im_end|>`` as EOS: a turn the model writes then ends where generation stops.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate([EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, *(alphabet or CHARS)])}
+    chat = [CHAT_START, CHAT_END] if chat_template is not None else []
+    specials = [EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, *chat]
+    vocab = {token: i for i, token in enumerate([*specials, *(alphabet or CHARS)])}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token=EOS_TOKEN,
+        eos_token=CHAT_END if chat else EOS_TOKEN,
         bos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
+        additional_special_tokens=chat,
     )
+    if chat_template is not None:
+        fast.chat_template = chat_template_text(chat_template)
+    return fast
 
 
 def build_tiny(config: TinyModelConfig, texts: Iterable[str], out_dir: Path, *, seed: int) -> Path:
@@ -88,7 +107,7 @@ def build_tiny(config: TinyModelConfig, texts: Iterable[str], out_dir: Path, *, 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if config.tokenizer == "chars":
-        tokenizer = char_tokenizer(config.alphabet)
+        tokenizer = char_tokenizer(config.alphabet, config.chat_template)
     else:
         tokenizer = train_tokenizer(texts, config.vocab_size)
     model_config = LlamaConfig(

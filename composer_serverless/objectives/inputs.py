@@ -40,10 +40,11 @@ def check(config: RunConfig) -> list[PromptRecord]:
     chat = (config.data.format == "chat" and not config.data.is_stdlib) or (
         config.composer is not None and config.composer.chat_template
     )
-    if chat and config.model.tiny is not None:
+    if chat and config.model.tiny is not None and config.model.tiny.chat_template is None:
         raise ConfigError(
             "the tiny model's tokenizer has no chat template, so chat records or chat prompts cannot be "
-            "rendered\n  fix: model.path = a chat model, or data.format = 'text' / composer.chat_template = false"
+            "rendered\n  fix: model.tiny.chat_template = 'qwen2.5' (with tokenizer = 'chars'), model.path = a "
+            "chat model, or data.format = 'text' / composer.chat_template = false"
         )
     return train
 
