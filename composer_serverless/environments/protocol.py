@@ -66,3 +66,19 @@ class Environment(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class EnvironmentSource(Protocol):
+    """Makes one environment per episode (``tools.EnvironmentFactory``, ``openenv.OpenEnvFactory``)."""
+
+    @property
+    def owns_reward(self) -> bool:
+        """Whether the environments give a reward of their own (summed into the episode's reward)."""
+        ...
+
+    @property
+    def reward_name(self) -> str:
+        """The name the environment's reward is logged under (``rollout/reward/<name>``)."""
+        ...
+
+    def __call__(self) -> Environment: ...

@@ -20,8 +20,11 @@ import torch
 from torch import nn
 
 from composer_serverless.config import ComposerConfig
+from composer_serverless.config.composer import EpisodesConfig
 from composer_serverless.data.records import PromptRecord
 from composer_serverless.environments.episodes import Episode, Limits, chat_codec, run_all, run_episodes
+from composer_serverless.environments.openenv import OpenEnvFactory, client_class
+from composer_serverless.environments.protocol import EnvironmentSource
 from composer_serverless.environments.tensors import site_hint_batch, trajectory_tensors
 from composer_serverless.environments.tools import EnvironmentFactory
 from composer_serverless.losses.batches import HintBatch, RLBatch
@@ -35,7 +38,7 @@ logger = logging.getLogger(__name__)
 class EpisodeSettings:
     """How a step's episodes are run (see ``config.EpisodesConfig``)."""
 
-    factory: EnvironmentFactory
+    factory: EnvironmentSource
     limits: Limits
     hint: str
     environment_reward_weight: float
@@ -48,7 +51,7 @@ def episode_settings(composer: ComposerConfig, code_root: Path | None) -> Episod
     if episodes is None:
         return None
     return EpisodeSettings(
-        factory=EnvironmentFactory.load(episodes.tools, episodes.environment, code_root),
+        factory=environment_source(episodes, code_root),
         limits=Limits(
             max_turns=episodes.max_turns,
             max_tokens=episodes.max_tokens,
@@ -59,6 +62,15 @@ def episode_settings(composer: ComposerConfig, code_root: Path | None) -> Episod
         environment_reward_weight=episodes.environment_reward_weight,
         system_prompt=composer.system_prompt,
     )
+
+
+def environment_source(episodes: EpisodesConfig, code_root: Path | None) -> EnvironmentSource:
+    """The episodes' environments: sessions on an OpenEnv server, or the user's tools and environment class
+    imported and checked (raises ``EnvironmentConfigError`` with the fix)."""
+    if episodes.openenv_url is not None:
+        client_class()  # the package is there, or the install line
+        return OpenEnvFactory(episodes.openenv_url, episodes.tool_timeout_s)
+    return EnvironmentFactory.load(episodes.tools, episodes.environment, code_root)
 
 
 def reset_row(record: PromptRecord) -> dict[str, Any]:

@@ -20,9 +20,10 @@ from typing import Any
 from composer_serverless.config import RunConfig
 from composer_serverless.config.composer import EpisodesConfig
 from composer_serverless.data.records import PromptRecord
-from composer_serverless.environments.tools import EnvironmentConfigError, EnvironmentFactory
+from composer_serverless.environments.openenv import OpenEnvUnreachable
+from composer_serverless.environments.tools import EnvironmentConfigError
 from composer_serverless.objectives import inputs
-from composer_serverless.objectives.episode_rollout import reset_row
+from composer_serverless.objectives.episode_rollout import environment_source, reset_row
 from composer_serverless.objectives.rewards import RewardError, RewardSet, code_root
 from composer_serverless.objectives.user_code import failed_at
 
@@ -38,22 +39,35 @@ def placeholders(record: PromptRecord) -> list[str]:
 
 def episodes_problem(episodes: EpisodesConfig, root: Path | None, record: PromptRecord) -> str | None:
     """What is wrong with the tools and environment: a file that does not import, a class without ``reset``, a
-    tool without a schema, or a ``reset`` that raises on the first training row; None when all is well."""
+    tool without a schema, a ``reset`` that raises on the first training row, an OpenEnv server that does not
+    answer or lists no tools; None when all is well."""
     try:
-        factory = EnvironmentFactory.load(episodes.tools, episodes.environment, root)
+        source = environment_source(episodes, root)
     except EnvironmentConfigError as e:
         return str(e)
-    environment = factory()
+    environment = source()
+    name = (
+        f"the OpenEnv server at {episodes.openenv_url}"
+        if episodes.openenv_url
+        else repr(episodes.environment)
+    )
     try:
         environment.reset(reset_row(record))
+    except OpenEnvUnreachable as e:
+        return str(e)
     except Exception as e:
         return (
-            f"environment {episodes.environment!r}: reset raised {type(e).__name__}: {e} on {record.source}\n"
+            f"environment {name}: reset raised {type(e).__name__}: {e} on {record.source}\n"
             "  fix: make reset(**row) accept the dataset's columns (take those you need by name, the rest "
             "with **kwargs)"
         )
     finally:
         environment.close()
+    if episodes.openenv_url and not environment.tools:
+        return (
+            f"{name} lists no tools (its list_tools action answered none), so the model has nothing to call\n"
+            "  fix: serve an MCPEnvironment whose tools are FastMCP tools (OpenEnv's tool-calling environments)"
+        )
     return None
 
 

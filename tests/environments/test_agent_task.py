@@ -128,9 +128,9 @@ def write_task(root: Path, model: Path, tools: str = TOOLS, environment: str = E
     ],
 )
 def test_a_tool_or_environment_that_cannot_be_used_exits_2_before_anything_is_written(
-    tmp_path, chat_model_dir, capsys, monkeypatch, tools, environment, message
+    tmp_path, tool_chat_model_dir, capsys, monkeypatch, tools, environment, message
 ):
-    config = write_task(tmp_path / "task", chat_model_dir, tools, environment)
+    config = write_task(tmp_path / "task", tool_chat_model_dir, tools, environment)
     monkeypatch.chdir(config.parent)
     assert cli_run(["launch", str(config), "--set", "run_id=agent"]) == 2
     out = capsys.readouterr()
@@ -141,9 +141,9 @@ def test_a_tool_or_environment_that_cannot_be_used_exits_2_before_anything_is_wr
 
 @pytest.mark.slow
 def test_an_environment_class_and_a_tool_next_to_the_config_train_two_replicas(
-    tmp_path, chat_model_dir, monkeypatch
+    tmp_path, tool_chat_model_dir, monkeypatch
 ):
-    config = write_task(tmp_path / "task", chat_model_dir)
+    config = write_task(tmp_path / "task", tool_chat_model_dir)
     monkeypatch.chdir(config.parent)
     with replicas_on_the_simulated_accelerator():
         assert cli_run(["launch", str(config), "--set", "run_id=agent"]) == 0
