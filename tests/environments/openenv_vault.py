@@ -9,6 +9,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,8 +29,10 @@ class Vault(MCPEnvironment):
     """One vault per WebSocket session."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
+    events: Counter[str] = Counter()  # over all sessions of this process: sessions, resets, calls, closed
 
     def __init__(self) -> None:
+        Vault.events["sessions"] += 1
         mcp = FastMCP("vault")
         self.secret = ""
         self.opened = False
@@ -59,18 +62,24 @@ class Vault(MCPEnvironment):
         super().__init__(mcp)
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **row: Any) -> Observation:
+        Vault.events["resets"] += 1
         self.secret, self.opened, self.steps = str(row.get("secret", "")), False, 0
         return Observation()
 
     async def step_async(self, action: Any, timeout_s: float | None = None, **kwargs: Any) -> Observation:
         observation = await super().step_async(action, timeout_s, **kwargs)
         if isinstance(action, CallToolAction):
+            Vault.events["calls"] += 1
             self.steps += 1
             observation.done, observation.reward = self.opened, 1.0 if self.opened else 0.0
         return observation
 
     def _step_impl(self, action: Any, timeout_s: float | None = None, **kwargs: Any) -> Observation:
         raise ValueError(f"the vault takes tool calls only, not {type(action).__name__}")
+
+    def close(self) -> None:
+        Vault.events["closed"] += 1
+        super().close()
 
     @property
     def state(self) -> State:

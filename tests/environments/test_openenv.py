@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from composer_serverless.environments.episodes import Limits, run_episodes
 from composer_serverless.environments.openenv import OpenEnvFactory, OpenEnvUnreachable, answer, reset_text
 from composer_serverless.environments.protocol import ErrorMark, Step, ToolCall
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
-from tests.environments.openenv_vault import free_port, serving
+from tests.environments.openenv_vault import Vault, free_port, serving
 from tests.environments.test_agent_task import write_task
 
 LIMITS = Limits(max_turns=4, max_tokens=600, turn_tokens=100, tool_timeout_s=10.0)
@@ -222,6 +223,7 @@ def test_a_chat_template_without_tool_support_is_refused_before_anything_is_writ
 def test_an_openenv_server_drives_two_replicas_training(
     tmp_path, tool_chat_model_dir, monkeypatch, vault_url
 ):
+    Vault.events.clear()
     config = openenv_task(tmp_path / "task", tool_chat_model_dir, vault_url)
     monkeypatch.chdir(config.parent)
     with replicas_on_the_simulated_accelerator():
@@ -232,7 +234,17 @@ def test_an_openenv_server_drives_two_replicas_training(
     assert ran_on_the_simulated_accelerator(run / "logs")
     rows = [json.loads(p.read_text()) for p in sorted((run / "metrics" / "0").glob("*.json"))]
     trained = [r["train"] for r in rows if r["round"] > 0]
-    assert trained and all({"rollout/turns", "rollout/reward/openenv"} <= t.keys() for t in trained)
+    assert trained and all(
+        {"rollout/turns", "rollout/tool_calls", "rollout/tool_errors"} <= t.keys() for t in trained
+    )
+    # Every episode was a session on the server, reset on its row: the launch's check (1), training (2 replicas
+    # x 2 rounds x 2 steps x 2 prompts x 2 episodes) and the held-out evaluations of rounds 0, 1, 2 (4 each).
+    assert Vault.events["resets"] == Vault.events["sessions"] == 1 + 2 * 2 * 2 * 2 * 2 + 3 * 4
+    for _ in range(300):  # the server closes a session once it sees its socket closed (its own thread)
+        if Vault.events["closed"] == Vault.events["sessions"]:
+            break
+        time.sleep(0.1)
+    assert Vault.events["closed"] == Vault.events["sessions"]  # nothing left open
     assert all(t["rollout/episodes_failed"] == 0 for t in trained)
 
 
