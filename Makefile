@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	# torch first and pinned to the version the project is tested with. Which build pip takes (CPU or CUDA)
 	# depends on the index it is pointed at; the code runs on either.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[s3,hf,modal,dev]'
+	$(PY) -m pip install --quiet -e '.[s3,hf,modal,openenv,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

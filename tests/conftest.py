@@ -162,6 +162,24 @@ CHATML_MARKED = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# A tool-calling chat template in the Hermes/Qwen2.5 style (the <tool_call> format environments/parsing.py
+# reads), shortened: the tools' schemas in <tools></tools> in the system turn, the model's calls as <tool_call>
+# JSON, the tools' answers in <tool_response></tool_response> of a user turn. The suite's episodes run on it:
+# the model check refuses a template that renders neither tools nor tool turns.
+TOOL_CHATML = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n"
+    "{% endif %}<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' }}{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for call in m.get('tool_calls') or [] %}\n<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 @pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory, tiny_model_dir):
@@ -215,3 +233,18 @@ def ran_on_the_simulated_accelerator(logs: Path) -> bool:
     """Whether every replica log under ``logs`` says its process ran on the simulated accelerator."""
     texts = [p.read_text() for p in sorted(logs.glob("*.log"))]
     return bool(texts) and all(SIMULATED_LOG_LINE in t for t in texts)
+
+
+@pytest.fixture(scope="session")
+def tool_chat_model_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny model with a tool-calling chat template (``TOOL_CHATML``), as a tool-calling model is published."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tiny-tool-chat-model")
+    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.chat_template = TOOL_CHATML
+    tokenizer.save_pretrained(out)
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -142,6 +143,12 @@ class EpisodesConfig(StrictModel):
         "run in the sandbox) and submit (runs the row's tests column, a list of Python snippets such as "
         "asserts, and ends the episode); its reward is the share of those tests that pass",
     )
+    openenv_url: str | None = Field(
+        None,
+        description="an OpenEnv environment server (openenv-core), 'http://host:port': one session per "
+        "episode through OpenEnv's client, its MCP tools the model's tools, its reward and done the episode's; "
+        "instead of tools and environment (needs the openenv extra)",
+    )
     max_turns: int = Field(
         4, ge=1, description="model turns per episode at most (TRL's max_tool_calling_iterations + 1)"
     )
@@ -186,10 +193,28 @@ class EpisodesConfig(StrictModel):
             raise ValueError(f"{environment!r}: name the environment class 'file.py:Class'")
         return environment
 
+    @field_validator("openenv_url")
+    @classmethod
+    def _openenv_address(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname or parts.query:
+            raise ValueError(
+                f"openenv_url {url!r} is not a server address: give it as 'http://host:port' (or https, ws, "
+                "wss), the address the environment server listens on"
+            )
+        return url.rstrip("/")
+
     @model_validator(mode="after")
     def _something_to_call(self) -> EpisodesConfig:
-        if not self.tools and self.environment is None:
-            raise ValueError("episodes need tools, an environment, or both")
+        if self.openenv_url is not None and (self.tools or self.environment is not None):
+            raise ValueError(
+                "openenv_url is an environment of its own, its tools the server's: drop tools and environment, "
+                "or drop openenv_url"
+            )
+        if not self.tools and self.environment is None and self.openenv_url is None:
+            raise ValueError("episodes need tools, an environment, or both (or an openenv_url)")
         if "{hint}" not in self.hint:
             raise ValueError("hint must hold {hint}, where the error's hint goes")
         if self.builtin is not None and self.tools:

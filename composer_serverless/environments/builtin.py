@@ -1,5 +1,5 @@
-"""Which environments a run's episodes get: a built-in (``environment = "builtin:NAME"``) or the user's tools
-and environment class (``tools.py``)."""
+"""Which environments a run's episodes get: a built-in (``environment = "builtin:NAME"``), sessions on an
+OpenEnv server (``openenv_url``, ``openenv.py``) or the user's tools and environment class (``tools.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from composer_serverless.config.composer import EpisodesConfig
 from composer_serverless.environments.code import CodeEnvironments
+from composer_serverless.environments.openenv import OpenEnvFactory, client_class
 from composer_serverless.environments.protocol import Factory
 from composer_serverless.environments.tools import EnvironmentFactory
 
@@ -19,7 +20,10 @@ BUILTINS: dict[str, Callable[[EpisodesConfig], Factory]] = {
 
 def environment_factory(episodes: EpisodesConfig, root: Path | None) -> Factory:
     """The environments ``episodes`` names, the user's imported and checked from ``root`` (raises
-    ``tools.EnvironmentConfigError`` with the fix)."""
+    ``tools.EnvironmentConfigError`` with the fix; a missing openenv-core, its install line)."""
+    if episodes.openenv_url is not None:
+        client_class()  # the package is there, or the install line
+        return OpenEnvFactory(episodes.openenv_url, episodes.tool_timeout_s)
     if episodes.builtin is not None:
         return BUILTINS[episodes.builtin](episodes)
     return EnvironmentFactory.load(episodes.tools, episodes.environment, root)

@@ -81,7 +81,8 @@ class Environment(Protocol):
 
 
 class Factory(Protocol):
-    """Builds one environment per episode (the user's class and tools, or a built-in)."""
+    """Builds one environment per episode (the user's class and tools, a built-in, or an OpenEnv server's
+    sessions)."""
 
     @property
     def owns_reward(self) -> bool:

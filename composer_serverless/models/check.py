@@ -66,7 +66,12 @@ def examine(config: Any, offline: bool = False) -> dict[str, Any]:
             f"model.path {spec.path!r}: the model cannot be built from its config: {type(e).__name__}: {e}"
         ]
         return found
-    problems = _vocabulary(model, tokenizer) + _objective(config, model, hf) + _chat(config, tokenizer)
+    problems = (
+        _vocabulary(model, tokenizer)
+        + _objective(config, model, hf)
+        + _chat(config, tokenizer)
+        + _tool_template(config, tokenizer)
+    )
     found["problems"] = problems + _lora(spec, model) + _checkpointing(spec, model)
     found["parameters"] = parameters(spec, model)
     return found
@@ -189,6 +194,16 @@ def _chat(config: Any, tokenizer: Any) -> list[str]:
         except ValueError as e:
             return [f"{where}: {e}"]
     return []
+
+
+def _tool_template(config: Any, tokenizer: Any) -> list[str]:
+    """Episodes need a chat template that renders the tools' schemas and the tools' answers."""
+    if config.composer is None or config.composer.episodes is None:
+        return []
+    from composer_serverless.environments.template import tool_template_problem
+
+    problem = tool_template_problem(tokenizer, config.model.path)
+    return [] if problem is None else [problem]
 
 
 def _lora(spec: Any, model: Any) -> list[str]:

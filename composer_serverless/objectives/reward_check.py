@@ -21,6 +21,7 @@ from composer_serverless.config import RunConfig
 from composer_serverless.config.composer import EpisodesConfig
 from composer_serverless.data.records import PromptRecord
 from composer_serverless.environments.builtin import environment_factory
+from composer_serverless.environments.openenv import OpenEnvUnreachable
 from composer_serverless.environments.tools import EnvironmentConfigError
 from composer_serverless.objectives import inputs
 from composer_serverless.objectives.episode_rollout import reset_row
@@ -42,30 +43,43 @@ def episodes_problem(
 ) -> str | None:
     """What is wrong with the tools and environment: a file that does not import, a class without ``reset``, a
     tool without a schema, an environment left to own the reward (``rewarded``: no weighted reward function)
-    without a ``get_reward``, or a ``reset`` that raises on the first training row; None when all is well."""
+    without a ``get_reward``, a ``reset`` that raises on the first training row, an OpenEnv server that does not
+    answer or lists no tools; None when all is well."""
     try:
         factory = environment_factory(episodes, root)
     except EnvironmentConfigError as e:
         return str(e)
+    name = (
+        f"the OpenEnv server at {episodes.openenv_url}"
+        if episodes.openenv_url
+        else repr(episodes.environment)
+    )
     if not rewarded and not factory.owns_reward:
         return (
-            f"environment {episodes.environment!r} has no get_reward method, and no reward function of "
+            f"environment {name} has no get_reward method, and no reward function of "
             "non-zero weight is configured: nothing would score the episodes\n  fix: define get_reward(self) "
             "returning the episode's reward, or add a [[composer.rewards]] table"
         )
     environment = factory()
     try:
         environment.reset(reset_row(record))
+    except OpenEnvUnreachable as e:
+        return str(e)
     except Exception as e:
         if episodes.builtin is not None:  # its message says what the row lacks and how to fix it
             return f"environment {episodes.environment!r} cannot start on {record.source}: {e}"
         return (
-            f"environment {episodes.environment!r}: reset raised {type(e).__name__}: {e} on {record.source}\n"
+            f"environment {name}: reset raised {type(e).__name__}: {e} on {record.source}\n"
             "  fix: make reset(**row) accept the dataset's columns (take those you need by name, the rest "
             "with **kwargs)"
         )
     finally:
         environment.close()
+    if episodes.openenv_url and not environment.tools:
+        return (
+            f"{name} lists no tools (its list_tools action answered none), so the model has nothing to call\n"
+            "  fix: serve an MCPEnvironment whose tools are FastMCP tools (OpenEnv's tool-calling environments)"
+        )
     return None
 
 

@@ -153,9 +153,9 @@ def write_task(
     ],
 )
 def test_a_tool_or_environment_that_cannot_be_used_exits_2_before_anything_is_written(
-    tmp_path, chat_model_dir, capsys, monkeypatch, tools, environment, rewards, message
+    tmp_path, tool_chat_model_dir, capsys, monkeypatch, tools, environment, rewards, message
 ):
-    config = write_task(tmp_path / "task", chat_model_dir, tools, environment, rewards)
+    config = write_task(tmp_path / "task", tool_chat_model_dir, tools, environment, rewards)
     monkeypatch.chdir(config.parent)
     assert cli_run(["launch", str(config), "--set", "run_id=agent"]) == 2
     out = capsys.readouterr()
@@ -166,11 +166,11 @@ def test_a_tool_or_environment_that_cannot_be_used_exits_2_before_anything_is_wr
 
 @pytest.mark.slow
 def test_an_environment_class_and_a_tool_next_to_the_config_train_two_replicas(
-    tmp_path, chat_model_dir, monkeypatch
+    tmp_path, tool_chat_model_dir, monkeypatch
 ):
     """No reward function: the environment owns the reward alone (TRL's environment-owned reward), and it is
     the whole reward the step's rows show."""
-    config = write_task(tmp_path / "task", chat_model_dir, rewards="")
+    config = write_task(tmp_path / "task", tool_chat_model_dir, rewards="")
     monkeypatch.chdir(config.parent)
     with replicas_on_the_simulated_accelerator():
         assert cli_run(["launch", str(config), "--set", "run_id=agent"]) == 0
@@ -194,13 +194,13 @@ REQUIREMENTS = '\n[code]\nrequirements = ["packaging>=20"]\n'
 
 @pytest.mark.parametrize("executor", ["modal", "hf_jobs"])
 def test_the_cloud_dry_runs_list_the_tool_and_environment_files_and_their_requirements(
-    tmp_path, chat_model_dir, capsys, monkeypatch, executor
+    tmp_path, tool_chat_model_dir, capsys, monkeypatch, executor
 ):
     """What a Modal image is built with (and the image Modal's SDK would build from the plan) and what an HF
     Jobs replica fetches: the tool file and the environment file next to the config (named in
     [composer.episodes] only, never in [code] paths), and the packages the environment needs; nothing
     written."""
-    config = write_task(tmp_path / "task", chat_model_dir, extra=REQUIREMENTS)
+    config = write_task(tmp_path / "task", tool_chat_model_dir, extra=REQUIREMENTS)
     monkeypatch.chdir(tmp_path)
     args = ["launch", str(config), "--executor", executor, "--set", "store=s3://bucket/runs", "--dry-run"]
     assert cli_run(args) == 0, capsys.readouterr().err
@@ -233,12 +233,12 @@ def test_the_cloud_dry_runs_list_the_tool_and_environment_files_and_their_requir
 
 @pytest.mark.slow
 def test_a_sweep_over_an_episode_setting_runs_each_cell_with_its_value(
-    tmp_path, chat_model_dir, capsys, monkeypatch
+    tmp_path, tool_chat_model_dir, capsys, monkeypatch
 ):
     """Two cells of the agent task, one replica x one round each on the simulated accelerator, swept over
     the episodes' token budget: each cell's run.json holds its value, and its episodes kept to it (4 episodes
     a step of at most 2 model tokens each in the first cell; turns of up to 6 tokens in the second)."""
-    config = write_task(tmp_path / "task", chat_model_dir)
+    config = write_task(tmp_path / "task", tool_chat_model_dir)
     monkeypatch.chdir(config.parent)
     args = ["sweep", str(config), "--grid", "composer.episodes.max_tokens=2,40"]
     args += ["--set", "run_id=grid", "--set", "diloco.replicas=1", "--set", "diloco.rounds=1"]

@@ -81,9 +81,9 @@ def write_task(root: Path, model: Path, environment: str = "builtin:code", colum
     ],
 )
 def test_an_unknown_builtin_or_a_dataset_without_tests_exits_2_before_anything_is_written(
-    tmp_path, chat_model_dir, capsys, monkeypatch, environment, column, message
+    tmp_path, tool_chat_model_dir, capsys, monkeypatch, environment, column, message
 ):
-    config = write_task(tmp_path / "task", chat_model_dir, environment, column)
+    config = write_task(tmp_path / "task", tool_chat_model_dir, environment, column)
     monkeypatch.chdir(config.parent)
     assert cli_run(["launch", str(config), "--set", "run_id=code"]) == 2
     assert message in capsys.readouterr().err
@@ -91,8 +91,8 @@ def test_an_unknown_builtin_or_a_dataset_without_tests_exits_2_before_anything_i
 
 
 @pytest.mark.slow
-def test_the_builtin_code_environment_trains_two_replicas(tmp_path, chat_model_dir, monkeypatch):
-    config = write_task(tmp_path / "task", chat_model_dir)
+def test_the_builtin_code_environment_trains_two_replicas(tmp_path, tool_chat_model_dir, monkeypatch):
+    config = write_task(tmp_path / "task", tool_chat_model_dir)
     monkeypatch.chdir(config.parent)
     with replicas_on_the_simulated_accelerator():
         assert cli_run(["launch", str(config), "--set", "run_id=code"]) == 0

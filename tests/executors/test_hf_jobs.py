@@ -252,7 +252,7 @@ def test_a_job_fetches_the_runs_code_and_data_from_the_store_and_trains_with_the
 
 
 def test_a_job_fetches_the_tool_and_environment_files_installs_their_requirements_and_runs_episodes(
-    tmp_path, s3_store, fake_hf, hf_env, chat_model_dir
+    tmp_path, s3_store, fake_hf, hf_env, tool_chat_model_dir
 ):
     """The agent task (a TRL tool function and environment class in files next to the config, the package
     the environment needs in [code] requirements) on 2 HF Jobs replicas x 2 rounds: the launcher uploads the
@@ -266,7 +266,7 @@ def test_a_job_fetches_the_tool_and_environment_files_installs_their_requirement
         'type = "hf_jobs"\nimage = "ghcr.io/example/composer-serverless:test"\nflavor = "a10g-small"\n'
         f'namespace = "{NAMESPACE}"\nstatus_poll_s = 0.5\nprivate_store_endpoint = true'
     )
-    config = write_task(task, chat_model_dir, executor=executor, extra=REQUIREMENTS)
+    config = write_task(task, tool_chat_model_dir, executor=executor, extra=REQUIREMENTS)
     result = cli("launch", str(config), "--set", f"store={store}", "--set", "run_id=hf-agent", env=hf_env)
     assert result.returncode == 0, result.stdout + result.stderr
     objects = store_objects(client)
