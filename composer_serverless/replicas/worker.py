@@ -68,7 +68,7 @@ def run_worker(run_url: str, rank: int, open_store: Callable[[str], ObjectStore]
 def _fetch_code(store: ObjectStore, config: RunConfig, rank: int, into: Path) -> None:
     """Fetch the run's shipped code (HF Jobs), checked file by file, and tell the objective where it is
     (``CODE_DIR_ENV``, inherited by the ranks); nothing to do where it is in place or in the image."""
-    from composer_serverless.replicas.diloco import run_key
+    from composer_serverless.rendezvous.runkey import run_key
 
     try:
         key = run_key(config.diloco)
@@ -88,7 +88,12 @@ def _run_ranks(
     if ranks == 1:
         from composer_serverless.replicas.trainer import run_replica
 
-        run_replica(store, rank)
+        if config.diloco.mode == "decoupled":
+            from composer_serverless.replicas.decoupled import DecoupledLearner
+
+            run_replica(store, rank, kind=DecoupledLearner)
+        else:
+            run_replica(store, rank)
         return 0
     import torch.multiprocessing as mp
 
