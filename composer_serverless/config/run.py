@@ -227,6 +227,12 @@ class DiLoCoConfig(StrictModel):
         description="failed syncs in a row after which a replica stops (its restart resumes from the store)",
     )
 
+    @property
+    def syncer_rank(self) -> int | None:
+        """In decoupled mode the syncer is started as the rank after the learners' (the executors start,
+        watch, restart and cancel it as they do a replica); None in lock-step mode, which has none."""
+        return self.replicas if self.mode == "decoupled" else None
+
     @model_validator(mode="after")
     def _consistent_schedule(self) -> DiLoCoConfig:
         if self.sync_every % self.fragments:
@@ -526,6 +532,9 @@ class RunConfig(StrictModel):
             "model.lora (the syncer merges whole models)": self.model.lora is not None,
             "more than one rank per replica (FSDP learners)": self.ranks_per_replica > 1,
             "train.objective = 'composer'": self.train.objective == "composer",
+            "an executor other than local (the syncer is started beside local replicas only)": not isinstance(
+                self.executor, LocalExecutorConfig
+            ),
         }
         for name, on in refused.items():
             if on:

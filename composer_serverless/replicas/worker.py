@@ -1,5 +1,8 @@
 """Replica entry point: ``python -m composer_serverless.replicas.worker --run URL --rank R``.
 
+In decoupled mode (``diloco.mode``) rank ``diloco.replicas``, the one after the learners', is the syncer
+(``syncer/syncer.py``): every backend starts, watches, restarts and cancels it as it does a replica.
+
 The same command runs on a laptop, in a Modal container and in an HF Job: everything else the replica needs
 is in ``run.json`` inside the run, and credentials come from the environment.
 
@@ -85,6 +88,11 @@ def _run_ranks(
     run_url: str, rank: int, config: RunConfig, store: ObjectStore, open_store: Callable[[str], ObjectStore]
 ) -> int:
     ranks = config.ranks_per_replica
+    if rank == config.diloco.syncer_rank:
+        from composer_serverless.syncer.syncer import run_syncer
+
+        run_syncer(store)
+        return 0
     if ranks == 1:
         from composer_serverless.replicas.trainer import run_replica
 

@@ -30,6 +30,7 @@ from composer_serverless.rendezvous.decoupled import Contribution, Version
 from composer_serverless.rendezvous.robust import outliers
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.telemetry import Reporter
 
 logger = logging.getLogger(__name__)
 
@@ -44,23 +45,32 @@ def equal_mean(contributions: list[torch.Tensor]) -> torch.Tensor:
 
 
 def run_syncer(run: ObjectStore) -> None:
-    """Merge the run at ``run`` until its last global version (``diloco.rounds``) is committed."""
+    """Merge the run at ``run`` until its last global version (``diloco.rounds``) is committed, beating as
+    the rank after the learners' (``DiLoCoConfig.syncer_rank``), as a replica beats."""
     config = RunConfig.model_validate_json(run.get(layout.RUN_CONFIG))
-    if config.diloco.mode != "decoupled":
+    rank = config.diloco.syncer_rank
+    if rank is None:
         raise ValueError(f"{run.url} runs diloco.mode = {config.diloco.mode!r}: it has no syncer")
     run.tolerate_outages(config.diloco.store_outage_s)
-    key = runkey.run_key(config.diloco)
-    if key is not None:
-        runkey.check_fingerprint(run, key)
-        key = key.for_run(config.run_id or "")
-    Syncer(run, config, key).run()
+    reporter = Reporter(run, rank)
+    reporter.beat(state="starting")
+    try:
+        key = runkey.run_key(config.diloco)
+        if key is not None:
+            runkey.check_fingerprint(run, key)
+            key = key.for_run(config.run_id or "")
+        Syncer(run, config, key, reporter).run()
+    except BaseException as e:
+        reporter.beat(state="failed", error=f"{type(e).__name__}: {e}")
+        raise
 
 
 class Syncer:
     """One syncer process's merges (see the module)."""
 
-    def __init__(self, run: ObjectStore, config: RunConfig, key: RunKey | None) -> None:
+    def __init__(self, run: ObjectStore, config: RunConfig, key: RunKey | None, reporter: Reporter) -> None:
         dl = config.diloco
+        self.reporter = reporter
         self.run_store = run
         self.config = config
         self.key = key
@@ -79,10 +89,16 @@ class Syncer:
             taken = self._gather()
             self._merge(taken)
         logger.info("committed the run's last global version (%d): done", self.record.version)
+        self._beat("done")
+
+    def _beat(self, state: str) -> None:
+        rounds = self.config.diloco.rounds
+        self.reporter.beat(state=state, round=max(self.record.version, 0), rounds=rounds, step=0, steps=1)
 
     def _first_version(self) -> int:
         """The newest committed version, once version 0 (the learners' initial weights) exists."""
         told = False
+        self._beat("waiting")
         while (newest := versions.newest_version(self.run_store)) < 0:
             if not told:
                 logger.info("waiting for a learner to write global version 0 (the initial weights)")
@@ -107,6 +123,7 @@ class Syncer:
         """Per learner, its unconsumed contributions, once the quorum and the grace window allow a merge."""
         dc = self.config.diloco.decoupled
         deadline: float | None = None
+        self._beat("waiting")
         while True:
             waiting = versions.waiting(self.run_store, self.learners, self.record.consumed)
             if len(waiting) == self.learners:
