@@ -7,15 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
-from composer_serverless.config import validate_config
+from composer_serverless.config import ConfigError, validate_config
+from composer_serverless.launch.launcher import resume
 from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.decoupled import Contribution, Version
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.syncer.syncer import Syncer, equal_mean
-from tests.rendezvous.harness import make_config
+from tests.rendezvous.harness import create, make_config
 
 LR, MOMENTUM = 0.5, 0.25
 
@@ -163,3 +165,16 @@ def test_decoupled_mode_refuses_lora_and_other_executors() -> None:
         validate_config({"model": {"path": ".", "lora": {}}, "diloco": base})
     with pytest.raises(ValueError, match="an executor other than local"):
         validate_config({"model": {"path": "."}, "diloco": base, "executor": {"type": "modal"}})
+
+
+def test_resuming_a_decoupled_run_is_refused_before_anything_is_written(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    config = make_config(
+        str(tmp_path), "to-resume", tiny_model_dir, mode="decoupled", embedding_average="all"
+    )
+    run = create(config)
+    before = sorted(run.list_tree())
+    with pytest.raises(ConfigError, match="resuming a decoupled run"):
+        resume(run.url, Console(quiet=True))
+    assert sorted(run.list_tree()) == before
