@@ -16,7 +16,7 @@ from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.decoupled import Contribution, Version
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
-from composer_serverless.syncer.syncer import Syncer, equal_mean
+from composer_serverless.syncer.syncer import Syncer
 from tests.rendezvous.harness import create, make_config
 
 LR, MOMENTUM = 0.5, 0.25
@@ -74,8 +74,8 @@ def test_a_merge_is_the_mean_then_the_outer_nesterov_step(tmp_path: Path) -> Non
     assert torch.allclose(after["w"], expected_w, rtol=0, atol=1e-6)
 
 
-def test_a_corrupt_or_stale_contribution_is_dropped_and_recorded_never_merged(tmp_path: Path) -> None:
-    run, syncer = run_of(tmp_path, max_staleness=1)
+def test_a_corrupt_or_too_old_contribution_is_dropped_and_recorded_never_merged(tmp_path: Path) -> None:
+    run, syncer = run_of(tmp_path, max_age=0)
     syncer._load(0)
     send(run, 0, 0, [1.0, 1.0, 1.0])
     send(run, 1, 0, [3.0, 3.0, 3.0])
@@ -89,7 +89,7 @@ def test_a_corrupt_or_stale_contribution_is_dropped_and_recorded_never_merged(tm
     assert record.merged == [[0, 0], [1, 0]] and record.consumed == {0: 1, 1: 1, 2: 1}
     assert [(d["learner"], d["seq"]) for d in record.dropped] == [(2, 0)]
     assert "checksum" in record.dropped[0]["why"]
-    # A contribution from version 0 merged into version 2 is one version stale: dropped (max_staleness 1).
+    # A contribution from version 0 merged into version 2 is one version old: dropped (max_age 0).
     send(run, 0, 1, [1.0, 1.0, 1.0], base=1)
     send(run, 1, 1, [1.0, 1.0, 1.0], base=0)
     send(run, 2, 1, [1.0, 1.0, 1.0], base=1)
@@ -125,14 +125,6 @@ def test_two_syncers_cannot_both_commit_a_version(tmp_path: Path) -> None:
     assert second.record == versions.read_version(run, 1)
 
 
-def test_the_mean_is_lockstep_arithmetic() -> None:
-    values = [torch.tensor([0.1, 0.7]), torch.tensor([0.2, 0.3]), torch.tensor([0.3, 1e-8])]
-    total = torch.zeros(2)
-    for v in values:
-        total.add_(v)
-    assert torch.equal(equal_mean(values), total.div_(3))
-
-
 @pytest.mark.parametrize(
     ("diloco", "said"),
     [
@@ -140,7 +132,8 @@ def test_the_mean_is_lockstep_arithmetic() -> None:
         ({"fragments": 2, "sync_every": 4}, "diloco.fragments > 1"),
         ({"embedding_average": "touched"}, "set it to 'all'"),
         ({"decoupled": {"min_quorum": 5}}, "cannot exceed diloco.replicas"),
-        ({"decoupled": {"max_lag": 2, "max_staleness": 2}}, "must exceed max_lag"),
+        ({"decoupled": {"max_lag": 2, "max_age": 1}}, "must be at least max_lag"),
+        ({"decoupled": {"outer": "delayed_nesterov"}, "nesterov": False}, "needs nesterov = true"),
     ],
 )
 def test_decoupled_mode_refuses_what_it_does_not_do(diloco: dict, said: str) -> None:
@@ -178,3 +171,18 @@ def test_resuming_a_decoupled_run_is_refused_before_anything_is_written(
     with pytest.raises(ConfigError, match="resuming a decoupled run"):
         resume(run.url, Console(quiet=True))
     assert sorted(run.list_tree()) == before
+
+
+def test_token_weights_and_delayed_nesterov_reach_the_merge(tmp_path: Path) -> None:
+    """tokens ** 2 / steps: 10 tokens in 4 steps weigh 25, 30 in 4 weigh 225: the merge is 0.1 a + 0.9 b.
+    Delayed Nesterov with N = 3 learners: its first step is g / N, the momentum not yet updated."""
+    run, syncer = run_of(tmp_path, outer="delayed_nesterov")
+    syncer._load(0)
+    for learner, tokens, value in ((0, 10, 1.0), (1, 30, 3.0)):
+        c = Contribution(learner, 0, 0, tokens=tokens, steps=4)
+        versions.publish(run, "hand", c, torch.full((3,), value), "fp32", None)
+    send(run, 2, 0, [2.8, 2.8, 2.8])  # 10 tokens: weight 25
+    syncer._merge(syncer._gather())
+    merged = (25 * 1.0 + 225 * 3.0 + 25 * 2.8) / 275
+    after = versions.load_params(run, versions.read_version(run, 1), None)
+    assert torch.allclose(after["w"], torch.tensor([1.0, 2.0]) - LR * merged / 3, rtol=0, atol=1e-6)
