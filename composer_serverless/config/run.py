@@ -14,6 +14,7 @@ from composer_serverless.config.base import StrictModel
 from composer_serverless.config.code import CodeConfig
 from composer_serverless.config.composer import ComposerConfig
 from composer_serverless.config.data import DataConfig
+from composer_serverless.config.decoupled import DecoupledConfig
 from composer_serverless.config.executors import ExecutorConfig, HFJobsExecutorConfig, LocalExecutorConfig
 from composer_serverless.config.harvest import HarvestConfig
 from composer_serverless.config.model import ModelConfig
@@ -84,6 +85,15 @@ class DiLoCoConfig(StrictModel):
     """The outer loop: how many replicas, how often they sync, and the outer optimizer."""
 
     replicas: int = Field(4, ge=1, le=1024, description="number of replicas (M in the DiLoCo papers)")
+    mode: Literal["lockstep", "decoupled"] = Field(
+        "lockstep",
+        description="'lockstep': every round is a barrier the replicas reach together (torchft's DiLoCo); "
+        "'decoupled': learners never wait for one another, a syncer merges what has arrived "
+        "(diloco.decoupled, docs/decoupled.md)",
+    )
+    decoupled: DecoupledConfig = Field(
+        default_factory=DecoupledConfig, description="the syncer's and learners' settings in decoupled mode"
+    )
     sync_every: int = Field(ge=1, le=MAX_SYNC_EVERY, description="inner steps between synchronisations (H)")
     rounds: int = Field(
         ge=1,
@@ -217,6 +227,12 @@ class DiLoCoConfig(StrictModel):
         description="failed syncs in a row after which a replica stops (its restart resumes from the store)",
     )
 
+    @property
+    def syncer_rank(self) -> int | None:
+        """In decoupled mode the syncer is started as the rank after the learners' (the executors start,
+        watch, restart and cancel it as they do a replica); None in lock-step mode, which has none."""
+        return self.replicas if self.mode == "decoupled" else None
+
     @model_validator(mode="after")
     def _consistent_schedule(self) -> DiLoCoConfig:
         if self.sync_every % self.fragments:
@@ -241,6 +257,8 @@ class DiLoCoConfig(StrictModel):
                 f"quorum_grace_max_s ({self.quorum_grace_max_s}) must be below sync_timeout_s ({self.sync_timeout_s}): "
                 "a sync must be able to form its quorum before it times out"
             )
+        if self.mode == "decoupled":
+            self._decoupled_supported()
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov = true needs outer_momentum > 0; set nesterov = false for plain SGD")
         if self.codec == "sparse" and self.error_feedback == "reset" and self.fragment_update_alpha > 0:
@@ -254,6 +272,28 @@ class DiLoCoConfig(StrictModel):
                 "sent progress sent again; set fragment_update_alpha = 0, or error_feedback = 'resend'"
             )
         return self
+
+    def _decoupled_supported(self) -> None:
+        """Refuse what decoupled mode does not do yet, each with the setting to change."""
+        quorum = self.decoupled.min_quorum
+        if quorum is not None and quorum > self.replicas:
+            raise ValueError(
+                f"diloco.decoupled.min_quorum ({quorum}) cannot exceed diloco.replicas ({self.replicas})"
+            )
+        refused = {
+            "diloco.codec = 'sparse' (its residuals live in lock-step's exchange)": self.codec == "sparse",
+            "diloco.reduced_codec = 'sparse'": self.reduced_codec == "sparse",
+            "diloco.fragments > 1 (the syncer merges whole models)": self.fragments > 1,
+            "diloco.fragment_update_alpha > 0": self.fragment_update_alpha > 0,
+            "diloco.embedding_average = 'touched' (set it to 'all')": self.embedding_average == "touched",
+        }
+        if self.decoupled.outer == "delayed_nesterov" and not (self.nesterov and self.outer_momentum > 0):
+            raise ValueError(
+                "diloco.decoupled.outer = 'delayed_nesterov' needs nesterov = true and outer_momentum > 0"
+            )
+        for name, on in refused.items():
+            if on:
+                raise ValueError(f"{name} is not supported with diloco.mode = 'decoupled' yet")
 
 
 class EvalConfig(StrictModel):
@@ -485,6 +525,27 @@ class RunConfig(StrictModel):
         if isinstance(executor, HFJobsExecutorConfig):
             return max(1, executor.gpus)
         return executor.gpu_count
+
+    @model_validator(mode="after")
+    def _decoupled_learners_supported(self) -> RunConfig:
+        """Decoupled mode's learners are the lm objective's, one rank each, training every weight: refused
+        before anything is written for whatever else they would have to carry (docs/decoupled.md)."""
+        if self.diloco.mode != "decoupled":
+            return self
+        refused = {
+            "model.lora (the syncer merges whole models)": self.model.lora is not None,
+            "more than one rank per replica (FSDP learners)": self.ranks_per_replica > 1,
+            "train.objective = 'composer'": self.train.objective == "composer",
+            "an executor other than local (the syncer is started beside local replicas only)": not isinstance(
+                self.executor, LocalExecutorConfig
+            ),
+        }
+        for name, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"{name} is not supported with diloco.mode = 'decoupled' yet; use diloco.mode = 'lockstep'"
+                )
+        return self
 
     @model_validator(mode="after")
     def _ranks_fit_the_objective(self) -> RunConfig:

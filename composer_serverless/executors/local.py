@@ -103,6 +103,11 @@ class LocalProcessExecutor:
             )
             for rank in range(replicas)
         )
+        if config.diloco.syncer_rank is not None:  # on the CPU: it merges in host memory
+            cpu = env if devices is None else {**env, "CUDA_VISIBLE_DEVICES": ""}
+            specs += (
+                ReplicaSpec(config.diloco.syncer_rank, worker_argv(run_url, replicas, sys.executable), cpu),
+            )
         free = CostEstimate(0.0, "local processes: no cloud bill", 0, 0.0, 0.0, 0.0, 0.0)
         return LaunchPlan(
             executor=self.name,

@@ -17,6 +17,14 @@ from __future__ import annotations
 
 from typing import Any
 
+# --- decoupled mode (diloco.mode = "decoupled": rendezvous/decoupled.py) --------------------------------
+
+DECOUPLED = "decoupled"
+CONTRIBUTIONS = f"{DECOUPLED}/contributions"
+VERSIONS = f"{DECOUPLED}/versions"
+GLOBALS = f"{DECOUPLED}/globals"
+SYNCER_STATES = f"{DECOUPLED}/syncer"
+
 # --- written by the launcher --------------------------------------------------------------------------
 
 RUN_CONFIG = "run.json"
@@ -269,6 +277,33 @@ def harvest_taken(round_index: int) -> str:
     return f"{HARVEST_TAKEN}/{round_index:06d}.json"
 
 
+def contributions(learner: int) -> str:
+    return f"{CONTRIBUTIONS}/{learner}"
+
+
+def contribution(learner: int, seq: int) -> str:
+    """Learner ``learner``'s ``seq``-th pseudo-gradient (0-based), created once; zero-padded, so a listing is
+    in the learner's order."""
+    return f"{contributions(learner)}/{seq:08d}"
+
+
+def version(v: int) -> str:
+    """The record of global version ``v``: which snapshots hold it and what its merge took; created once,
+    after them, so a version exists only whole and only one syncer's merge of it ever does."""
+    return f"{VERSIONS}/{v:08d}.json"
+
+
+def global_params(v: int, writer: str) -> str:
+    """Global version ``v``'s parameters as ``writer`` (one syncer process's token) wrote them: a syncer
+    that loses the creation of ``version(v)`` leaves its own beside the winner's, never over them."""
+    return f"{GLOBALS}/{v:08d}-{writer}"
+
+
+def syncer_state(v: int, writer: str) -> str:
+    """The syncer's outer optimizer state after version ``v``, as ``writer`` wrote it."""
+    return f"{SYNCER_STATES}/{v:08d}-{writer}"
+
+
 def snapshot_file(prefix: str, name: str) -> str:
     return f"{prefix}/{name}"
 
@@ -352,6 +387,19 @@ def describe() -> list[tuple[str, str]]:
         (tracking_lease(placeholder("g")), "generation g of the relays' lease: who holds it, created once"),
         (tracking_clock(placeholder("owner")), "a relay's reading of the store's clock, removed at once"),
         (f"{TRACKING_TENSORBOARD}/", "TensorBoard event files of the run's tracker run"),
+        (
+            contribution(rank, placeholder("seq")),
+            "decoupled: a learner's pseudo-gradient and its base version",
+        ),
+        (version(placeholder("v")), "decoupled: global version v, what its merge took, created once"),
+        (
+            f"{global_params(placeholder('v'), placeholder('writer'))}/",
+            "decoupled: global version v's parameters + manifest",
+        ),
+        (
+            f"{syncer_state(placeholder('v'), placeholder('writer'))}/",
+            "decoupled: the syncer's outer optimizer state after version v",
+        ),
         (f"{FINAL}/", "the final global model and tokenizer (Hugging Face format)"),
         (SUMMARY, "the report's figures, written at the end"),
         (LOSS_PLOT, "held-out and training loss per round"),

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 
 import blake3
 
+from composer_serverless.config import DiLoCoConfig
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 
@@ -151,3 +152,22 @@ def from_env(environ: Mapping[str, str] = os.environ) -> RunKey | None:
     """
     value = environ.get(ENV)
     return RunKey.from_hex(value) if value else None
+
+
+def run_key(config: DiLoCoConfig, environ: Mapping[str, str] = os.environ) -> RunKey | None:
+    """The run key a replica of an authenticated run received (``runkey.ENV``); None for a run without one.
+
+    Raises:
+        RunKeyError: the run authenticates its payloads and the key is missing or malformed: the replica
+            could neither write a payload its peers accept nor accept one of theirs.
+    """
+    if not config.authenticate:
+        return None
+    key = from_env(environ)
+    if key is None:
+        raise RunKeyError(
+            f"this run authenticates its payloads (diloco.authenticate) but {ENV} is not set in this "
+            "replica's environment; the launcher delivers it as a secret: start replicas with "
+            "`composer-serverless launch` or `resume`, not by hand"
+        )
+    return key

@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-from collections.abc import Mapping
 from typing import cast
 
 import torch
 from torch import nn
 
 from composer_serverless.config import DiLoCoConfig, TrainConfig
-from composer_serverless.rendezvous import runkey
 from composer_serverless.rendezvous.codec import Codec, CodecName
 from composer_serverless.rendezvous.deadline import GraceSettings
 from composer_serverless.rendezvous.exchange import ExchangeSettings
 from composer_serverless.rendezvous.manager import ObjectStoreManager
-from composer_serverless.rendezvous.runkey import RunKey, RunKeyError
+from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.sparse import Sparse
 from composer_serverless.rendezvous.transfers import Transfers
 from composer_serverless.replicas.host_diloco import HostDiLoCo, OuterFactory
@@ -175,25 +172,6 @@ def wire_codec(name: str, config: DiLoCoConfig) -> Codec:
 
 def transfer_settings(config: DiLoCoConfig) -> Transfers:
     return Transfers(concurrency=config.transfer_concurrency, part_bytes=config.transfer_part_mb << 20)
-
-
-def run_key(config: DiLoCoConfig, environ: Mapping[str, str] = os.environ) -> RunKey | None:
-    """The run key a replica of an authenticated run received (``runkey.ENV``); None for a run without one.
-
-    Raises:
-        RunKeyError: the run authenticates its payloads and the key is missing or malformed: the replica
-            could neither write a payload its peers accept nor accept one of theirs.
-    """
-    if not config.authenticate:
-        return None
-    key = runkey.from_env(environ)
-    if key is None:
-        raise RunKeyError(
-            f"this run authenticates its payloads (diloco.authenticate) but {runkey.ENV} is not set in this "
-            "replica's environment; the launcher delivers it as a secret: start replicas with "
-            "`composer-serverless launch` or `resume`, not by hand"
-        )
-    return key
 
 
 def grace_settings(config: DiLoCoConfig) -> GraceSettings:

@@ -108,3 +108,11 @@ class Node:
 
 
 SOLO = Node()
+
+
+def training_seed(seed: int, rank: int, node: Node) -> int:
+    """The seed of replica ``rank``'s local rank ``node.local_rank`` for training: one per (replica, local rank)
+    of the run, so no two ranks draw the same random stream (a replica's G ranks sample their rollouts and
+    dropout apart, as replicas do), and the same on every run of the same config. ``seed + rank`` with one rank
+    per replica."""
+    return seed + rank * node.size + node.local_rank

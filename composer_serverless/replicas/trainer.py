@@ -46,7 +46,7 @@ from composer_serverless.rendezvous.feedback import ErrorFeedback
 from composer_serverless.rendezvous.latest import latest_round
 from composer_serverless.rendezvous.manager import ObjectStoreManager, SyncOutcome
 from composer_serverless.rendezvous.replica_log import ReplicaLog
-from composer_serverless.rendezvous.runkey import RunKey
+from composer_serverless.rendezvous.runkey import RunKey, run_key
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.replicas import catchup, evaluation, precision, state
@@ -58,13 +58,12 @@ from composer_serverless.replicas.diloco import (
     make_inner_optimizer,
     make_schedule,
     model_names,
-    run_key,
     split_fragments,
     transfer_settings,
 )
 from composer_serverless.replicas.host_diloco import offset_local
 from composer_serverless.replicas.meter import RoundMeter, read_step
-from composer_serverless.replicas.node import SOLO, Node
+from composer_serverless.replicas.node import SOLO, Node, training_seed
 from composer_serverless.replicas.shards import full_state_dict, local, reshard, shard_model
 from composer_serverless.replicas.touches import Touches
 from composer_serverless.replicas.weights import check_initial_weights, digest, load_run_model, swapped_in
@@ -85,9 +84,9 @@ class DivergedError(RuntimeError):
     """The training loss or the global parameters are no longer finite: training further cannot help."""
 
 
-def run_replica(run: ObjectStore, rank: int, node: Node = SOLO) -> None:
+def run_replica(run: ObjectStore, rank: int, node: Node = SOLO, kind: type[Replica] | None = None) -> None:
     """Train replica ``rank`` of the run at ``run`` (on this process as local rank ``node.local_rank`` of
-    its ``node.size``) to the end, reporting through the store.
+    its ``node.size``) to the end, reporting through the store, as a ``kind`` of replica (lock-step's).
 
     The same call starts a fresh replica, restarts one that died, and resumes a run whose replicas all
     died: the replica continues from the store's latest published state and its own saved state.
@@ -107,7 +106,7 @@ def run_replica(run: ObjectStore, rank: int, node: Node = SOLO) -> None:
         if key is not None:
             runkey.check_fingerprint(run, key)
             key = key.for_run(config.run_id)
-        _train(run, config, rank, reporter, node, key)
+        _train(run, config, rank, reporter, node, key, kind or Replica)
     except BaseException as e:
         # A failure in the user's own code names its line: the launcher says to fix it before a resume.
         where = failed_at(e, config)
@@ -118,7 +117,13 @@ def run_replica(run: ObjectStore, rank: int, node: Node = SOLO) -> None:
 
 
 def _train(
-    run: ObjectStore, config: RunConfig, rank: int, reporter: Reporter, node: Node, key: RunKey | None
+    run: ObjectStore,
+    config: RunConfig,
+    rank: int,
+    reporter: Reporter,
+    node: Node,
+    key: RunKey | None,
+    kind: type,
 ) -> None:
     device = replica_device(node.local_rank)  # the GPU it was given, or a clear error: never a silent CPU
     # The download cache lives as long as training: weights may stay memory-mapped from its files.
@@ -131,17 +136,9 @@ def _train(
         model = loaded.model.to(device).train()
         if node.size > 1:
             shard_model(model, node.size, device, precision.compute_dtype(config.model))
-        Replica(
+        kind(
             run, config, rank, reporter, model, loaded.tokenizer, adapters=loaded.adapters, node=node, key=key
         ).run()
-
-
-def training_seed(seed: int, rank: int, node: Node) -> int:
-    """The seed of replica ``rank``'s local rank ``node.local_rank`` for training: one per (replica, local rank)
-    of the run, so no two ranks draw the same random stream (a replica's G ranks sample their rollouts and
-    dropout apart, as replicas do), and the same on every run of the same config. ``seed + rank`` with one rank
-    per replica."""
-    return seed + rank * node.size + node.local_rank
 
 
 class Replica:
@@ -191,8 +188,7 @@ class Replica:
         self.schedule = make_schedule(self.inner, config.train, self.total_steps)
         self.fragments = split_fragments(model, dl.fragments)
         self.names = model_names(model, self.fragments)
-        # Counted on every replica of a run alike (the setting is the run's), so every input of a sync carries
-        # the same rows.
+        # Counted on every replica of a run alike (the setting is the run's): every input of a sync has the rows.
         self.touches = (
             Touches(model, self.fragments, node, dl.sync_every) if dl.embedding_average == "touched" else None
         )
@@ -355,7 +351,7 @@ class Replica:
                 "run's published states before this point are intact"
             )
         synchronize(self.device)  # DiLoCo may still be filling its host copy of the global parameters
-        params = global_parameters(self.manager, self.names)
+        params = self._last_global()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 if name in params:
@@ -375,6 +371,10 @@ class Replica:
             self.nonfinite,
             MAX_NONFINITE_STEPS - 1,
         )
+
+    def _last_global(self) -> dict[str, torch.Tensor]:
+        """The global parameters of the last sync by model name: where a discarded step goes back to."""
+        return global_parameters(self.manager, self.names)
 
     def _finish_round(self, outcome: SyncOutcome) -> None:
         """Record the round; its participants evaluate it together and the lowest-rank one publishes it."""

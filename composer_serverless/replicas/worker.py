@@ -1,5 +1,8 @@
 """Replica entry point: ``python -m composer_serverless.replicas.worker --run URL --rank R``.
 
+In decoupled mode (``diloco.mode``) rank ``diloco.replicas``, the one after the learners', is the syncer
+(``syncer/syncer.py``): every backend starts, watches, restarts and cancels it as it does a replica.
+
 The same command runs on a laptop, in a Modal container and in an HF Job: everything else the replica needs
 is in ``run.json`` inside the run, and credentials come from the environment.
 
@@ -68,7 +71,7 @@ def run_worker(run_url: str, rank: int, open_store: Callable[[str], ObjectStore]
 def _fetch_code(store: ObjectStore, config: RunConfig, rank: int, into: Path) -> None:
     """Fetch the run's shipped code (HF Jobs), checked file by file, and tell the objective where it is
     (``CODE_DIR_ENV``, inherited by the ranks); nothing to do where it is in place or in the image."""
-    from composer_serverless.replicas.diloco import run_key
+    from composer_serverless.rendezvous.runkey import run_key
 
     try:
         key = run_key(config.diloco)
@@ -85,10 +88,20 @@ def _run_ranks(
     run_url: str, rank: int, config: RunConfig, store: ObjectStore, open_store: Callable[[str], ObjectStore]
 ) -> int:
     ranks = config.ranks_per_replica
+    if rank == config.diloco.syncer_rank:
+        from composer_serverless.syncer.syncer import run_syncer
+
+        run_syncer(store)
+        return 0
     if ranks == 1:
         from composer_serverless.replicas.trainer import run_replica
 
-        run_replica(store, rank)
+        if config.diloco.mode == "decoupled":
+            from composer_serverless.replicas.decoupled import DecoupledLearner
+
+            run_replica(store, rank, kind=DecoupledLearner)
+        else:
+            run_replica(store, rank)
         return 0
     import torch.multiprocessing as mp
 

@@ -243,8 +243,7 @@ def _samples_on_rank(local_rank: int, rendezvous: str, out: str) -> None:
     import torch.distributed as dist
 
     from composer_serverless.objectives.engines import GenerateEngine, Request
-    from composer_serverless.replicas.node import Node
-    from composer_serverless.replicas.trainer import training_seed
+    from composer_serverless.replicas.node import Node, training_seed
     from tests.replicas.test_engines import EOS, PROMPT, _small_model
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=local_rank, world_size=2)

@@ -1,0 +1,84 @@
+"""The settings of ``diloco.mode = "decoupled"``: learners that never wait for one another and a syncer that
+merges what has arrived (``composer_serverless/syncer``, docs/decoupled.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from composer_serverless.config.base import StrictModel
+
+
+class DecoupledConfig(StrictModel):
+    """How the syncer merges contributions and how far a learner may run ahead of the newest global."""
+
+    min_quorum: int | None = Field(
+        None,
+        ge=1,
+        description="contributions (each from a different learner) the syncer waits for before it merges; "
+        "unset: every learner (diloco.replicas), the lock-step schedule",
+    )
+    grace_s: float | None = Field(
+        0.0,
+        ge=0,
+        description="once min_quorum contributions are in, seconds the syncer waits for more learners' "
+        "before it merges (a bound: it merges at once when every learner's is in); unset: no bound, it "
+        "waits for every learner",
+    )
+    max_lag: int = Field(
+        0,
+        ge=0,
+        description="contributions of a learner that may be unmerged when it starts its next round: 0 waits "
+        "for the merge of its own contribution (lock-step's schedule, which makes decoupled mode with a full "
+        "quorum equal lock-step bit for bit); 1 or more: it trains on while its contributions wait",
+    )
+    max_age: int | None = Field(
+        8,
+        ge=0,
+        description="a contribution more than this many versions older than the global it would be merged "
+        "into is dropped (recorded as such, never merged); unset: none dropped. 8 keeps every learner of the "
+        "usual cases (syncer/merge.py)",
+    )
+    discount: float = Field(
+        0.0,
+        ge=0,
+        description="a kept contribution of age a counts 1 / (1 + discount * a) times its weight; 0: no "
+        "discount (Async Local-SGD found discounts barely help)",
+    )
+    adopt: Literal["keep", "overwrite"] = Field(
+        "keep",
+        description="what a learner does with the inner steps it ran since its last contribution when it "
+        "adopts a newer global: 'keep' carries them over (new global + local progress since publishing), "
+        "'overwrite' discards them. Identical with max_lag = 0 (nothing runs between publishing and adopting)",
+    )
+    weighting: Literal["tokens", "equal"] = Field(
+        "tokens",
+        description="how much a contribution counts in the merge: 'tokens', tokens ** 2 / steps (Decoupled "
+        "DiLoCo's quantity times quality), or 'equal'. Equal weights (equal learners) merge with lock-step's "
+        "arithmetic either way",
+    )
+    average: Literal["mean", "rda"] = Field(
+        "mean",
+        description="how the weighted contributions are combined per tensor: 'mean', or 'rda' (radial-"
+        "directional: the weighted mean norm times the direction of the weighted mean of unit vectors; the "
+        "embeddings are averaged plainly)",
+    )
+    outer: Literal["nesterov", "delayed_nesterov"] = Field(
+        "nesterov",
+        description="the syncer's outer optimizer: 'nesterov', SGD with diloco.outer_lr, outer_momentum and "
+        "nesterov, as lock-step's; 'delayed_nesterov' (Async Local-SGD) updates the momentum only every "
+        "diloco.replicas-th merge",
+    )
+    poll_s: float = Field(
+        0.5, gt=0, le=60, description="seconds between the syncer's (and a waiting learner's) store listings"
+    )
+
+    @model_validator(mode="after")
+    def _age_covers_lag(self) -> DecoupledConfig:
+        if self.max_age is not None and self.max_age < self.max_lag:
+            raise ValueError(
+                f"diloco.decoupled.max_age ({self.max_age}) must be at least max_lag ({self.max_lag}): a "
+                "learner max_lag rounds ahead sends contributions that old, and every one would be dropped"
+            )
+        return self

@@ -1,0 +1,180 @@
+"""What decoupled mode's learners and syncer share through the store: contributions, and global versions.
+
+* A **contribution** is one learner's pseudo-gradient (the global it started from minus its local
+  parameters, one flat tensor in the global's parameter order) through the run's codec, with its checksum or,
+  with a run key, its MAC. Its header names the run, the learner, its sequence number, the global version it
+  started from (``base``) and the tokens and inner steps it covers. Created once under
+  ``layout.contribution(learner, seq)``: an input is immutable once written, as in lock-step's exchange.
+* A **global version** ``v`` is two snapshots (``checkpoint.write_snapshot``: manifest last, checksums or
+  MACs): the parameters, which learners load, and the syncer's outer optimizer state, which only a syncer
+  loads; then the record ``layout.version(v)``, created once. The record names the snapshots' writer and
+  says what the merge took: ``consumed`` (per learner, the next sequence number not yet taken, so a
+  contribution is merged at most once whichever syncer resumes) and which contributions it merged or
+  dropped. Whoever loses the creation of a record wrote its snapshots under its own name and discards them.
+
+Version 0 is the initial weights, written by the first learner to start (all start from the same ones).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from composer_serverless.rendezvous import checkpoint, layout
+from composer_serverless.rendezvous.codec import Codec, decode, encode_parts, read_header
+from composer_serverless.rendezvous.runkey import RunKey
+from composer_serverless.rendezvous.store import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+_FIELDS = ("base", "tokens", "steps")
+
+
+def writer_token() -> str:
+    """A name for one process's writes of versions, unique across processes and restarts."""
+    return secrets.token_hex(6)
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """A contribution's identity and what it covers."""
+
+    learner: int
+    seq: int
+    base: int  # the global version the learner started from
+    tokens: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class Version:
+    """A global version's record (``layout.version``)."""
+
+    version: int
+    writer: str
+    consumed: dict[int, int] = field(default_factory=dict)
+    merged: list[list[int]] = field(default_factory=list)  # [learner, seq] pairs averaged into it
+    dropped: list[dict[str, Any]] = field(default_factory=list)  # {learner, seq, why}
+    # The embeddings' parameter names (input, and an untied output head), which a merge averages plainly:
+    # named by the learner that writes version 0, which knows the model, and carried on by every version.
+    embeddings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> bytes:
+        record = {
+            "version": self.version,
+            "writer": self.writer,
+            "consumed": {str(k): v for k, v in self.consumed.items()},
+            "merged": self.merged,
+            "dropped": self.dropped,
+            "embeddings": self.embeddings,
+        }
+        return json.dumps(record).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Version:
+        data = json.loads(raw)
+        return cls(
+            version=int(data["version"]),
+            writer=str(data["writer"]),
+            consumed={int(k): int(v) for k, v in data["consumed"].items()},
+            merged=[[int(a), int(b)] for a, b in data["merged"]],
+            dropped=list(data["dropped"]),
+            embeddings=[str(name) for name in data["embeddings"]],
+        )
+
+
+def _identity(run_id: str, learner: int, seq: int) -> dict[str, str]:
+    return {"run": run_id, "kind": "contribution", "learner": str(learner), "seq": str(seq)}
+
+
+def publish(
+    store: ObjectStore,
+    run_id: str,
+    contribution: Contribution,
+    values: torch.Tensor,
+    codec: Codec,
+    key: RunKey | None,
+) -> int:
+    """Create the contribution's object; the bytes written (0 when an earlier attempt of this learner
+    already wrote it: inputs are immutable, the stored one counts)."""
+    c = contribution
+    identity = {**_identity(run_id, c.learner, c.seq), **{f: str(getattr(c, f)) for f in _FIELDS}}
+    parts = encode_parts(values, identity, codec, key)
+    if store.create(layout.contribution(c.learner, c.seq), parts):
+        return sum(len(p) for p in parts)
+    logger.info("contribution %d of learner %d exists from an earlier attempt", c.seq, c.learner)
+    return 0
+
+
+def waiting(store: ObjectStore, learners: int, consumed: dict[int, int]) -> dict[int, list[int]]:
+    """Per learner, the sequence numbers of its contributions in the store not yet consumed, in order."""
+    out: dict[int, list[int]] = {}
+    for learner in range(learners):
+        seqs = sorted(int(n) for n in store.list(layout.contributions(learner)) if n.isdigit())
+        left = [s for s in seqs if s >= consumed.get(learner, 0)]
+        if left:
+            out[learner] = left
+    return out
+
+
+def read_contribution(
+    store: ObjectStore,
+    run_id: str,
+    learner: int,
+    seq: int,
+    codec: Codec,
+    numel: int,
+    key: RunKey | None,
+) -> tuple[Contribution, torch.Tensor]:
+    """A contribution and its fp32 values, checked (identity, codec, size, checksum or MAC, finite).
+
+    Raises:
+        PayloadError: it may not be merged; FileNotFoundError: it is not in the store.
+    """
+    data = store.get(layout.contribution(learner, seq))
+    values = decode(data, _identity(run_id, learner, seq), codec, numel, key=key)
+    metadata = read_header(data)[0]["__metadata__"]
+    assert isinstance(metadata, dict)
+    fields = {f: int(metadata[f]) for f in _FIELDS}
+    return Contribution(learner, seq, **fields), values
+
+
+def newest_version(store: ObjectStore) -> int:
+    """The newest global version recorded; -1 before version 0 exists."""
+    names = [n.removesuffix(".json") for n in store.list(layout.VERSIONS) if n.endswith(".json")]
+    return max((int(n) for n in names if n.isdigit()), default=-1)
+
+
+def read_version(store: ObjectStore, v: int) -> Version:
+    return Version.from_json(store.get(layout.version(v)))
+
+
+def load_params(store: ObjectStore, record: Version, key: RunKey | None) -> dict[str, torch.Tensor]:
+    """Version ``record``'s global parameters by model name, checked against their manifest."""
+    return checkpoint.read_snapshot(store, layout.global_params(record.version, record.writer), key)
+
+
+def load_outer(store: ObjectStore, record: Version, key: RunKey | None) -> dict[str, Any]:
+    """The syncer's outer optimizer state after version ``record``."""
+    return checkpoint.read_snapshot(store, layout.syncer_state(record.version, record.writer), key)
+
+
+def commit(
+    store: ObjectStore,
+    record: Version,
+    params: dict[str, torch.Tensor],
+    outer: dict[str, Any] | None,
+    key: RunKey | None,
+) -> bool:
+    """Write ``record``'s snapshots under its writer's name, then create its record; False (nothing of it
+    counts) when another writer created version ``record.version`` first."""
+    v = record.version
+    checkpoint.write_snapshot(store, layout.global_params(v, record.writer), params, key)
+    if outer is not None:
+        checkpoint.write_snapshot(store, layout.syncer_state(v, record.writer), outer, key)
+    return store.create(layout.version(v), record.to_json())

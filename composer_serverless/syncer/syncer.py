@@ -1,0 +1,228 @@
+"""The syncer: a CPU process that turns the learners' contributions into global versions, one merge at a time.
+
+Each merge: wait until contributions from ``diloco.decoupled.min_quorum`` learners are in the store (every
+learner by default), then at most ``grace_s`` more for the others (at once when every learner's is in); take
+every contribution not yet consumed; drop those that fail their checks (checksum, MAC, identity, finite), whose
+base version is more than ``max_age`` behind, or whose norm is an outlier (``robust.outliers``, as lock-step's
+exchange); weigh the rest (``merge.contribution_weight``) and merge them tensor by tensor (``merge.py``: with
+equal weights, lock-step's arithmetic), and step the outer optimizer (``outer.py``: lock-step's Nesterov SGD,
+or Delayed Nesterov) on its CPU copy of the global; then commit
+the new version (``rendezvous/decoupled.py``): parameters, outer state, and the record of what it consumed.
+
+Nothing lost, nothing merged twice, whatever kills it: a syncer starts from the newest committed version and
+its recorded ``consumed`` marks; contributions are immutable; a version is committed by creating its record,
+once. Two syncers at once (a restart while the old one still runs) cannot both commit a version: the loser
+of the creation reloads the winner's and goes on from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from composer_serverless.config import RunConfig
+from composer_serverless.rendezvous import decoupled as versions
+from composer_serverless.rendezvous import layout, runkey
+from composer_serverless.rendezvous.codec import Codec, PayloadError, decode, encode, l2_norm
+from composer_serverless.rendezvous.decoupled import Contribution, Version
+from composer_serverless.rendezvous.robust import outliers
+from composer_serverless.rendezvous.runkey import RunKey
+from composer_serverless.rendezvous.store import ObjectStore
+from composer_serverless.rendezvous.telemetry import Reporter
+from composer_serverless.syncer.merge import contribution_weight, merge_tensors
+from composer_serverless.syncer.outer import outer_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+def run_syncer(run: ObjectStore) -> None:
+    """Merge the run at ``run`` until its last global version (``diloco.rounds``) is committed, beating as
+    the rank after the learners' (``DiLoCoConfig.syncer_rank``), as a replica beats."""
+    config = RunConfig.model_validate_json(run.get(layout.RUN_CONFIG))
+    rank = config.diloco.syncer_rank
+    if rank is None:
+        raise ValueError(f"{run.url} runs diloco.mode = {config.diloco.mode!r}: it has no syncer")
+    run.tolerate_outages(config.diloco.store_outage_s)
+    reporter = Reporter(run, rank)
+    reporter.beat(state="starting")
+    try:
+        key = runkey.run_key(config.diloco)
+        if key is not None:
+            runkey.check_fingerprint(run, key)
+            key = key.for_run(config.run_id or "")
+        Syncer(run, config, key, reporter).run()
+    except BaseException as e:
+        reporter.beat(state="failed", error=f"{type(e).__name__}: {e}")
+        raise
+
+
+class Syncer:
+    """One syncer process's merges (see the module)."""
+
+    def __init__(self, run: ObjectStore, config: RunConfig, key: RunKey | None, reporter: Reporter) -> None:
+        dl = config.diloco
+        self.reporter = reporter
+        self.run_store = run
+        self.config = config
+        self.key = key
+        self.learners = dl.replicas
+        self.quorum = dl.decoupled.min_quorum or dl.replicas
+        self.codec: Codec = dl.codec  # type: ignore[assignment]  # the sparse codec is refused (config)
+        self.reduced: Codec = dl.reduced_codec or dl.codec  # type: ignore[assignment]
+        self.writer = versions.writer_token()
+        self.params: dict[str, torch.Tensor] = {}
+        self.outer: torch.optim.Optimizer | None = None
+        self.record = Version(-1, "")
+
+    def run(self) -> None:
+        self._load(self._first_version())
+        while self.record.version < self.config.diloco.rounds:
+            taken = self._gather()
+            self._merge(taken)
+        logger.info("committed the run's last global version (%d): done", self.record.version)
+        self._beat("done")
+
+    def _beat(self, state: str) -> None:
+        rounds = self.config.diloco.rounds
+        self.reporter.beat(state=state, round=max(self.record.version, 0), rounds=rounds, step=0, steps=1)
+
+    def _first_version(self) -> int:
+        """The newest committed version, once version 0 (the learners' initial weights) exists."""
+        told = False
+        self._beat("waiting")
+        while (newest := versions.newest_version(self.run_store)) < 0:
+            if not told:
+                logger.info("waiting for a learner to write global version 0 (the initial weights)")
+                told = True
+            time.sleep(self.config.diloco.decoupled.poll_s)
+        return newest
+
+    def _load(self, v: int) -> None:
+        """Continue from committed version ``v``: its parameters, the outer state after it, its marks."""
+        dl = self.config.diloco
+        record = versions.read_version(self.run_store, v)
+        self.params = versions.load_params(self.run_store, record, self.key)
+        self.outer = outer_optimizer(
+            list(self.params.values()),
+            lr=dl.outer_lr,
+            momentum=dl.outer_momentum,
+            nesterov=dl.nesterov,
+            delay=dl.replicas if dl.decoupled.outer == "delayed_nesterov" else 1,
+        )
+        if v > 0:
+            self.outer.load_state_dict(versions.load_outer(self.run_store, record, self.key))
+        self.record = record
+        logger.info("holding global version %d (consumed %s)", v, record.consumed)
+
+    def _gather(self) -> dict[int, list[int]]:
+        """Per learner, its unconsumed contributions, once the quorum and the grace window allow a merge."""
+        dc = self.config.diloco.decoupled
+        deadline: float | None = None
+        self._beat("waiting")
+        while True:
+            waiting = versions.waiting(self.run_store, self.learners, self.record.consumed)
+            if len(waiting) == self.learners:
+                return waiting
+            if len(waiting) >= self.quorum and dc.grace_s is not None:
+                now = time.monotonic()
+                deadline = now + dc.grace_s if deadline is None else deadline
+                if now >= deadline:
+                    return waiting
+            time.sleep(dc.poll_s)
+
+    def _merge(self, taken: dict[int, list[int]]) -> None:
+        dl = self.config.diloco
+        v = self.record.version
+        numel = sum(t.numel() for t in self.params.values())
+        run_id = self.config.run_id or ""
+        dc = dl.decoupled
+        good: dict[tuple[int, int], tuple[Contribution, torch.Tensor]] = {}
+        weights: list[float] = []
+        dropped: list[dict[str, Any]] = []
+        for learner, seqs in sorted(taken.items()):
+            for seq in seqs:
+                try:
+                    c, values = versions.read_contribution(
+                        self.run_store, run_id, learner, seq, self.codec, numel, self.key
+                    )
+                    weight = contribution_weight(
+                        tokens=c.tokens,
+                        steps=c.steps,
+                        age=v - c.base,
+                        weighting=dc.weighting,
+                        max_age=dc.max_age,
+                        discount=dc.discount,
+                    )
+                except (PayloadError, FileNotFoundError, ValueError) as e:
+                    dropped.append({"learner": learner, "seq": seq, "why": str(e)})
+                    continue
+                if weight is None:
+                    why = f"started from version {c.base}, {v - c.base} behind (max_age {dc.max_age})"
+                    dropped.append({"learner": learner, "seq": seq, "why": why})
+                    continue
+                good[(learner, seq)] = (c, values)
+                weights.append(weight)
+        index = {ids: i for i, ids in enumerate(good)}
+        norms = {index[ids]: l2_norm(values) for ids, (_, values) in good.items()}
+        left_out = outliers(norms, dl.outlier_norm_factor, len(good))
+        for i, why in left_out.items():
+            ids = next(ids for ids, j in index.items() if j == i)
+            dropped.append({"learner": ids[0], "seq": ids[1], "why": why})
+            del good[ids]
+        weights = [w for i, w in enumerate(weights) if i not in left_out]
+        for d in dropped:
+            logger.warning("dropped contribution %d of learner %d: %s", d["seq"], d["learner"], d["why"])
+        consumed = dict(self.record.consumed)
+        for learner, seqs in taken.items():
+            consumed[learner] = max(seqs) + 1
+        merged = [[learner, seq] for learner, seq in good]
+        if good:
+            self._outer_step(self._merged([values for _, values in good.values()], weights))
+        record = Version(v + 1, self.writer, consumed, merged, dropped, self.record.embeddings)
+        outer = self.outer.state_dict() if self.outer is not None else None
+        if versions.commit(self.run_store, record, self.params, outer, self.key):
+            self.record = record
+            logger.info(
+                "merged version %d: %d contributions %s, staleness %s, dropped %d",
+                v + 1,
+                len(merged),
+                merged,
+                [v - c.base for c, _ in good.values()],
+                len(dropped),
+            )
+        else:
+            logger.warning("another syncer committed version %d first: continuing from its", v + 1)
+            self._load(v + 1)
+
+    def _merged(self, flats: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        """The contributions (flat, in the global's parameter order) merged tensor by tensor
+        (``merge.merge_tensors``), flat again."""
+        dc = self.config.diloco.decoupled
+        named = []
+        for flat in flats:
+            tensors, offset = {}, 0
+            for name, p in self.params.items():
+                tensors[name] = flat[offset : offset + p.numel()]
+                offset += p.numel()
+            named.append(tensors)
+        merged = merge_tensors(named, weights, dc.average, plain=self.record.embeddings)
+        return torch.cat([merged[name] for name in self.params])
+
+    @torch.no_grad()
+    def _outer_step(self, average: torch.Tensor) -> None:
+        """The outer optimizer's step on the global with ``average`` as its gradient, after the round trip
+        through the reduced codec every lock-step replica applies (its decoding of the published average)."""
+        if self.reduced != "fp32":
+            identity = {"kind": "average"}
+            average = decode(encode(average, identity, self.reduced), identity, self.reduced, average.numel())
+        offset = 0
+        for p in self.params.values():
+            grad = average[offset : offset + p.numel()].view_as(p)
+            p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+            offset += p.numel()
+        assert self.outer is not None
+        self.outer.step()
+        self.outer.zero_grad()

@@ -1,0 +1,106 @@
+"""Decoupled mode under kill -9, over real processes: the syncer killed mid-merge, a learner killed, every
+learner killed at once. Asserted on what the store recorded (the versions' records, the learners' rows),
+never on time."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from composer_serverless.rendezvous import layout
+from tests.rendezvous.harness import create, make_config, start_replica, wait_all
+from tests.syncer.processes import killed_on, merges
+
+LEARNERS = 3
+ROUNDS = 3
+SETTINGS = {"replicas": LEARNERS, "rounds": ROUNDS, "embedding_average": "all", "mode": "decoupled"}
+
+
+def every_merge_once(records) -> list[tuple[int, int]]:
+    """Every (learner, seq) merged over the run's versions, in version order, duplicates kept."""
+    return [tuple(pair) for v in sorted(records) for pair in records[v].merged]
+
+
+@pytest.mark.slow
+def test_a_syncer_killed_mid_merge_restarts_and_merges_each_contribution_once(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Killed after writing version 2's snapshots and before creating its record: version 2 does not exist,
+    its orphaned snapshots count for nothing; the restarted syncer continues from version 1's record, and
+    over the run every contribution is merged exactly once and no version is skipped."""
+    run = create(make_config(str(tmp_path / "runs"), "killed-syncer", tiny_model_dir, **SETTINGS))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    learners = [start_replica(run, r, logs / f"rank-{r}.log") for r in range(LEARNERS)]
+    dying = start_replica(run, LEARNERS, logs / "syncer-1.log", faults=killed_on(layout.version(2)))
+    assert wait_all([dying]) == [-signal.SIGKILL]
+    assert not run.exists(layout.version(2)) and run.exists(layout.version(1))
+    orphans = [name for name in run.list(layout.GLOBALS) if name.startswith("00000002-")]
+    assert len(orphans) == 1  # its write of version 2 reached the store; nothing names it
+    restarted = start_replica(run, LEARNERS, logs / "syncer-2.log")
+    assert wait_all([*learners, restarted]) == [0] * (LEARNERS + 1)
+
+    records = merges(run)
+    assert sorted(records) == list(range(ROUNDS + 1))
+    merged = every_merge_once(records)
+    assert sorted(merged) == [(learner, seq) for learner in range(LEARNERS) for seq in range(ROUNDS)]
+    assert records[2].writer != records[1].writer  # version 2 is the restarted syncer's
+    assert not any(name.startswith(f"00000002-{records[2].writer}") for name in orphans)
+
+
+@pytest.mark.slow
+def test_a_killed_learner_never_holds_the_others_up(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """With a quorum of 2 of 3, learner 2 killed at its first contribution and never restarted: the syncer
+    goes on merging learners 0 and 1, and they reach the last version without it."""
+    config = make_config(
+        str(tmp_path / "runs"),
+        "killed-learner",
+        tiny_model_dir,
+        **SETTINGS,
+        decoupled={"min_quorum": 2, "grace_s": 0.0},
+    )
+    run = create(config)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    dead = start_replica(run, 2, logs / "rank-2.log", faults=killed_on(layout.contribution(2, 0)))
+    assert wait_all([dead]) == [-signal.SIGKILL]
+    others = [start_replica(run, r, logs / f"rank-{r}.log") for r in (0, 1, LEARNERS)]
+    assert wait_all(others) == [0, 0, 0]
+
+    records = merges(run)
+    assert sorted(records) == list(range(ROUNDS + 1))
+    assert {learner for learner, _ in every_merge_once(records)} == {0, 1}
+    for rank in (0, 1):
+        row = json.loads(run.get(layout.metrics(rank, ROUNDS)))
+        assert row["version"] == ROUNDS and row["contributions"] == [ROUNDS - 1]
+
+
+@pytest.mark.slow
+def test_every_learner_killed_at_once_the_run_goes_on_from_its_last_global(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Every learner SIGKILLed as it publishes its second contribution (version 1 merged): restarted, each
+    starts from version 1 (the newest merged) and the run reaches its last version, merging every learner's
+    work from there."""
+    run = create(make_config(str(tmp_path / "runs"), "killed-all", tiny_model_dir, **SETTINGS))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    syncer = start_replica(run, LEARNERS, logs / "syncer.log")
+    first = [
+        start_replica(run, r, logs / f"rank-{r}.log", faults=killed_on(layout.contribution(r, 1)))
+        for r in range(LEARNERS)
+    ]
+    assert wait_all(first) == [-signal.SIGKILL] * LEARNERS
+    assert merges(run)[1].consumed == dict.fromkeys(range(LEARNERS), 1)
+    again = [start_replica(run, r, logs / f"rank-{r}-again.log") for r in range(LEARNERS)]
+    assert wait_all([*again, syncer]) == [0] * (LEARNERS + 1)
+
+    records = merges(run)
+    assert sorted(records) == list(range(ROUNDS + 1))
+    for rank in range(LEARNERS):
+        assert "started from global version 1" in (logs / f"rank-{rank}-again.log").read_text()
+    # Each learner's contributions 1 and 2 were written by the restarted learners, from version 1 and 2.
+    assert sorted(every_merge_once(records)) == [(r, s) for r in range(LEARNERS) for s in range(ROUNDS)]

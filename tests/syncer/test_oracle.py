@@ -1,0 +1,67 @@
+"""Decoupled mode's oracle: with a quorum of every learner, equal speeds, no faults and ``max_lag = 0``, its
+learners and syncer (real processes, on the simulated accelerator) end on lock-step DiLoCo's final global,
+bit for bit: the same inner steps, the same mean in the same order, the same outer Nesterov step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from composer_serverless.rendezvous import checkpoint, layout
+from composer_serverless.rendezvous import decoupled as versions
+from composer_serverless.rendezvous.telemetry import read_heartbeats
+from composer_serverless.replicas.weights import digest
+from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
+from tests.rendezvous.harness import create, make_config, run_replicas
+from tests.syncer.processes import run_decoupled
+
+LEARNERS = 3
+ROUNDS = 3
+# The settings decoupled mode takes (the touched-rows average is lock-step's exchange's); a checkpoint at
+# the last round holds lock-step's final global.
+SETTINGS = {"replicas": LEARNERS, "rounds": ROUNDS, "embedding_average": "all", "min_replicas": LEARNERS}
+
+
+def lockstep_final(run) -> dict[str, torch.Tensor]:
+    """The global parameters lock-step published after its last round, by model name."""
+    tree = checkpoint.load_global(run, ROUNDS)
+    originals = tree["user"]["StreamingDiLoCoFragment_0"]["original_parameters"]
+    return {name.replace("__", "."): tensor for name, tensor in originals.items()}
+
+
+@pytest.mark.slow
+def test_decoupled_with_a_full_quorum_ends_on_lockstep_bit_for_bit(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    store = str(tmp_path / "runs")
+    with replicas_on_the_simulated_accelerator():
+        lockstep = create(make_config(store, "lockstep", tiny_model_dir, **SETTINGS))
+        assert run_replicas(lockstep, tmp_path / "lockstep-logs", LEARNERS) == [0] * LEARNERS
+        decoupled = create(make_config(store, "decoupled", tiny_model_dir, mode="decoupled", **SETTINGS))
+        assert run_decoupled(decoupled, tmp_path / "decoupled-logs", LEARNERS) == [0] * (LEARNERS + 1)
+    assert ran_on_the_simulated_accelerator(tmp_path / "lockstep-logs")
+    assert ran_on_the_simulated_accelerator(tmp_path / "decoupled-logs")
+
+    final = versions.read_version(decoupled, ROUNDS)
+    # Every learner's contribution of every round merged once, none dropped.
+    assert sorted(map(tuple, final.merged)) == [(learner, ROUNDS - 1) for learner in range(LEARNERS)]
+    assert final.consumed == {learner: ROUNDS for learner in range(LEARNERS)} and final.dropped == []
+    merged = versions.load_params(decoupled, final, None)
+    expected = lockstep_final(lockstep)
+    assert set(merged) == set(expected)
+    unequal = [name for name in expected if not torch.equal(merged[name], expected[name])]
+    assert unequal == [], f"differ from lock-step: {unequal}"
+    # ... and it is not lock-step's starting point: the run trained.
+    initial = versions.load_params(decoupled, versions.read_version(decoupled, 0), None)
+    assert any(not torch.equal(initial[name], merged[name]) for name in merged)
+
+    # Every learner ended holding that global: its last row's digest is the final version's.
+    beats = read_heartbeats(decoupled)
+    assert [beats[rank]["state"] for rank in range(LEARNERS)] == ["done"] * LEARNERS
+    held = {
+        json.loads(decoupled.get(layout.metrics(r, ROUNDS))).get("global_sha256") for r in range(LEARNERS)
+    }
+    assert held == {digest(merged)}
