@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 # ``provenance``: where a harvested pair came from (its teachers, their answers, agreement, cost); not read.
-PAIR_KEYS = ("prompt", "chosen", "rejected", "chosen_ref_logp", "rejected_ref_logp", "provenance")
+PAIR_KEYS = ("prompt", "chosen", "rejected", "chosen_ref_logp", "rejected_ref_logp", "provenance", "tools")
 # What a reward function is called with besides the columns (TRL's names, and ``truncated``): no column may
 # take them.
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "truncated", "trainer_state")
@@ -114,14 +114,17 @@ class PreferencePair:
         chosen_ref_logp / rejected_ref_logp: log pi_ref of the completion (its tokens and the EOS after
             them) given the prompt, summed, at temperature 1 under the run's tokenizer; both or neither. When
             absent, DPO computes them once with the initial model.
+        prompt: the text, or the conversation a trace's state holds (a per-state pair of an episode).
+        tools: the tools' JSON schemas the conversation is rendered with (the chat template's ``tools=``).
     """
 
-    prompt: str
+    prompt: Prompt
     chosen: str
     rejected: str
     chosen_ref_logp: float | None = None
     rejected_ref_logp: float | None = None
     source: str = ""
+    tools: tuple[dict[str, Any], ...] = ()
 
 
 def read_prompts(
@@ -328,6 +331,19 @@ def _prompt_record(obj: dict[str, Any], where: str, renames: dict[str, str]) -> 
     return PromptRecord(prompt=prompt, columns=row, source=where)
 
 
+def conversation(value: Any, where: str) -> Prompt:
+    """A prompt (``_prompt``) whose tool turns keep the tool's ``name`` (the chat templates render it): what
+    a trace's state and a per-state pair hold."""
+    prompt = _prompt(value, where)
+    if isinstance(prompt, str):
+        return prompt
+    named = [
+        {**m, "name": given["name"]} if m["role"] == "tool" and isinstance(given.get("name"), str) else m
+        for m, given in zip(prompt, value, strict=True)
+    ]
+    return tuple(named)
+
+
 def _prompt(value: Any, where: str) -> Prompt:
     """A prompt string, or a conversation: messages with a known role and string content, the last not the
     assistant's (the model writes that turn)."""
@@ -371,13 +387,17 @@ def _ref_logp(obj: dict[str, Any], key: str, where: str) -> float | None:
 
 def _pair_record(obj: dict[str, Any], where: str) -> PreferencePair:
     _check_keys(obj, PAIR_KEYS, where)
+    tools = obj.get("tools") or []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RecordError(f"{where}: 'tools' must be a list of JSON schemas (objects)")
     pair = PreferencePair(
-        prompt=_text(obj, "prompt", where, required=True),
+        prompt=conversation(obj.get("prompt"), where),
         chosen=_text(obj, "chosen", where, required=True),
         rejected=_text(obj, "rejected", where, required=True),
         chosen_ref_logp=_ref_logp(obj, "chosen_ref_logp", where),
         rejected_ref_logp=_ref_logp(obj, "rejected_ref_logp", where),
         source=where,
+        tools=tuple(tools),
     )
     if pair.chosen == pair.rejected:
         raise RecordError(f"{where}: chosen and rejected are the same text, so the pair teaches nothing")

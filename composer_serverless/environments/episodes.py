@@ -68,6 +68,8 @@ class Episode:
         sites: the error sites, in order.
         failed: why the environment ended the episode (raised or hung), None when it did not.
         env_reward: the environment's own reward, None when it owns none (or failed).
+        prompt: the prompt as messages (the first state of its trace).
+        tools: the tools' JSON schemas the prompt was rendered with (a trace's states are rendered with them).
     """
 
     prompt_ids: list[int]
@@ -82,6 +84,8 @@ class Episode:
     truncated: bool = False
     failed: str | None = None
     env_reward: float | None = None
+    prompt: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
 
     def extend(self, ids: Sequence[int], by_model: bool) -> None:
         self.ids += ids

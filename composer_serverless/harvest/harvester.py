@@ -15,7 +15,7 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -24,30 +24,41 @@ from urllib.parse import urlsplit
 import httpx
 
 from composer_serverless.config import HarvestConfig, TeacherConfig
+from composer_serverless.data.records import Prompt
 from composer_serverless.harvest.answers import normalise, normalise_student, vote
 from composer_serverless.harvest.cache import AnswerCache, CachedAnswer, cache_key
 from composer_serverless.harvest.client import Reply, TeacherClient
+from composer_serverless.harvest.conversation import openai_messages
 from composer_serverless.harvest.costs import Budget, worst_case
-from composer_serverless.harvest.states import State, select_prompts
+from composer_serverless.harvest.states import State, select_states
 from composer_serverless.harvest.stats import HarvestResult, TeacherStats
 
 # Called after every prompt-teacher query: (queries done, queries in all, USD spent so far).
 Progress = Callable[[int, int, float], None]
 
 
-def messages(config: HarvestConfig, prompt: str) -> list[dict[str, str]]:
+def messages(config: HarvestConfig, prompt: Prompt) -> list[dict[str, Any]]:
+    """What a teacher reads: a text prompt in the harvest's template (after its system turn), or a trace's
+    state as it is, the conversation the student saw (its own system turn included), to be continued."""
+    if not isinstance(prompt, str):
+        return openai_messages(prompt)
     system = [{"role": "system", "content": config.system}] if config.system else []
     return [*system, {"role": "user", "content": config.template.format(prompt=prompt)}]
 
 
-def request_body(config: HarvestConfig, teacher: TeacherConfig, prompt: str) -> bytes:
+def request_body(
+    config: HarvestConfig, teacher: TeacherConfig, prompt: Prompt, tools: Sequence[dict[str, Any]] = ()
+) -> bytes:
     """The exact bytes sent to ``teacher`` for ``prompt`` (compact JSON, keys sorted: one request, one body,
-    one cache key)."""
+    one cache key); a state's tools go as the API's ``tools``, so the teacher may call them as the student
+    could."""
     body: dict[str, Any] = {
         "model": teacher.model,
         "messages": messages(config, prompt),
         teacher.max_tokens_field: teacher.max_tokens,
     }
+    if tools:
+        body["tools"] = list(tools)
     if teacher.temperature is not None:
         body["temperature"] = teacher.temperature
     return json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
@@ -83,8 +94,8 @@ class _Harvest:
         self.done = 0
         self.total = 0
 
-    async def ask(self, teacher: TeacherConfig, prompt: str) -> Asked:
-        body = request_body(self.config, teacher, prompt)
+    async def ask(self, teacher: TeacherConfig, state: State) -> Asked:
+        body = request_body(self.config, teacher, state.prompt, state.tools)
         digest = cache_key(teacher, body)
         stats = self.stats[teacher.name]
         hit = await self.cache.aget(digest)
@@ -162,41 +173,43 @@ def _provenance(
 
 
 def make_pairs(
-    config: HarvestConfig, states: list[State], prompts: list[str], answers: dict[str, dict[str, Asked]]
+    config: HarvestConfig, states: list[State], asked: list[State], answers: dict[str, dict[str, Asked]]
 ) -> tuple[list[dict[str, Any]], Counter[str], int]:
-    """The pairs, the verdict per prompt and how many states already gave the agreed answer.
+    """The pairs, the verdict per question asked and how many states already gave the agreed answer.
 
-    A pair is ``{prompt, chosen, rejected, provenance}``: chosen is the answer ``threshold`` teachers agree
-    on, rejected the student's answer as it was given; states with the same prompt and student answer make
-    one pair, which names them all (``provenance.states``)."""
+    A pair is ``{prompt, chosen, rejected, provenance}`` (and ``tools`` for a trace's state): chosen is the
+    answer ``threshold`` teachers agree on, rejected the student's answer as it was given; states with the
+    same question (``State.key``) and student answer make one pair, which names them all
+    (``provenance.states``). A trace's state is one question of its own, so its pairs are per state."""
     rule = config.normalise
-    by_prompt: dict[str, list[State]] = {}
+    by_key: dict[str, list[State]] = {}
     for state in states:
-        by_prompt.setdefault(state.prompt, []).append(state)
+        by_key.setdefault(state.key, []).append(state)
     pairs: dict[tuple[str, str], dict[str, Any]] = {}
     verdicts: Counter[str] = Counter()
     agreed = 0
-    for prompt in prompts:
-        asked = answers[prompt]
+    for question in asked:
+        replies = answers[question.key]
         normalised = {
-            name: None if a.content is None else normalise(a.content, rule) for name, a in asked.items()
+            name: None if a.content is None else normalise(a.content, rule) for name, a in replies.items()
         }
         verdict = vote(normalised, config.threshold)
         verdicts[verdict.reason] += 1
         if verdict.chosen is None:
             continue
-        provenance = _provenance(config, asked, verdict.votes, verdict.voters, verdict.answered)
-        for state in by_prompt[prompt]:
+        provenance = _provenance(config, replies, verdict.votes, verdict.voters, verdict.answered)
+        for state in by_key[question.key]:
             if normalise_student(state.student, rule).key == verdict.key:
                 agreed += 1
                 continue
             pair = pairs.setdefault(
-                (prompt, state.student),
+                (question.key, state.student),
                 {
-                    "prompt": prompt,
+                    "prompt": state.prompt if isinstance(state.prompt, str) else list(state.prompt),
                     "chosen": verdict.chosen,
                     "rejected": state.student,
                     "provenance": {"states": [], **provenance},
+                    **({"tools": list(state.tools)} if state.tools else {}),
                 },
             )
             pair["provenance"]["states"].append(state.id)
@@ -225,7 +238,7 @@ async def harvest(
     """
     started = time.monotonic()
     spent_before = budget.spent
-    prompts = select_prompts(states, config.max_states)
+    asked = select_states(states, config.max_states)
     timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
     tls = httpx.create_ssl_context()  # one for all: loading the CA bundle takes tens of milliseconds
     async with contextlib.AsyncExitStack() as stack:
@@ -236,11 +249,11 @@ async def harvest(
             client = httpx.AsyncClient(limits=limits, timeout=timeout, verify=tls, trust_env=proxied)
             http[t.name] = await stack.enter_async_context(client)
         run = _Harvest(config, cache, budget, http, progress, seed)
-        queries = [(prompt, teacher) for prompt in prompts for teacher in config.teachers]
+        queries = [(state, teacher) for state in asked for teacher in config.teachers]
         run.total = len(queries)
-        tasks = [asyncio.ensure_future(run.ask(teacher, prompt)) for prompt, teacher in queries]
+        tasks = [asyncio.ensure_future(run.ask(teacher, state)) for state, teacher in queries]
         try:
-            asked = await asyncio.gather(*tasks)
+            replies = await asyncio.gather(*tasks)
         except BaseException:
             # A query failed (the cache's store, say) or the harvest is cancelled: the other queries stop here,
             # before their clients close, rather than go on sending; each settles what it reserved.
@@ -248,15 +261,15 @@ async def harvest(
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-    answers: dict[str, dict[str, Asked]] = {prompt: {} for prompt in prompts}
-    for (prompt, teacher), reply in zip(queries, asked, strict=True):
-        answers[prompt][teacher.name] = reply
-    pairs, verdicts, agreed = make_pairs(config, states, prompts, answers)
+    answers: dict[str, dict[str, Asked]] = {state.key: {} for state in asked}
+    for (state, teacher), reply in zip(queries, replies, strict=True):
+        answers[state.key][teacher.name] = reply
+    pairs, verdicts, agreed = make_pairs(config, states, asked, answers)
     return HarvestResult(
         pairs=pairs,
         teachers=list(run.stats.values()),
         states=len(states),
-        prompts=len(prompts),
+        prompts=len(asked),
         verdicts=verdicts,
         student_agreed=agreed,
         spent=budget.spent - spent_before,

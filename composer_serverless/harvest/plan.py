@@ -21,7 +21,7 @@ from composer_serverless.harvest.states import (
     latest_rollout_round,
     read_rollouts,
     read_trace,
-    select_prompts,
+    select_states,
 )
 from composer_serverless.harvest.stats import HarvestResult
 from composer_serverless.objectives.inputs import check_paths
@@ -157,8 +157,8 @@ class TeacherEstimate:
     output_basis: str
 
 
-def _expected(config: HarvestConfig, teacher: TeacherConfig, prompt: str, output_tokens: float) -> float:
-    sent = messages(config, prompt)
+def _expected(config: HarvestConfig, teacher: TeacherConfig, state: State, output_tokens: float) -> float:
+    sent = messages(config, state.prompt)
     text_bytes = sum(len(m["content"].encode()) for m in sent)
     tokens_in = text_bytes / BYTES_PER_TOKEN + TOKENS_PER_MESSAGE * len(sent) + TOKENS_PER_REPLY
     price = Price.of(teacher)
@@ -170,11 +170,11 @@ def estimate(prepared: Prepared) -> list[TeacherEstimate]:
     reserves) and an expected cost: input at about 4 bytes a token, output at the mean of the teacher's
     cached answers (or max_tokens when it has none cached). Reads the cache; sends nothing."""
     config = prepared.config
-    prompts = select_prompts(prepared.states, config.max_states)
+    prompts = select_states(prepared.states, config.max_states)
     out = []
     with ThreadPoolExecutor(CACHE_READERS) as pool:
         for teacher in config.teachers:
-            bodies = [request_body(config, teacher, p) for p in prompts]
+            bodies = [request_body(config, teacher, p.prompt, p.tools) for p in prompts]
             hits: list[CachedAnswer | None] = list(
                 pool.map(prepared.cache.get, [cache_key(teacher, b) for b in bodies])
             )
@@ -203,7 +203,7 @@ def plan_json(prepared: Prepared, estimates: list[TeacherEstimate]) -> dict[str,
     return {
         "states": len(prepared.states),
         "source": prepared.source,
-        "prompts": len(select_prompts(prepared.states, config.max_states)),
+        "prompts": len(select_states(prepared.states, config.max_states)),
         "output": prepared.output_url,
         "cache": prepared.cache.store.url,
         "threshold": config.threshold,

@@ -46,6 +46,7 @@ from composer_serverless.data.records import (
     read_pairs,
     shard_records,
 )
+from composer_serverless.environments.traces import trace_rows, transcript
 from composer_serverless.losses import micro
 from composer_serverless.losses.batches import LossBatch, RLBatch
 from composer_serverless.losses.compose import LossSettings, three_channel_loss
@@ -213,6 +214,7 @@ class ComposerObjective:
         # The last round boundary whose decision this replica applied (the schedule's position).
         self._taken_through = 0
         self._recorded: dict[tuple[str, str], dict[str, Any]] = {}
+        self._episodes_recorded = 0  # episodes recorded this round, as traces
         self._completions: list[dict[str, Any]] = []
         self._completions_kept = config.tracking.completions_per_round
         # The pair files in the replay set: the static file's URL, then each harvested file's key in the run.
@@ -326,7 +328,9 @@ class ComposerObjective:
                 self._rollout,
                 always_hint=self._node is not None,
             )
-        if self._record:
+        if self._record and rolled.episodes is not None:
+            self._record_traces(rolled)
+        elif self._record:
             for record, text, reward in zip(
                 rolled.records, rolled.samples.texts, rolled.scored.totals, strict=True
             ):
@@ -445,6 +449,29 @@ class ComposerObjective:
             out.update({f"eval/task/{task}/{prefix}pass@{k}": mean(v) for task, v in sorted(by_task.items())})
         return out
 
+    def _record_traces(self, rolled: Rollout) -> None:
+        """Each episode as its trace, one row per state (``environments.traces``), numbered in the round's
+        order (the ids are made at the round's end, where the round is known)."""
+        assert rolled.episodes is not None
+        for episode, record, reward in zip(
+            rolled.episodes, rolled.records, rolled.scored.totals, strict=True
+        ):
+            number, self._episodes_recorded = self._episodes_recorded, self._episodes_recorded + 1
+            for row in trace_rows(episode, reward, record.task):
+                self._recorded[("trace", f"{number}-{row['turn']}")] = {"episode": number, **row}
+
+    def _round_rows(self, round_index: int) -> list[dict[str, Any]]:
+        """The round's recorded rows with their ids: a trace's states ``r{rank}-k{round}-e{n}-t{turn}`` of
+        episode ``r{rank}-k{round}-e{n}``, a completion's ``r{rank}-k{round}-{n}``."""
+        rows = []
+        for n, row in enumerate(self._recorded.values()):
+            if "episode" in row:
+                episode = f"r{self._rank}-k{round_index}-e{row['episode']}"
+                rows.append({**row, "id": f"{episode}-t{row['turn']}", "episode": episode})
+            else:
+                rows.append({"id": f"r{self._rank}-k{round_index}-{n}", **row})
+        return rows
+
     def _sample_completions(self, rolled: Rollout) -> None:
         """Keep the round's first completion of each prompt, up to ``tracking.completions_per_round``: the
         completions table the trackers show (and the round's metrics row holds), chosen without randomness so
@@ -456,7 +483,9 @@ class ComposerObjective:
             self._completions.append(
                 {
                     "prompt": _state_prompt(rolled.records[i]),
-                    "completion": rolled.samples.texts[i],
+                    "completion": rolled.samples.texts[i]
+                    if rolled.episodes is None
+                    else transcript(rolled.episodes[i].messages),
                     "reward": rolled.scored.totals[i],
                     **{
                         f"reward/{name}": values[i]
@@ -482,13 +511,10 @@ class ComposerObjective:
         if self._pairs is not None:
             fields["replay_files"] = list(self._pair_files)
         if self._record and self._run is not None:
-            rows = [
-                {"id": f"r{self._rank}-k{round_index}-{n}", **row}
-                for n, row in enumerate(self._recorded.values())
-            ]
+            rows = self._round_rows(round_index)
             data = "".join(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows)
             self._run.put(layout.rollouts(round_index, self._rank), data.encode())
-            self._recorded = {}
+            self._recorded, self._episodes_recorded = {}, 0
         if self._live and self._pairs is not None:
             fields.update(self._take_harvested(round_index, global_model, waiting))
         return fields

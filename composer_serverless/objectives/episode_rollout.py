@@ -121,6 +121,8 @@ def run_step_episodes(
     episodes = [Episode(ids) for ids in prompt_ids]
     for i, episode in zip(live, ran, strict=True):
         episodes[i] = episode
+    for episode, messages, environment in zip(episodes, prompts, environments, strict=True):
+        episode.prompt, episode.tools = messages, list(environment.tools)
     for i, (status, error) in enumerate(resets):
         if status != "ok":
             why = "timed out" if status == "timeout" else f"raised {error!r}"

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from composer_serverless.data.chat import Rendered
-from composer_serverless.data.records import Cycle, PreferencePair
+from composer_serverless.data.records import Cycle, PreferencePair, Prompt
 from composer_serverless.losses.batches import ReplayBatch
 from composer_serverless.losses.logprobs import completion_logprobs
 
@@ -70,7 +70,7 @@ class ReplayPairs:
         seed: int,
         reference: nn.Module | None,
         chunk_tokens: int,
-        render: Callable[[str], Rendered] = lambda text: Rendered(text, templated=False),
+        render: Callable[[Prompt], Rendered] = lambda text: Rendered(str(text), templated=False),
     ) -> None:
         self._tokenizer = tokenizer
         self._render = render
@@ -104,7 +104,7 @@ class ReplayPairs:
         if not pairs:
             return [] if self._needs_reference else None
         eos = self._tokenizer.eos_token_id
-        rendered = [self._render(p.prompt) for p in pairs]
+        rendered = [self._rendered(p) for p in pairs]
         prompts = [self._tokenizer(r.text, add_special_tokens=not r.templated)["input_ids"] for r in rendered]
         empty = next((p for p, ids in zip(pairs, prompts, strict=True) if not ids), None)
         if empty is not None:
@@ -130,6 +130,16 @@ class ReplayPairs:
         self._cycle = Cycle(len(self._prompts), self._seed)
         self._cycle.load_state_dict({"epoch": epoch + 1, "index": 0})
         return added
+
+    def _rendered(self, pair: PreferencePair) -> Rendered:
+        """The pair's prompt as the model reads it; a trace's state (a conversation with tools) rendered by
+        the chat template with the tools' schemas, as the episode's prompt was, up to the assistant's turn."""
+        if not pair.tools:
+            return self._render(pair.prompt)
+        text = self._tokenizer.apply_chat_template(
+            list(pair.prompt), tools=list(pair.tools), tokenize=False, add_generation_prompt=True
+        )
+        return Rendered(text, templated=True)
 
     def _batch(self, index: Sequence[int], device: torch.device, *, with_refs: bool = True) -> ReplayBatch:
         prompt_ids, prompt_mask = _left([self._prompts[i] for i in index], self._pad)

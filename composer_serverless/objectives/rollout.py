@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from composer_serverless.accelerator.clock import PhaseClock
 from composer_serverless.data.chat import Rendered
 from composer_serverless.data.records import Prompt, PromptRecord
+from composer_serverless.environments.episodes import Episode
 from composer_serverless.losses.batches import HintBatch, RLBatch
 from composer_serverless.losses.grpo import ScaleRewards, dynamic_sampling_keep, group_advantages
 from composer_serverless.objectives.engines import (
@@ -236,6 +237,7 @@ class Rollout:
         rl: the GRPO batch.
         hint: the SDPO teacher batch, None when no row has a hint or hints are off.
         metrics: scalars under `rollout/` (floats, or 0-dim tensors where they are on the device).
+        episodes: the rows' episodes when the rollouts are episodes (their traces and conversations), else None.
     """
 
     records: list[PromptRecord]
@@ -244,6 +246,7 @@ class Rollout:
     rl: RLBatch
     hint: HintBatch | None
     metrics: dict[str, float | torch.Tensor]
+    episodes: list[Episode] | None = None
 
 
 @dataclass(frozen=True)
@@ -443,7 +446,7 @@ def _episode_rollout(
     metrics = {**_metrics(scored, samples, hint, g), **episode_metrics(episodes)}
     metrics["rollout/tokens"] = rl.scored_mask().sum().float()  # the model's tokens only
     metrics["rollout/generate_s"] = clock.read()["generate"]
-    return Rollout(rows, samples, scored, rl, hint, metrics)
+    return Rollout(rows, samples, scored, rl, hint, metrics, episodes)
 
 
 def _hint_batch(
