@@ -282,4 +282,4 @@ async def harvest(
 
 
 def pairs_jsonl(pairs: list[dict[str, Any]]) -> bytes:
-    return "".join(json.dumps(p, ensure_ascii=False, sort_keys=True) + "\n" for p in pairs).encode()
+    return "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs).encode()

@@ -512,7 +512,7 @@ class ComposerObjective:
             fields["replay_files"] = list(self._pair_files)
         if self._record and self._run is not None:
             rows = self._round_rows(round_index)
-            data = "".join(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows)
+            data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
             self._run.put(layout.rollouts(round_index, self._rank), data.encode())
             self._recorded, self._episodes_recorded = {}, 0
         if self._live and self._pairs is not None:
