@@ -47,7 +47,7 @@ def test_the_shipped_composer_config_validates_and_round_trips_through_run_json(
         ("train.objective", "lm", "[composer] is set but train.objective = 'lm'"),
         ("composer.data.pairs", None, "beta > 0 needs preference pairs"),
         ("composer.data.heldout", None, "composer.data.heldout: required but not set"),
-        ("composer.rewards", [], "composer.rewards: List should have at least 1 item"),
+        ("composer.rewards", [], "no rewards: name at least one in [[composer.rewards]], or an environment"),
         ("composer.rewards.0.fn", "format", "set pattern exactly when fn = 'format'"),
         ("composer.rewards.0.pattern", "x", "set pattern exactly when fn = 'format'"),
         ("composer.rewards.0.fn", "my rewards:score", "neither a built-in reward"),
@@ -106,6 +106,20 @@ def test_a_mistake_inside_a_list_item_points_at_the_file_not_at_set():
     with pytest.raises(ConfigError) as error:
         validate_config(edited("composer.sdpo.beta", 1.5))
     assert "--set composer.sdpo.beta=<value>" in str(error.value)
+
+
+def test_an_environment_may_own_the_reward_alone():
+    """TRL's environment-owned reward: no reward function, the environment's get_reward() scores (whether the
+    class has one is checked where it is imported, by the launcher's reward check)."""
+    raw = edited("composer.rewards", None)
+    raw["composer"]["episodes"] = {"environment": "my_env.py:Vault"}
+    assert validate_config(raw).composer.rewards == []
+    raw["composer"]["episodes"]["environment_reward_weight"] = 0.0
+    with pytest.raises(ConfigError, match="no rewards: name at least one"):
+        validate_config(raw)
+    raw["composer"]["episodes"] = {"tools": ["my_tools.py:lookup"]}  # tools alone own no reward
+    with pytest.raises(ConfigError, match="no rewards: name at least one"):
+        validate_config(raw)
 
 
 def test_a_reward_of_weight_0_beside_a_weighted_one_is_an_evaluation_metric():

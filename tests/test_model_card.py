@@ -103,6 +103,12 @@ SUMMARY = {
 }
 
 
+def test_an_environment_that_owns_the_reward_alone_is_the_cards_reward() -> None:
+    config = _composer_config(rewards=[], episodes={"environment": "my_env.py:Vault"})
+    text = card_text(config, SUMMARY, round_index=30, final=True, title="me/agent")
+    assert "| objective | composer: GRPO (dapo loss) + 1 x SDPO; rewards: `Vault.get_reward()` x 1 |" in text
+
+
 def test_the_card_says_what_was_trained_how_and_what_it_reached() -> None:
     text = card_text(_composer_config(), SUMMARY, round_index=20, final=False, title="me/gsm8k-diloco")
     card = ModelCard(text)  # the front matter is YAML the Hub reads
@@ -150,6 +156,12 @@ def test_a_composer_card_names_the_channels_on_and_the_pairs_a_step_replays() ->
         "| batch | 4 prompts x 16 completions of up to 512 new tokens (temperature 0.7), and 6 preference "
         "pairs per inner step per replica |"
     ) in text
+
+
+def test_a_card_names_the_builtin_environments_reward_which_may_be_the_only_one() -> None:
+    config = _composer_config(rewards=[], episodes={"environment": "builtin:code"})
+    text = card_text(config, None, round_index=1, final=False, title="x")
+    assert "| objective | composer: GRPO (dapo loss) + 1 x SDPO; rewards: `builtin:code`'s own x 1 |" in text
 
 
 def test_an_lm_card_says_the_tokens_of_a_step_and_one_layer_in_the_singular() -> None:

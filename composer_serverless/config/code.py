@@ -19,16 +19,19 @@ REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?\s*
 class CodeConfig(StrictModel):
     """Files and packages shipped to every replica on every backend: Modal adds them to its image, HF Jobs
     replicas fetch the files from the run's store prefix (checksummed) and install the packages before they
-    start, local replicas import the files in place. Reward files named by ``fn = "file.py:function"`` are
-    shipped without being listed."""
+    start, local replicas import the files in place. Reward files named by ``fn = "file.py:function"``, and the
+    tool and environment files of ``[composer.episodes]``, are shipped without being listed; the packages they
+    import go in ``requirements``."""
 
     paths: tuple[str, ...] = Field(
         (),
-        description="files or package directories the rewards import, relative to the config file (anywhere "
-        "on this machine)",
+        description="files or package directories the rewards, tools and environment import, relative to the "
+        "config file (anywhere on this machine)",
     )
     requirements: tuple[str, ...] = Field(
-        (), description="pip requirements the replicas install, e.g. 'math-verify>=0.8'"
+        (),
+        description="pip requirements the replicas install (the packages rewards, tools and environments "
+        "import), e.g. 'math-verify>=0.8'",
     )
     root: str | None = Field(
         None,

@@ -11,6 +11,9 @@ from pydantic import Field, field_validator, model_validator
 from composer_serverless.config.base import StrictModel
 
 BUILTIN_REWARDS = ("exact_match", "format", "unit_tests")
+# The environments that ship with the package, named ``environment = "builtin:NAME"`` (environments/builtin.py).
+BUILTIN_ENVIRONMENT = "builtin:"
+BUILTIN_ENVIRONMENTS = ("code",)
 # The column each built-in reads: a dataset none of whose rows has it cannot use that reward.
 BUILTIN_COLUMNS = {"exact_match": "answer", "unit_tests": "tests"}
 IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -134,7 +137,10 @@ class EpisodesConfig(StrictModel):
     environment: str | None = Field(
         None,
         description="an environment class, 'file.py:Class': one instance per episode, reset(**row) on the "
-        "dataset row, its public methods are tools, get_reward() its own reward (TRL's environment_factory)",
+        "dataset row, its public methods are tools, get_reward() its own reward (TRL's environment_factory); "
+        "or 'builtin:code', the built-in code environment: tools run_code (the program's stdout and stderr, "
+        "run in the sandbox) and submit (runs the row's tests column, a list of Python snippets such as "
+        "asserts, and ends the episode); its reward is the share of those tests that pass",
     )
     max_turns: int = Field(
         4, ge=1, description="model turns per episode at most (TRL's max_tool_calling_iterations + 1)"
@@ -144,6 +150,12 @@ class EpisodesConfig(StrictModel):
     )
     tool_timeout_s: float = Field(
         30.0, gt=0, description="a tool call not answered within this ends its episode (reward 0)"
+    )
+    code_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="builtin:code only: seconds a run_code or submit program may run before the sandbox kills "
+        "it (answered as a timeout, an error site); below tool_timeout_s, so the sandbox answers first",
     )
     environment_reward_weight: float = Field(
         1.0, description="the weight of the environment's get_reward() in the summed reward"
@@ -165,6 +177,11 @@ class EpisodesConfig(StrictModel):
     @field_validator("environment")
     @classmethod
     def _environment_path(cls, environment: str | None) -> str | None:
+        if environment is not None and environment.startswith(BUILTIN_ENVIRONMENT):
+            if environment.removeprefix(BUILTIN_ENVIRONMENT) not in BUILTIN_ENVIRONMENTS:
+                known = ", ".join(BUILTIN_ENVIRONMENT + name for name in BUILTIN_ENVIRONMENTS)
+                raise ValueError(f"{environment!r} is no built-in environment; the built-ins are: {known}")
+            return environment
         if environment is not None and not (FILE_PATH.match(environment) or IMPORT_PATH.match(environment)):
             raise ValueError(f"{environment!r}: name the environment class 'file.py:Class'")
         return environment
@@ -175,7 +192,23 @@ class EpisodesConfig(StrictModel):
             raise ValueError("episodes need tools, an environment, or both")
         if "{hint}" not in self.hint:
             raise ValueError("hint must hold {hint}, where the error's hint goes")
+        if self.builtin is not None and self.tools:
+            raise ValueError(
+                f"{self.environment!r} brings its own tools: leave tools empty, or bring your own environment"
+            )
+        if self.builtin == "code" and self.code_timeout_s >= self.tool_timeout_s:
+            raise ValueError(
+                f"code_timeout_s ({self.code_timeout_s:g}) must be below tool_timeout_s "
+                f"({self.tool_timeout_s:g}): the sandbox stops a program before the episode's tool call times out"
+            )
         return self
+
+    @property
+    def builtin(self) -> str | None:
+        """The built-in environment's name (``code`` for ``builtin:code``), None for the user's own."""
+        if self.environment is None or not self.environment.startswith(BUILTIN_ENVIRONMENT):
+            return None
+        return self.environment.removeprefix(BUILTIN_ENVIRONMENT)
 
     @property
     def files(self) -> list[str]:
@@ -322,7 +355,9 @@ class ComposerConfig(StrictModel):
     )
     data: ComposerDataConfig
     rewards: list[RewardConfig] = Field(
-        min_length=1, description="the rewards summed into each rollout's reward"
+        [],
+        description="the rewards summed into each rollout's reward; may be left empty where episodes.environment "
+        "owns the reward (a class's get_reward(), TRL's environment-owned reward, or a built-in's own)",
     )
     rollout: RolloutConfig = Field(RolloutConfig(), description="sampling of the completions each step")
     grpo: GRPOChannelConfig = Field(GRPOChannelConfig(), description="channel 1, GRPO/DAPO")
@@ -355,6 +390,16 @@ class ComposerConfig(StrictModel):
 
     @model_validator(mode="after")
     def _something_to_train_on(self) -> ComposerConfig:
+        # An environment's get_reward() is a reward too (whether a user's class defines one is checked where
+        # the class is imported: the launcher's reward check); a built-in environment always owns one.
+        episodes = self.episodes
+        if episodes is not None and episodes.environment is not None and episodes.environment_reward_weight:
+            return self
+        if not self.rewards:
+            raise ValueError(
+                "no rewards: name at least one in [[composer.rewards]], or an environment that owns the "
+                "reward (episodes.environment with a get_reward method, or a built-in such as 'builtin:code')"
+            )
         if all(r.weight == 0 for r in self.rewards):
             raise ValueError(
                 "every reward has weight 0: they are evaluation metrics, and nothing is left to train on; "

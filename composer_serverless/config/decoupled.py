@@ -33,11 +33,18 @@ class DecoupledConfig(StrictModel):
         "for the merge of its own contribution (lock-step's schedule, which makes decoupled mode with a full "
         "quorum equal lock-step bit for bit); 1 or more: it trains on while its contributions wait",
     )
-    max_staleness: int | None = Field(
-        None,
+    max_age: int | None = Field(
+        8,
         ge=0,
-        description="a contribution whose learner started from a global this many versions or more older "
-        "than the one it would be merged into is dropped (recorded as such, never merged); unset: none dropped",
+        description="a contribution more than this many versions older than the global it would be merged "
+        "into is dropped (recorded as such, never merged); unset: none dropped. 8 keeps every learner of the "
+        "usual cases (syncer/merge.py)",
+    )
+    discount: float = Field(
+        0.0,
+        ge=0,
+        description="a kept contribution of age a counts 1 / (1 + discount * a) times its weight; 0: no "
+        "discount (Async Local-SGD found discounts barely help)",
     )
     adopt: Literal["keep", "overwrite"] = Field(
         "keep",
@@ -45,30 +52,33 @@ class DecoupledConfig(StrictModel):
         "adopts a newer global: 'keep' carries them over (new global + local progress since publishing), "
         "'overwrite' discards them. Identical with max_lag = 0 (nothing runs between publishing and adopting)",
     )
-    weighting: Literal["equal"] = Field(
-        "equal",
-        description="how contributions are weighted in the merge: 'equal' (the lock-step mean). Token "
-        "weighting arrives with the syncer's merge module",
+    weighting: Literal["tokens", "equal"] = Field(
+        "tokens",
+        description="how much a contribution counts in the merge: 'tokens', tokens ** 2 / steps (Decoupled "
+        "DiLoCo's quantity times quality), or 'equal'. Equal weights (equal learners) merge with lock-step's "
+        "arithmetic either way",
     )
-    average: Literal["mean"] = Field(
+    average: Literal["mean", "rda"] = Field(
         "mean",
-        description="how the weighted contributions are combined: 'mean' (the lock-step arithmetic). Radial-"
-        "directional averaging arrives with the syncer's merge module",
+        description="how the weighted contributions are combined per tensor: 'mean', or 'rda' (radial-"
+        "directional: the weighted mean norm times the direction of the weighted mean of unit vectors; the "
+        "embeddings are averaged plainly)",
     )
-    outer: Literal["nesterov"] = Field(
+    outer: Literal["nesterov", "delayed_nesterov"] = Field(
         "nesterov",
         description="the syncer's outer optimizer: 'nesterov', SGD with diloco.outer_lr, outer_momentum and "
-        "nesterov, as lock-step's. Delayed Nesterov arrives with the syncer's outer module",
+        "nesterov, as lock-step's; 'delayed_nesterov' (Async Local-SGD) updates the momentum only every "
+        "diloco.replicas-th merge",
     )
     poll_s: float = Field(
         0.5, gt=0, le=60, description="seconds between the syncer's (and a waiting learner's) store listings"
     )
 
     @model_validator(mode="after")
-    def _staleness_above_lag(self) -> DecoupledConfig:
-        if self.max_staleness is not None and self.max_staleness <= self.max_lag:
+    def _age_covers_lag(self) -> DecoupledConfig:
+        if self.max_age is not None and self.max_age < self.max_lag:
             raise ValueError(
-                f"diloco.decoupled.max_staleness ({self.max_staleness}) must exceed max_lag ({self.max_lag}): a "
+                f"diloco.decoupled.max_age ({self.max_age}) must be at least max_lag ({self.max_lag}): a "
                 "learner max_lag rounds ahead sends contributions that old, and every one would be dropped"
             )
         return self

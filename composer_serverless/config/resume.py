@@ -87,6 +87,11 @@ REFUSED: dict[str, str] = {
     ),
     "diloco.authenticate": "the run key and the MAC on every saved state depend on it",
     **dict.fromkeys(
+        ("diloco.mode", "diloco.decoupled"),
+        "the run's saved states are of this mode (a lock-step round or a decoupled version), and a decoupled run "
+        "is not resumed yet",
+    ),
+    **dict.fromkeys(
         ("train.optimizer", "train.betas", "train.weight_decay"),
         "the inner optimizer's saved state is of this optimizer and carries its settings: the restored one "
         "would keep the old values",

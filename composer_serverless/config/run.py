@@ -287,6 +287,10 @@ class DiLoCoConfig(StrictModel):
             "diloco.fragment_update_alpha > 0": self.fragment_update_alpha > 0,
             "diloco.embedding_average = 'touched' (set it to 'all')": self.embedding_average == "touched",
         }
+        if self.decoupled.outer == "delayed_nesterov" and not (self.nesterov and self.outer_momentum > 0):
+            raise ValueError(
+                "diloco.decoupled.outer = 'delayed_nesterov' needs nesterov = true and outer_momentum > 0"
+            )
         for name, on in refused.items():
             if on:
                 raise ValueError(f"{name} is not supported with diloco.mode = 'decoupled' yet")

@@ -8,6 +8,8 @@ told at that turn; without it the error text is the hint).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,7 +26,9 @@ class ToolCall:
 class ErrorMark:
     """Why an answer is an error site, and what the teacher is told there."""
 
-    kind: str  # "malformed_call", "unknown_tool", "tool_raised" or "tool_error"
+    # "malformed_call", "unknown_tool", "tool_raised" or "tool_error"; the built-in code environment's
+    # "bad_arguments", "code_raised" or "code_timeout"
+    kind: str
     hint: str
 
 
@@ -41,6 +45,14 @@ class Step:
     observation: str
     done: bool = False
     error: ErrorMark | None = None
+
+
+def unknown_tool(name: str, known: Iterable[str]) -> Step:
+    """The answer to a call of a tool the environment does not have (TRL's words), an error site."""
+    return Step(
+        json.dumps({"error": f"Tool {name} not found."}),
+        error=ErrorMark("unknown_tool", f"there is no tool {name!r}; the tools are {', '.join(known)}"),
+    )
 
 
 class Environment(Protocol):
@@ -66,3 +78,19 @@ class Environment(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class Factory(Protocol):
+    """Builds one environment per episode (the user's class and tools, or a built-in)."""
+
+    @property
+    def owns_reward(self) -> bool:
+        """The environments give a reward of their own (``Environment.reward``)."""
+        ...
+
+    @property
+    def reward_name(self) -> str:
+        """The name of that reward in metrics (``rollout/reward/NAME``)."""
+        ...
+
+    def __call__(self) -> Environment: ...

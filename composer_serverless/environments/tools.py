@@ -26,7 +26,7 @@ from typing import Any
 from transformers.utils import get_json_schema
 
 from composer_serverless.data.code_files import import_file
-from composer_serverless.environments.protocol import ErrorMark, Step, ToolCall
+from composer_serverless.environments.protocol import ErrorMark, Step, ToolCall, unknown_tool
 
 EXCLUDED_METHODS = ("reset", "get_reward")
 
@@ -149,11 +149,7 @@ class ToolEnvironment:
     def step(self, call: ToolCall) -> Step:
         fn = self._by_name.get(call.name)
         if fn is None:
-            known = ", ".join(self._by_name)
-            return Step(
-                json.dumps({"error": f"Tool {call.name} not found."}),
-                error=ErrorMark("unknown_tool", f"there is no tool {call.name!r}; the tools are {known}"),
-            )
+            return unknown_tool(call.name, self._by_name)
         step = _answer(call.name, lambda: fn(**call.arguments))
         done = bool(getattr(self.instance, "done", False))
         return Step(step.observation, done, step.error)

@@ -431,6 +431,11 @@ def resume(
         RunFailed, RunCancelled: as for ``launch``.
     """
     run, created = open_created(run_url)
+    if created.diloco.mode == "decoupled":
+        raise ConfigError(
+            f"cannot resume {run.url}: resuming a decoupled run (diloco.mode) is not supported yet: its learners "
+            "keep no state of their own in the store (docs/decoupled.md)"
+        )
     config, changed, accept_code = _overridden(created, overrides)
     executor = make_executor(config, run)
     plan = _plan(executor, config, run)

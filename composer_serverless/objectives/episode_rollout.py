@@ -21,9 +21,10 @@ from torch import nn
 
 from composer_serverless.config import ComposerConfig
 from composer_serverless.data.records import PromptRecord
+from composer_serverless.environments.builtin import environment_factory
 from composer_serverless.environments.episodes import Episode, Limits, chat_codec, run_all, run_episodes
+from composer_serverless.environments.protocol import Factory
 from composer_serverless.environments.tensors import site_hint_batch, trajectory_tensors
-from composer_serverless.environments.tools import EnvironmentFactory
 from composer_serverless.losses.batches import HintBatch, RLBatch
 from composer_serverless.objectives.engines import Request, RolloutEngine
 from composer_serverless.objectives.rewards import RewardSet, Scored
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 class EpisodeSettings:
     """How a step's episodes are run (see ``config.EpisodesConfig``)."""
 
-    factory: EnvironmentFactory
+    factory: Factory
     limits: Limits
     hint: str
     environment_reward_weight: float
@@ -48,7 +49,7 @@ def episode_settings(composer: ComposerConfig, code_root: Path | None) -> Episod
     if episodes is None:
         return None
     return EpisodeSettings(
-        factory=EnvironmentFactory.load(episodes.tools, episodes.environment, code_root),
+        factory=environment_factory(episodes, code_root),
         limits=Limits(
             max_turns=episodes.max_turns,
             max_tokens=episodes.max_tokens,

@@ -169,10 +169,13 @@ def check_columns(composer: ComposerConfig, train: list[PromptRecord], heldout: 
 
 def sdpo_weight(composer: ComposerConfig, train: list[PromptRecord], feedback: bool) -> float:
     """``composer.alpha``, 'auto' resolved: 1 when the task gives feedback for SDPO's hints (``feedback``: a
-    reward of non-zero weight returned some; the built-ins do), or its prompts carry a ``hint`` column; else 0.
+    reward of non-zero weight returned some; the built-ins do, as does the built-in environment at its error
+    sites), or its prompts carry a ``hint`` column; else 0.
     A reward of weight 0 is an evaluation metric, whose feedback no hint shows."""
     if composer.alpha != "auto":
         return composer.alpha
-    builtin = any(r.fn in BUILTIN_REWARDS and r.weight != 0 for r in composer.rewards)
+    builtin = any(r.fn in BUILTIN_REWARDS and r.weight != 0 for r in composer.rewards) or (
+        composer.episodes is not None and composer.episodes.builtin is not None  # hints at its error sites
+    )
     hinted = any(r.hint for r in train)
     return 1.0 if feedback or builtin or hinted else 0.0

@@ -20,7 +20,8 @@ from typing import Any
 from composer_serverless.config import RunConfig
 from composer_serverless.config.composer import EpisodesConfig
 from composer_serverless.data.records import PromptRecord
-from composer_serverless.environments.tools import EnvironmentConfigError, EnvironmentFactory
+from composer_serverless.environments.builtin import environment_factory
+from composer_serverless.environments.tools import EnvironmentConfigError
 from composer_serverless.objectives import inputs
 from composer_serverless.objectives.episode_rollout import reset_row
 from composer_serverless.objectives.rewards import RewardError, RewardSet, code_root
@@ -36,17 +37,28 @@ def placeholders(record: PromptRecord) -> list[str]:
     return [*([record.answer] if record.answer else []), "placeholder completion"]
 
 
-def episodes_problem(episodes: EpisodesConfig, root: Path | None, record: PromptRecord) -> str | None:
+def episodes_problem(
+    episodes: EpisodesConfig, root: Path | None, record: PromptRecord, *, rewarded: bool
+) -> str | None:
     """What is wrong with the tools and environment: a file that does not import, a class without ``reset``, a
-    tool without a schema, or a ``reset`` that raises on the first training row; None when all is well."""
+    tool without a schema, an environment left to own the reward (``rewarded``: no weighted reward function)
+    without a ``get_reward``, or a ``reset`` that raises on the first training row; None when all is well."""
     try:
-        factory = EnvironmentFactory.load(episodes.tools, episodes.environment, root)
+        factory = environment_factory(episodes, root)
     except EnvironmentConfigError as e:
         return str(e)
+    if not rewarded and not factory.owns_reward:
+        return (
+            f"environment {episodes.environment!r} has no get_reward method, and no reward function of "
+            "non-zero weight is configured: nothing would score the episodes\n  fix: define get_reward(self) "
+            "returning the episode's reward, or add a [[composer.rewards]] table"
+        )
     environment = factory()
     try:
         environment.reset(reset_row(record))
     except Exception as e:
+        if episodes.builtin is not None:  # its message says what the row lacks and how to fix it
+            return f"environment {episodes.environment!r} cannot start on {record.source}: {e}"
         return (
             f"environment {episodes.environment!r}: reset raised {type(e).__name__}: {e} on {record.source}\n"
             "  fix: make reset(**row) accept the dataset's columns (take those you need by name, the rest "
@@ -64,7 +76,8 @@ def check(config: RunConfig) -> dict[str, Any]:
     pairs = [(r, c) for r in probed for c in placeholders(r)]
     records, completions = [r for r, _ in pairs], [c for _, c in pairs]
     if composer.episodes is not None:
-        problem = episodes_problem(composer.episodes, code_root(config), probed[0])
+        rewarded = any(r.weight != 0 for r in composer.rewards)
+        problem = episodes_problem(composer.episodes, code_root(config), probed[0], rewarded=rewarded)
         if problem is not None:
             return {"problems": [problem], "feedback": False}
     try:

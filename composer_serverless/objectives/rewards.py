@@ -210,7 +210,7 @@ def format_reward(pattern: str) -> Callable[..., dict[str, list]]:
 def unit_tests(timeout_s: float) -> Callable[..., dict[str, list]]:
     """The fraction of the row's ``tests`` that pass against the completion's code, run in the sandbox; None
     for a row without tests."""
-    from composer_serverless.objectives.sandbox import run_tests
+    from composer_serverless.environments.sandbox import run_tests
 
     def one(completion: Any, tests: Any) -> tuple[float | None, str | None]:
         if not tests:

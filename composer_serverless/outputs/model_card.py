@@ -117,8 +117,15 @@ def _settings(config: RunConfig) -> list[tuple[str, str]]:
     rows = [("base model", _base_text(config).rstrip(",")), ("data", _data_text(config))]
     composer = config.composer if train.objective == "composer" else None
     if composer is not None:
-        rewards = ", ".join(f"`{r.name or r.fn}` x {r.weight:g}" for r in composer.rewards)
-        rows.append(("objective", f"composer: {_channels(composer)}; rewards: {rewards}"))
+        rewards = [f"`{r.name or r.fn}` x {r.weight:g}" for r in composer.rewards]
+        episodes = composer.episodes
+        if episodes is not None and episodes.builtin is not None:  # its reward may be the only one
+            rewards.append(f"`{episodes.environment}`'s own x {episodes.environment_reward_weight:g}")
+        elif not composer.rewards and episodes is not None and episodes.environment is not None:
+            # The environment owns the reward alone (the launcher checked that its class has get_reward).
+            owner = episodes.environment.rpartition(":")[2]
+            rewards.append(f"`{owner}.get_reward()` x {episodes.environment_reward_weight:g}")
+        rows.append(("objective", f"composer: {_channels(composer)}; rewards: {', '.join(rewards)}"))
     else:
         rows.append(("objective", "causal LM (next-token cross-entropy)"))
     if config.model.lora is not None:

@@ -40,7 +40,8 @@ replica applies alike, whoever wrote it.
 
 A payload that fails its checksum (with a run key, its MAC), header or identity is logged and left out of
 the sum, never averaged; so is one whose pseudo-gradient's norm lies far outside the others' (``robust.py``,
-with ``outlier_factor``).
+with ``outlier_factor``): judged on the norm each replica published once for the sync (``norms.py``,
+``norm/{rank}.json``, created before its first input), the same numbers for every shard's owner.
 
 Each phase moves its objects ``store.transfers.concurrency`` at a time (``ObjectStore.map``): a cloud store
 gives each connection a fraction of its bandwidth, so a replica moving one shard at a time would be capped at
@@ -58,7 +59,7 @@ from collections.abc import Callable
 
 import torch
 
-from composer_serverless.rendezvous import layout, polling
+from composer_serverless.rendezvous import layout, norms, polling
 from composer_serverless.rendezvous.codec import (
     NORM,
     Payload,
@@ -230,6 +231,10 @@ class _Exchange:
         self.fetched: dict[tuple[int, int], memoryview] = {}
         self.workspace = workspace
         self.key = settings.key
+        # With the outlier rule, per participant: the norm it published for this local rank's part, and the
+        # one it is judged on (all its parts'), or why it has none; read once, for every shard reduced here.
+        self.published: dict[int, float] | None = None
+        self.judged: dict[int, float | str] = {}
         self._counting = threading.Lock()  # transfers run on several threads and all add to the byte counts
         if out is None:
             out = torch.empty(self.values.numel())
@@ -283,7 +288,8 @@ class _Exchange:
         order = [(self.rank + i) % self.n for i in range(1, self.n + 1)]
 
         # The whole pseudo-gradient's norm, in every input's header: each shard's owner compares whole
-        # contributions (``robust.py``), and sees only its shard of each.
+        # contributions (``robust.py``), and sees only its shard of each. With the outlier rule it is the
+        # number published for this sync (``norms.py``): a retry states the one its first attempt published.
         norm = l2_norm(self.sending)
         whole = repr(norm)
 
@@ -309,6 +315,8 @@ class _Exchange:
                     self._unsent_after_stored(shard)
 
         try:
+            if self.settings.outlier_factor is not None:
+                whole = repr(self._publish_norm(norm))
             self.store.map(upload, order)
             if self.unsent is not None:
                 self._keep_unsent(norm)
@@ -317,6 +325,33 @@ class _Exchange:
         ) as e:  # a replica that cannot upload still receives the average, as a non-participant
             self.result.upload_failed = True
             self.log.warning("upload failed (%s: %s); continuing without contributing", type(e).__name__, e)
+
+    def _publish_norm(self, norm: float) -> float:
+        """Publish ``norm`` as this replica's for this sync, before any input states it, and return the
+        number its inputs state: the one an earlier attempt of this sync published, if there is one."""
+        key = layout.sync_norm(self.rank, self.local)
+        identity = self._norm_identity(self.rank)
+        written = norms.record(norm, identity, self.key)
+        if self.store.create(key, written):
+            self._count(up=len(written))
+            return norm
+        raw = self.store.get(key)
+        self._count(down=len(raw))
+        stated = norms.parse(raw, identity, self.key)
+        if isinstance(stated, str):
+            self.log.warning(
+                "own norm record %s is unusable (%s); every shard will leave this replica's inputs out",
+                key,
+                stated,
+            )
+            return norm
+        if stated != norm:
+            self.log.info(
+                "an earlier attempt at this sync published norm %.6g; stating it, not this attempt's %.6g",
+                stated,
+                norm,
+            )
+        return stated
 
     def _unsent_after(self, shard: int, payload: Payload | None, *, verify: bool) -> None:
         """What this replica's input of ``shard`` (``payload``, as stored) left out of what it was to send
@@ -477,14 +512,15 @@ class _Exchange:
         ]
         unreadable = self._fetch_inputs(missing, shard)
         inputs: dict[int, Payload] = {}
-        norms: dict[int, float] = {}
+        if self.settings.outlier_factor is not None and self.published is None:
+            self._read_published(participants)
         for peer in participants:
             try:
                 if peer in unreadable:
                     raise unreadable[peer]
                 payload, verify = self._input(peer, shard)
                 identity = self._input_identity(peer, shard)
-                norms[peer] = measure(
+                stated = measure(
                     payload,
                     identity,
                     self.settings.codec,
@@ -493,13 +529,19 @@ class _Exchange:
                     key=self.key,
                     rows=self.row_bits[shard],
                 ).whole
+                if self.settings.outlier_factor is not None:
+                    self._check_published(peer, stated)
             except (PayloadError, FileNotFoundError) as e:  # a quorum may name an input that is not there
                 self._left_out(peer, shard, str(e))
                 continue
             inputs[peer] = payload
-        for peer, why in outliers(norms, self.settings.outlier_factor, len(participants)).items():
-            self._left_out(peer, shard, why)
-            del inputs[peer]
+        if self.settings.outlier_factor is not None:
+            # On the published norms of the quorum's participants: the same numbers for every shard's owner,
+            # whichever inputs it could read, so a replica left out is left out of every shard.
+            judged = {p: n for p, n in self.judged.items() if not isinstance(n, str)}
+            for peer, why in outliers(judged, self.settings.outlier_factor, len(participants)).items():
+                if inputs.pop(peer, None) is not None:
+                    self._left_out(peer, shard, why)
         if not inputs:
             raise ExchangeError(f"{self.store.url}: no valid input for shard {shard}")
         row_sums = (
@@ -540,6 +582,45 @@ class _Exchange:
                 )
         else:
             self._place(shard, self._fetch(layout.sync_output(shard, self.local), shard, output=True))
+
+    def _check_published(self, peer: int, stated: float) -> None:
+        """Raise ``PayloadError`` unless ``peer`` published a usable norm record for every part of its
+        pseudo-gradient and its input states the one of this part (``stated``, from the header)."""
+        assert self.published is not None
+        judged = self.judged[peer]
+        if isinstance(judged, str):
+            raise PayloadError(f"replica {peer} published no usable norm for this sync: {judged}")
+        if stated != self.published[peer]:
+            raise PayloadError(
+                f"payload states a norm of {stated!r} for the whole pseudo-gradient, but replica {peer} "
+                f"published {self.published[peer]!r} for this sync ({layout.sync_norm(peer, self.local)})"
+            )
+
+    def _read_published(self, participants: list[int]) -> None:
+        """Read every participant's norm records, of each of its local ranks' parts (``norms.py``)."""
+        parts = [(peer, local) for peer in participants for local in range(self.settings.local_ranks)]
+
+        def read(part: tuple[int, int]) -> float | str:
+            peer, local = part
+            key = layout.sync_norm(peer, local)
+            try:
+                raw = self.store.get(key)
+            except FileNotFoundError:
+                return f"{key} is missing"
+            self._count(down=len(raw))
+            parsed = norms.parse(raw, {**self._norm_identity(peer), "local": str(local)}, self.key)
+            return parsed if not isinstance(parsed, str) else f"{key}: {parsed}"
+
+        read_norms = dict(zip(parts, self.store.map(read, parts), strict=True))
+        self.published = {}
+        for peer in participants:
+            mine = [read_norms[(peer, local)] for local in range(self.settings.local_ranks)]
+            unusable = [why for why in mine if isinstance(why, str)]
+            if unusable:
+                self.judged[peer] = "; ".join(unusable)
+                continue
+            self.published[peer] = float(read_norms[(peer, self.local)])
+            self.judged[peer] = norms.whole([float(n) for n in mine])
 
     def _left_out(self, peer: int, shard: int, why: str) -> None:
         self.log.warning(
@@ -651,6 +732,9 @@ class _Exchange:
 
     def _input_identity(self, rank: int, shard: int) -> dict[str, str]:
         return {**self.identity, "local": str(self.local), "rank": str(rank), "shard": str(shard)}
+
+    def _norm_identity(self, rank: int) -> dict[str, str]:
+        return {**self.identity, "local": str(self.local), "rank": str(rank)}
 
     def _reduced_identity(self, shard: int) -> dict[str, str]:
         return {**self.identity, "local": str(self.local), "rank": REDUCED, "shard": str(shard)}

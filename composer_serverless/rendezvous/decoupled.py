@@ -60,6 +60,9 @@ class Version:
     consumed: dict[int, int] = field(default_factory=dict)
     merged: list[list[int]] = field(default_factory=list)  # [learner, seq] pairs averaged into it
     dropped: list[dict[str, Any]] = field(default_factory=list)  # {learner, seq, why}
+    # The embeddings' parameter names (input, and an untied output head), which a merge averages plainly:
+    # named by the learner that writes version 0, which knows the model, and carried on by every version.
+    embeddings: list[str] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         record = {
@@ -68,6 +71,7 @@ class Version:
             "consumed": {str(k): v for k, v in self.consumed.items()},
             "merged": self.merged,
             "dropped": self.dropped,
+            "embeddings": self.embeddings,
         }
         return json.dumps(record).encode()
 
@@ -80,6 +84,7 @@ class Version:
             consumed={int(k): int(v) for k, v in data["consumed"].items()},
             merged=[[int(a), int(b)] for a, b in data["merged"]],
             dropped=list(data["dropped"]),
+            embeddings=[str(name) for name in data["embeddings"]],
         )
 
 

@@ -7,7 +7,7 @@ and a change of layout (a local-rank level for replicas that span several GPUs, 
 test holds the two together.
 
 Inside a sync's prefix (``sync(k, fragment)``) the exchange works on a store rooted there, so its keys
-(``sync_input``, ``QUORUM``, ``sync_output``) are relative to that prefix. A replica of G ranks (FSDP inside
+(``sync_input``, ``sync_norm``, ``QUORUM``, ``sync_output``) are relative to that prefix. A replica of G ranks (FSDP inside
 the replica) exchanges per local rank: local rank l of every replica averages its shard of the model with
 local rank l of the others, under ``{l}/``; the quorum is one for all of them. States are kept per local rank
 the same way. A replica of one rank has local rank 0 only.
@@ -123,6 +123,7 @@ TRACKING_TENSORBOARD = f"{TRACKING}/tensorboard"
 # Inside a sync's prefix.
 SYNC_INPUTS = "in"
 SYNC_OUTPUTS = "out"
+SYNC_NORMS = "norm"
 QUORUM = "quorum.json"
 
 # The three objects of a snapshot (a global state or a replica's own state); the manifest is written last.
@@ -190,6 +191,12 @@ def sync_input(rank: int, shard: int, local: int = 0) -> str:
     """Relative to a sync's prefix: replica ``rank``'s pseudo-gradient shard ``shard`` of local rank
     ``local``'s part of the model."""
     return f"{sync_inputs(local)}/{rank}-{shard}"
+
+
+def sync_norm(rank: int, local: int = 0) -> str:
+    """Relative to a sync's prefix: the norm replica ``rank`` published for local rank ``local``'s part of its
+    pseudo-gradient, the one every shard's owner judges it on (``norms.py``)."""
+    return f"{local}/{SYNC_NORMS}/{rank}.json"
 
 
 def sync_outputs(local: int = 0) -> str:
@@ -332,6 +339,7 @@ def describe() -> list[tuple[str, str]]:
         (given_up(rank), "the launcher gave the replica up (no hardware): it holds no round"),
         (metrics(rank, k), "one row per round, with a row per inner step (object stores cannot append)"),
         (in_sync + sync_input(rank, shard, local), "pseudo-gradient shards of local rank {local}'s part"),
+        (in_sync + sync_norm(rank, local), "the norm of that part the outlier rule judges, created once"),
         (in_sync + QUORUM, "participants of the sync, created once"),
         (
             in_sync + quorum_generation(placeholder("g")),

@@ -7,13 +7,14 @@ round are of one size (the same model, the same steps, the same learning rate, d
 so one many times the median of the round's is not a different view of the data: it is a fault, and leaving
 it out costs the round one replica's share, as a dead replica does.
 
-Every shard's owner judges a replica on the same thing, the norm each of its inputs states for its whole
-pseudo-gradient (required; checked against the shard's own values, ``codec.measure``), never on a shard's own
-norm, so owners that read the same inputs leave out the same replicas in every shard. What can still differ
-between shards is which inputs could be read: an unreadable input is left out of its own shard only, and its
-norm is missing from that shard's reference (the rule stays on, see below). A replica states one norm in all
-its inputs of an exchange; only inputs an earlier attempt of a sync stored can state another, and no owner
-cross-checks a replica's norms between shards (each reads one shard of each replica).
+Every shard's owner judges a replica on the same number: the norm of its whole pseudo-gradient that it
+published once for the sync (``norms.py``; a retry states the one its first attempt published), never on a
+shard's own norm nor on what the inputs it could read state. All owners take the reference from the published
+norms of the quorum's participants, the same set whatever inputs each could read, so they leave out the same
+replicas in every shard, and a replica's residual of error feedback stays whole in every shard
+(``feedback.py``). An input whose header states another norm than its replica published is refused like a
+bad checksum (``allreduce.py``); an input that cannot be read is left out of its own shard only, which is no
+judgement of its replica.
 
 The rule needs company: with a quorum of fewer than ``MIN_CONTRIBUTIONS`` there is no majority to say which one
 is wrong, and every contribution is kept; the count is the quorum's, the same for every shard's owner, not the
@@ -31,7 +32,7 @@ MIN_CONTRIBUTIONS = 3
 
 
 def outliers(norms: dict[int, float], factor: float | None, quorum: int) -> dict[int, str]:
-    """The ranks among ``norms`` (rank -> the norm its input states for its whole pseudo-gradient) to leave out,
+    """The ranks among ``norms`` (rank -> the norm it published for its whole pseudo-gradient) to leave out,
     each with why: a norm above ``factor`` times the lower median of the non-zero norms. None for ``factor``, a
     ``quorum`` (the sync's participants) below ``MIN_CONTRIBUTIONS``, or no non-zero norm: none."""
     moving = [norm for norm in norms.values() if norm > 0]

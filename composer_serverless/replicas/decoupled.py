@@ -75,7 +75,7 @@ class DecoupledLearner(Replica):
         if newest < 0:
             check_initial_weights(store, self.model, self.rank, self.node)
             initial = {name: local(p).detach().to("cpu", copy=True) for name, p in self.params.items()}
-            record = Version(0, store_versions.writer_token())
+            record = Version(0, store_versions.writer_token(), embeddings=self._embedding_names())
             if store_versions.commit(store, record, initial, None, self.key):
                 self.log.info("wrote global version 0 (the initial weights)")
             newest = 0
@@ -92,6 +92,12 @@ class DecoupledLearner(Replica):
                 record.version,
             )
         return record
+
+    def _embedding_names(self) -> list[str]:
+        """The names of the embeddings' trainable parameters (input, and an untied output head)."""
+        modules = [self.model.get_input_embeddings(), self.model.get_output_embeddings()]
+        ids = {id(p) for m in modules if m is not None for p in m.parameters()}
+        return [name for name, p in self.params.items() if id(p) in ids]
 
     @torch.no_grad()
     def _publish(self) -> None:

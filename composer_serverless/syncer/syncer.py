@@ -3,9 +3,10 @@
 Each merge: wait until contributions from ``diloco.decoupled.min_quorum`` learners are in the store (every
 learner by default), then at most ``grace_s`` more for the others (at once when every learner's is in); take
 every contribution not yet consumed; drop those that fail their checks (checksum, MAC, identity, finite), whose
-base version is ``max_staleness`` or more behind, or whose norm is an outlier (``robust.outliers``, as
-lock-step's exchange); average the rest (``equal_mean``: lock-step's arithmetic) and step the outer optimizer
-(SGD with diloco.outer_lr, outer_momentum, nesterov: lock-step's) on its CPU copy of the global; then commit
+base version is more than ``max_age`` behind, or whose norm is an outlier (``robust.outliers``, as lock-step's
+exchange); weigh the rest (``merge.contribution_weight``) and merge them tensor by tensor (``merge.py``: with
+equal weights, lock-step's arithmetic), and step the outer optimizer (``outer.py``: lock-step's Nesterov SGD,
+or Delayed Nesterov) on its CPU copy of the global; then commit
 the new version (``rendezvous/decoupled.py``): parameters, outer state, and the record of what it consumed.
 
 Nothing lost, nothing merged twice, whatever kills it: a syncer starts from the newest committed version and
@@ -31,17 +32,10 @@ from composer_serverless.rendezvous.robust import outliers
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
+from composer_serverless.syncer.merge import contribution_weight, merge_tensors
+from composer_serverless.syncer.outer import outer_optimizer
 
 logger = logging.getLogger(__name__)
-
-
-def equal_mean(contributions: list[torch.Tensor]) -> torch.Tensor:
-    """The plain mean, exactly as lock-step's reducer computes it (``allreduce._reduce``): summed into an
-    fp32 zero tensor in the given order, then divided by the count."""
-    total = torch.zeros_like(contributions[0], dtype=torch.float32)
-    for values in contributions:
-        total.add_(values)
-    return total.div_(len(contributions))
 
 
 def run_syncer(run: ObjectStore) -> None:
@@ -111,8 +105,12 @@ class Syncer:
         dl = self.config.diloco
         record = versions.read_version(self.run_store, v)
         self.params = versions.load_params(self.run_store, record, self.key)
-        self.outer = torch.optim.SGD(
-            list(self.params.values()), lr=dl.outer_lr, momentum=dl.outer_momentum, nesterov=dl.nesterov
+        self.outer = outer_optimizer(
+            list(self.params.values()),
+            lr=dl.outer_lr,
+            momentum=dl.outer_momentum,
+            nesterov=dl.nesterov,
+            delay=dl.replicas if dl.decoupled.outer == "delayed_nesterov" else 1,
         )
         if v > 0:
             self.outer.load_state_dict(versions.load_outer(self.run_store, record, self.key))
@@ -140,7 +138,9 @@ class Syncer:
         v = self.record.version
         numel = sum(t.numel() for t in self.params.values())
         run_id = self.config.run_id or ""
+        dc = dl.decoupled
         good: dict[tuple[int, int], tuple[Contribution, torch.Tensor]] = {}
+        weights: list[float] = []
         dropped: list[dict[str, Any]] = []
         for learner, seqs in sorted(taken.items()):
             for seq in seqs:
@@ -148,21 +148,31 @@ class Syncer:
                     c, values = versions.read_contribution(
                         self.run_store, run_id, learner, seq, self.codec, numel, self.key
                     )
-                except (PayloadError, FileNotFoundError) as e:
+                    weight = contribution_weight(
+                        tokens=c.tokens,
+                        steps=c.steps,
+                        age=v - c.base,
+                        weighting=dc.weighting,
+                        max_age=dc.max_age,
+                        discount=dc.discount,
+                    )
+                except (PayloadError, FileNotFoundError, ValueError) as e:
                     dropped.append({"learner": learner, "seq": seq, "why": str(e)})
                     continue
-                limit = dl.decoupled.max_staleness
-                if limit is not None and v - c.base >= limit:
-                    why = f"started from version {c.base}, {v - c.base} behind (max_staleness {limit})"
+                if weight is None:
+                    why = f"started from version {c.base}, {v - c.base} behind (max_age {dc.max_age})"
                     dropped.append({"learner": learner, "seq": seq, "why": why})
                     continue
                 good[(learner, seq)] = (c, values)
+                weights.append(weight)
         index = {ids: i for i, ids in enumerate(good)}
         norms = {index[ids]: l2_norm(values) for ids, (_, values) in good.items()}
-        for i, why in outliers(norms, dl.outlier_norm_factor, len(good)).items():
+        left_out = outliers(norms, dl.outlier_norm_factor, len(good))
+        for i, why in left_out.items():
             ids = next(ids for ids, j in index.items() if j == i)
             dropped.append({"learner": ids[0], "seq": ids[1], "why": why})
             del good[ids]
+        weights = [w for i, w in enumerate(weights) if i not in left_out]
         for d in dropped:
             logger.warning("dropped contribution %d of learner %d: %s", d["seq"], d["learner"], d["why"])
         consumed = dict(self.record.consumed)
@@ -170,8 +180,8 @@ class Syncer:
             consumed[learner] = max(seqs) + 1
         merged = [[learner, seq] for learner, seq in good]
         if good:
-            self._outer_step(equal_mean([values for _, values in good.values()]))
-        record = Version(v + 1, self.writer, consumed, merged, dropped)
+            self._outer_step(self._merged([values for _, values in good.values()], weights))
+        record = Version(v + 1, self.writer, consumed, merged, dropped, self.record.embeddings)
         outer = self.outer.state_dict() if self.outer is not None else None
         if versions.commit(self.run_store, record, self.params, outer, self.key):
             self.record = record
@@ -186,6 +196,20 @@ class Syncer:
         else:
             logger.warning("another syncer committed version %d first: continuing from its", v + 1)
             self._load(v + 1)
+
+    def _merged(self, flats: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        """The contributions (flat, in the global's parameter order) merged tensor by tensor
+        (``merge.merge_tensors``), flat again."""
+        dc = self.config.diloco.decoupled
+        named = []
+        for flat in flats:
+            tensors, offset = {}, 0
+            for name, p in self.params.items():
+                tensors[name] = flat[offset : offset + p.numel()]
+                offset += p.numel()
+            named.append(tensors)
+        merged = merge_tensors(named, weights, dc.average, plain=self.record.embeddings)
+        return torch.cat([merged[name] for name in self.params])
 
     @torch.no_grad()
     def _outer_step(self, average: torch.Tensor) -> None:

@@ -252,6 +252,46 @@ def test_a_job_fetches_the_runs_code_and_data_from_the_store_and_trains_with_the
     assert [name for name in left if not name.startswith("torchinductor_")] == [], left
 
 
+def test_a_job_fetches_the_tool_and_environment_files_installs_their_requirements_and_runs_episodes(
+    tmp_path, s3_store, fake_hf, hf_env, chat_model_dir
+):
+    """The agent task (a TRL tool function and environment class in files next to the config, the package
+    the environment needs in [code] requirements) on 2 HF Jobs replicas x 2 rounds: the launcher uploads the
+    files, each job installs the requirements, fetches the files (checked against the manifest), imports them
+    and runs episodes against them, scored by a reward function and the environment's own reward."""
+    from tests.environments.test_agent_task import REQUIREMENTS, write_task
+
+    store, client = s3_store
+    task = tmp_path / "task"
+    executor = (
+        'type = "hf_jobs"\nimage = "ghcr.io/example/composer-serverless:test"\nflavor = "a10g-small"\n'
+        f'namespace = "{NAMESPACE}"\nstatus_poll_s = 0.5\nprivate_store_endpoint = true'
+    )
+    config = write_task(task, chat_model_dir, executor=executor, extra=REQUIREMENTS)
+    result = cli("launch", str(config), "--set", f"store={store}", "--set", "run_id=hf-agent", env=hf_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    objects = store_objects(client)
+    for name in ("my_tools.py", "my_env.py"):
+        assert objects[f"runs/hf-agent/code/{name}"] == (task / name).read_bytes()
+    manifest = json.loads(objects["runs/hf-agent/code/manifest.json"])
+    assert manifest["files"].keys() == {"my_tools.py", "my_env.py"}
+    commands = [" ".join(job.spec["command"]) for job in fake_hf.jobs.values()]
+    assert len(commands) == 2 and all(
+        "pip install --quiet --no-cache-dir 'packaging>=20'" in c for c in commands
+    )
+    logs = [cli("logs", f"{store}/hf-agent", "--rank", str(rank), env=hf_env).stdout for rank in (0, 1)]
+    assert all(f"the run's code fetched from {store}/hf-agent/code" in log for log in logs)
+    summary = json.loads(objects["runs/hf-agent/summary.json"])
+    assert summary["rounds_committed"] == 2 and summary["replicas_bit_identical"]
+    for rank in (0, 1):
+        trained = [
+            json.loads(objects[f"runs/hf-agent/metrics/{rank}/00000{r}.json"])["train"] for r in (1, 2)
+        ]
+        # The episodes ran in the job against the fetched files: the environment's reward and the turns.
+        assert all({"rollout/reward/Vault", "rollout/reward/exact_match"} <= t.keys() for t in trained)
+        assert all(1 <= t["rollout/turns"] <= 2 for t in trained)
+
+
 def test_a_model_directory_next_to_the_config_is_shipped_to_the_jobs_and_trained(
     tmp_path, s3_store, fake_hf, hf_env, tiny_model_dir
 ):

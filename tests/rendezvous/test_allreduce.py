@@ -671,3 +671,123 @@ def test_a_retried_sync_keeps_the_residual_of_the_inputs_it_stored_before(tmp_pa
     )
     assert again.participants == [0, 1] and torch.equal(again.average, results[0].average)
     assert torch.equal(again.residual.inputs, sending - sent)
+
+
+def test_every_shard_judges_every_replica_alike_when_an_input_is_unreadable_in_one(tmp_path: Path) -> None:
+    """Three replicas of norms about 1, 2 and 5 (x 31.6), factor 3: the median is replica 1's, and 5 < 3 x 2
+    keeps replica 2. Replica 1's input of shard 1 is unreadable. Shard 1's owner still judges on the norms all
+    three published, so replica 2 is kept there as everywhere; judged on the inputs it could read (1 and 5,
+    median 1) it would be left out of shard 1 alone."""
+    url = f"file://{tmp_path}/run"
+    values = {r: v * scale for (r, v), scale in zip(tensors(3).items(), (1.0, 2.0, 5.0), strict=True)}
+    ObjectStore(url).child(PREFIX).create(layout.sync_input(1, 1), b"not a payload")
+    results = exchange(url, values, ExchangeSettings(3, 3, "fp32", 60, outlier_factor=3.0), grace=10)
+    for result in results.values():
+        assert result.summed == {0: [0, 1, 2], 1: [0, 2], 2: [0, 1, 2]}
+        assert result.contributors == [0, 2]
+
+
+def test_a_retried_sync_is_judged_on_the_norm_its_first_attempt_published(tmp_path: Path) -> None:
+    """Replica 2's first attempt at a sync (its pseudo-gradient blown up 100-fold) stored its input of shard 0
+    and then failed; its retry, with a sane pseudo-gradient, writes shards 1 and 2. The sync averages the
+    stored input, so the retry states the first attempt's norm in its new inputs too, and every shard's owner
+    leaves replica 2 out alike; before, shard 0 left it out and shards 1 and 2 averaged it."""
+    url = f"file://{tmp_path}/run"
+    values = tensors(3)
+    settings = ExchangeSettings(3, 3, "fp32", 0.5, outlier_factor=10.0)
+    first = FaultyStore(url, fail_on=r"/in/2-[12]$")
+    with pytest.raises(ExchangeError, match="only 0/3 replicas arrived"):
+        allreduce(
+            first, values[2] * 100, prefix=PREFIX, identity=IDENTITY, rank=2, settings=settings, grace_s=0
+        )
+    sync = ObjectStore(url).child(PREFIX)
+    assert sorted(sync.list(layout.sync_inputs())) == ["2-0"]
+    results = exchange(url, values, ExchangeSettings(3, 3, "fp32", 60, outlier_factor=10.0), grace=10)
+    for result in results.values():
+        assert result.summed == {0: [0, 1], 1: [0, 1], 2: [0, 1]}
+    stated = {
+        s: read_header(sync.get(layout.sync_input(2, s)))[0]["__metadata__"][NORM]  # type: ignore[index]
+        for s in range(3)
+    }
+    assert stated == {s: repr(l2_norm(values[2] * 100)) for s in range(3)}
+
+
+def test_an_input_whose_norm_is_not_the_published_one_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Replica 2 published its norm in a first attempt that stored no input; an input of shard 1 then found
+    in its name states another norm (1.5 times it: within the factor, so the median would not object). It is
+    refused, with a log line naming both numbers, as a bad checksum would be; its other inputs, which state the
+    published norm, are averaged."""
+    url = f"file://{tmp_path}/run"
+    values = tensors(3)
+    settings = ExchangeSettings(3, 3, "fp32", 0.5, outlier_factor=10.0)
+    with pytest.raises(ExchangeError, match="only 0/3 replicas arrived"):
+        allreduce(
+            FaultyStore(url, fail_on=r"/in/2-"),
+            values[2],
+            prefix=PREFIX,
+            identity=IDENTITY,
+            rank=2,
+            settings=settings,
+            grace_s=0,
+        )
+    published = l2_norm(values[2])
+    start, end = shard_bounds(NUMEL, 3)[1]
+    other = repr(published * 1.5)
+    ObjectStore(url).child(PREFIX).create(
+        layout.sync_input(2, 1), encode(values[2][start:end], {**_input(2, 1), NORM: other}, "fp32")
+    )
+    results = exchange(url, values, ExchangeSettings(3, 3, "fp32", 60, outlier_factor=10.0), grace=10)
+    for result in results.values():
+        assert result.summed == {0: [0, 1, 2], 1: [0, 1], 2: [0, 1, 2]}
+    refusals = [
+        r.getMessage() for r in caplog.records if "rejected" in r.getMessage() and "/in/2-1" in r.getMessage()
+    ]
+    assert refusals and f"states a norm of {float(other)!r}" in refusals[0]
+    assert f"replica 2 published {published!r}" in refusals[0]
+
+
+def test_with_a_run_key_a_forged_norm_record_leaves_its_replica_out_of_every_shard(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An authenticated run: someone without the key created replica 2's norm record first, stating a
+    tiny norm (to hide a blow-up, or to make an honest replica's inputs look absurd). Its MAC is missing, so
+    no owner judges replica 2 on it: replica 2 is left out of every shard alike, and says why in its log."""
+    url = f"file://{tmp_path}/run"
+    key = RunKey.generate()
+    values = tensors(3)
+    forged = {"norm": repr(1e-6), "identity": {**IDENTITY, "local": "0", "rank": "2"}}
+    ObjectStore(url).child(PREFIX).create(layout.sync_norm(2), json.dumps(forged).encode())
+    results = exchange(
+        url, values, ExchangeSettings(3, 3, "fp32", 60, key=key, outlier_factor=10.0), grace=10
+    )
+    expected = expected_average(values, [0, 1], "fp32", 3)
+    for result in results.values():
+        assert result.summed == {0: [0, 1], 1: [0, 1], 2: [0, 1]}
+        assert torch.equal(result.average, expected)
+    assert "own norm record 0/norm/2.json is unusable (its MAC is missing or wrong)" in caplog.text
+
+
+def test_a_replica_of_two_ranks_is_judged_on_its_whole_norm_in_both_parts(tmp_path: Path) -> None:
+    """Three replicas of two local ranks each; replica 2's part on local rank 0 blew up 100-fold, its part on
+    local rank 1 is sane. Each local rank's exchange judges replica 2 on its whole pseudo-gradient (the root of
+    the sum of its parts' squares, over 70 times the others'), so both leave it out of every shard: a replica
+    commits a sync on all of its ranks alike, and so it is averaged in on all or none."""
+    url = f"file://{tmp_path}/run"
+    parts = {local: tensors(3) for local in range(2)}
+    parts[0][2] = parts[0][2] * 100
+    results: dict[int, dict[int, ExchangeResult]] = {}
+
+    def local_rank(local: int) -> None:
+        settings = ExchangeSettings(3, 3, "fp32", 60, local_rank=local, local_ranks=2, outlier_factor=10.0)
+        results[local] = exchange(url, parts[local], settings, grace=10)
+
+    threads = [threading.Thread(target=local_rank, args=(local,)) for local in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for local in range(2):
+        for result in results[local].values():
+            assert result.summed == {0: [0, 1], 1: [0, 1], 2: [0, 1]}, local

@@ -268,3 +268,54 @@ def test_error_feedback_moves_the_residual_of_the_shards_that_averaged_the_input
     assert committed[0][0] and committed[0][1].rejected == [0], committed
     left = torch.tensor([0.0, 1.0, -2.0, 0.5, 0.0, 0.0, 0.0, -0.25])
     assert torch.equal(feedbacks[0].residual(0, 16, 8).inputs, torch.cat([left, torch.zeros(8)]))
+
+
+def test_an_outlier_is_left_out_of_every_shard_and_keeps_its_whole_residual(tmp_path: Path) -> None:
+    """Four replicas whose pseudo-gradients have norms 1, 2, 3 and 7 (x 8), factor 3: the lower median is 2 and
+    replica 3 (7 > 6) is an outlier. Replica 0's input of shard 1 is unreadable, so shard 1's owner reads 2, 3
+    and 7 only, whose median (3) would keep replica 3 there. The sync commits everywhere without replica 3 in
+    any shard: its residual of error feedback stays whole as it was, in every shard, as if it had sent nothing
+    (as a replica that died would); an honest replica's moves in every shard its input was averaged in."""
+    numel, shard = 64, 16
+    codec = Sparse(density=0.25, chunk=8)
+    url = f"file://{tmp_path}/run"
+    ObjectStore(url).child(layout.sync(1, 0)).create(layout.sync_input(0, 1), b"not a payload")
+    deltas = {}
+    before = {}
+    feedbacks = {}
+    for rank, scale in enumerate((1.0, 2.0, 3.0, 7.0)):
+        noise = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        deltas[rank] = noise / noise.norm() * 8 * scale
+        before[rank] = torch.randn(numel, generator=torch.Generator().manual_seed(10 + rank)) * 1e-3
+        feedbacks[rank] = ErrorFeedback()
+        feedbacks[rank].load_state_dict({"0/inputs": before[rank].clone(), "0/owned": torch.zeros(shard)})
+    outcomes = {}
+
+    def replica(rank: int) -> None:
+        manager = ObjectStoreManager(
+            ObjectStore(url),
+            run_id="r",
+            rank=rank,
+            fragments=1,
+            settings=ExchangeSettings(4, 4, codec, 30, outlier_factor=3.0),
+            grace=GraceSettings(min_s=0.0, max_s=5.0, mads=4.0),
+            feedback=feedbacks[rank],
+        )
+        manager.start_quorum()
+        manager.allreduce(deltas[rank].clone()).wait()
+        outcomes[rank] = (manager.should_commit(), manager.last_sync)
+
+    threads = [threading.Thread(target=replica, args=(rank,)) for rank in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for committed, outcome in outcomes.values():
+        assert committed and outcome.rejected == [0, 3], outcome
+    assert torch.equal(feedbacks[3].residual(0, numel, shard).inputs, before[3])
+    for rank in (0, 1, 2):
+        after = feedbacks[rank].residual(0, numel, shard).inputs
+        for s in range(4):
+            span = slice(s * shard, (s + 1) * shard)
+            kept = rank == 0 and s == 1  # the shard that could not read its input
+            assert torch.equal(after[span], before[rank][span]) == kept, (rank, s)

@@ -1,10 +1,15 @@
-"""The unit-test sandbox: results per test, failure messages, no network, killed at the timeout."""
+"""The sandbox: results per test, failure messages, a program's output, no network, killed at the timeout."""
 
 import socket
 
 import pytest
 
-from composer_serverless.objectives.sandbox import network_namespace_available, run_tests
+from composer_serverless.environments.sandbox import (
+    ProgramResult,
+    network_namespace_available,
+    run_program,
+    run_tests,
+)
 
 
 @pytest.fixture
@@ -84,3 +89,32 @@ def test_a_program_that_exits_early_scores_nothing():
     result = run_tests("import os\nos._exit(0)\n", ["assert True"], timeout_s=30)
     assert result.passed_fraction == 0
     assert result.first_failure().startswith("the program did not finish")
+
+
+def test_output_without_a_final_newline_does_not_hide_the_report():
+    result = run_tests(
+        "print('no newline', end='')\ndef f():\n    return 1\n", ["assert f() == 1"], timeout_s=30
+    )
+    assert result.passed_fraction == 1
+
+
+def test_a_program_shows_its_output_and_the_last_line_of_its_traceback():
+    result = run_program(
+        "import sys\nprint('out', end='')\nprint('err', file=sys.stderr)\n1 / 0\n", timeout_s=30
+    )
+    assert result.stdout == "out"
+    assert result.stderr == (
+        "err\nTraceback (most recent call last):\n"
+        '  File "<solution>", line 4, in <module>\n'
+        "    1 / 0\n"
+        "    ~~^~~\n"
+        "ZeroDivisionError: division by zero\n"
+    )
+    assert result.error == "ZeroDivisionError: division by zero" and not result.timed_out
+
+
+def test_a_program_that_exits_0_ran_to_its_end_and_one_that_loops_is_killed():
+    assert run_program("print('done')\nexit(0)\n", timeout_s=30) == ProgramResult("done\n", "", None)
+    assert run_program("exit(3)\n", timeout_s=30).error == "SystemExit: 3"
+    looped = run_program("print('spin', flush=True)\nwhile True:\n    pass\n", timeout_s=1)
+    assert looped.timed_out and looped.error == "timed out after 1s" and looped.stdout.startswith("spin")

@@ -1,4 +1,5 @@
-"""Run untrusted Python (a sampled completion and its unit tests) in a subprocess: bounded time, no network.
+"""Run untrusted Python (a sampled completion and its unit tests, or a program the model runs as a tool) in a
+subprocess: bounded time, no network.
 
 A policy under RL writes whatever raises its reward, so its code runs in a child process that
 
@@ -37,10 +38,12 @@ REPORT_PREFIX = "__sandbox_report__"
 
 # Runs in the child. Reads {"code", "tests", "nonce", "memory", "cpu"} from stdin; sets its resource limits
 # (here rather than in a preexec_fn, which is unsafe in a parent with threads), executes the code, then each
-# test in a copy of the code's namespace, and prints one report line. The audit hook goes in before any
-# untrusted code runs and cannot be removed afterwards (PEP 578).
+# test in a copy of the code's namespace, and prints one report line, {"tests": [...], "error": ...}. Without
+# tests it is a run: a raised error is printed as Python prints it (less the harness's frame) and its last line
+# reported. The audit hook goes in before any untrusted code runs and cannot be removed afterwards (PEP 578).
+# The report starts a line of its own, so output the program did not end with a newline cannot hide it.
 _HARNESS = r"""
-import json, resource, sys, traceback
+import json, linecache, resource, sys, traceback
 
 _BLOCKED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
             "os.forkpty", "pty.", "ctypes.")
@@ -53,6 +56,7 @@ job = json.loads(sys.stdin.read())
 resource.setrlimit(resource.RLIMIT_AS, (job["memory"], job["memory"]))
 resource.setrlimit(resource.RLIMIT_CPU, (job["cpu"], job["cpu"]))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+linecache.cache["<solution>"] = (len(job["code"]), None, job["code"].splitlines(True), "<solution>")
 sys.addaudithook(_guard)
 
 def _failure(e):
@@ -61,13 +65,19 @@ def _failure(e):
     return (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) + line
 
 results = []
+error = None
 namespace = {"__name__": "__main__"}
 try:
     exec(compile(job["code"], "<solution>", "exec"), namespace)
 except BaseException as e:
-    failed = "the code failed: " + _failure(e)
-    results = [{"test": test, "passed": False, "error": failed} for test in job["tests"]]
-else:
+    if job["tests"]:
+        error = "the code failed: " + _failure(e)
+    elif not (isinstance(e, SystemExit) and e.code in (None, 0)):  # a program may exit(0) when done
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        error = traceback.format_exception_only(type(e), e)[-1].strip()
+if job["tests"] and error is not None:
+    results = [{"test": test, "passed": False, "error": error} for test in job["tests"]]
+elif job["tests"]:
     for test in job["tests"]:
         try:
             exec(compile(test, "<test>", "exec"), dict(namespace))
@@ -75,7 +85,8 @@ else:
         except BaseException as e:
             results.append({"test": test, "passed": False, "error": _failure(e)})
 sys.stdout.flush()
-print(job["nonce"] + json.dumps(results), flush=True)
+sys.stderr.flush()
+print("\n" + job["nonce"] + json.dumps({"tests": results, "error": error}), flush=True)
 """
 
 
@@ -112,6 +123,24 @@ class SandboxResult:
         return None if failed is None else f"{failed.test.strip()} -> {failed.error}"
 
 
+@dataclass(frozen=True)
+class ProgramResult:
+    """What a run of a program came to (``run_program``).
+
+    Attributes:
+        stdout: what it printed.
+        stderr: what it wrote to stderr, the traceback of an error it raised included.
+        error: None when it ran to its end; else the last line of its traceback (``ZeroDivisionError: division
+            by zero``), or why it did not finish (timeout, crash, memory).
+        timed_out: the child was killed after ``timeout_s``.
+    """
+
+    stdout: str
+    stderr: str
+    error: str | None
+    timed_out: bool = False
+
+
 @functools.lru_cache(maxsize=1)
 def network_namespace_available() -> bool:
     """True when ``unshare --user --net`` works here (Linux with unprivileged user namespaces)."""
@@ -145,6 +174,28 @@ def run_tests(
     """
     if not tests:
         raise ValueError("run_tests needs at least one test")
+    ran = _run_child(code, list(tests), timeout_s, network_namespace)
+    if isinstance(ran, ProgramResult):
+        return SandboxResult((), timed_out=ran.timed_out, error=ran.error)
+    _, report = ran
+    return SandboxResult(tuple(TestResult(r["test"], r["passed"], r["error"]) for r in report["tests"]))
+
+
+def run_program(code: str, *, timeout_s: float, network_namespace: bool | None = None) -> ProgramResult:
+    """Execute ``code`` as a program in a sandboxed child process (the same limits as ``run_tests``): what
+    it printed, and the last line of its traceback if it raised."""
+    ran = _run_child(code, [], timeout_s, network_namespace)
+    if isinstance(ran, ProgramResult):
+        return ran
+    (stdout, stderr), report = ran
+    return ProgramResult(stdout, stderr, report["error"])
+
+
+def _run_child(
+    code: str, tests: list[str], timeout_s: float, network_namespace: bool | None
+) -> tuple[tuple[str, str], dict] | ProgramResult:
+    """The child's output (less its report) and report; a ``ProgramResult`` with the reason when it did not
+    report (killed at the timeout, crashed, exited early)."""
     use_namespace = network_namespace_available() if network_namespace is None else network_namespace
     nonce = REPORT_PREFIX + os.urandom(8).hex()
     command = [sys.executable, "-I", "-c", _HARNESS]
@@ -153,7 +204,7 @@ def run_tests(
     job = json.dumps(
         {
             "code": code,
-            "tests": list(tests),
+            "tests": tests,
             "nonce": nonce,
             "memory": MEMORY_LIMIT_BYTES,
             "cpu": int(timeout_s) + 1,
@@ -170,23 +221,25 @@ def run_tests(
             start_new_session=True,
         )
         try:
-            stdout, stderr = proc.communicate(job.encode(), timeout=timeout_s)
+            out, err = proc.communicate(job.encode(), timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return SandboxResult((), timed_out=True, error=f"timed out after {timeout_s:g}s")
-    return _parse(stdout.decode(errors="replace"), stderr.decode(errors="replace"), proc.returncode, nonce)
+            out, err = _kill_group(proc)
+            return ProgramResult(_text(out), _text(err), f"timed out after {timeout_s:g}s", timed_out=True)
+    stdout, stderr = _text(out), _text(err)
+    cut = stdout.rfind("\n" + nonce)
+    if cut < 0:
+        last = stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        return ProgramResult(stdout, stderr, f"the program did not finish: {last[0]}")
+    report = json.loads(stdout[cut + 1 + len(nonce) :].splitlines()[0])
+    return (stdout[:cut], stderr), report
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def _text(data: bytes | None) -> str:
+    return (data or b"").decode(errors="replace")
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> tuple[bytes, bytes]:
+    """Kill the child and everything it started; what it had written."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-
-
-def _parse(stdout: str, stderr: str, returncode: int, nonce: str) -> SandboxResult:
-    report = next((line for line in reversed(stdout.splitlines()) if line.startswith(nonce)), None)
-    if report is None:
-        last = stderr.strip().splitlines()[-1:] or [f"exit status {returncode}"]
-        return SandboxResult((), error=f"the program did not finish: {last[0]}")
-    rows = json.loads(report[len(nonce) :])
-    return SandboxResult(tuple(TestResult(r["test"], r["passed"], r["error"]) for r in rows))
+    return proc.communicate()
