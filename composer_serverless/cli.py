@@ -254,7 +254,12 @@ def _print_checked(prepared: Prepared, label: str = "") -> None:
         err_console.print(label + line, markup=False, highlight=False)
     for warning in dry_run.warnings(prepared):
         err_console.print(f"[yellow]{escape(label)}warning:[/] {escape(warning)}", highlight=False)
-    err_console.print(f"{label}estimated cost: {prepared.plan.cost.summary()}", markup=False, highlight=False)
+    plan = prepared.plan
+    err_console.print(f"{label}estimated cost: {plan.cost.summary()}", markup=False, highlight=False)
+    if plan.syncer_cost is not None:
+        where = plan.resources["syncer"]["hardware"]
+        line = f"{label}estimated cost of the syncer ({where}): {plan.syncer_cost.summary()}"
+        err_console.print(line, markup=False, highlight=False)
 
 
 def _print_problems(problems: list[str], ready: str) -> None:

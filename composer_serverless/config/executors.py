@@ -124,6 +124,20 @@ class ModalExecutorConfig(_CloudExecutorConfig):
     price_per_gpu_hour: float | None = Field(
         None, gt=0, description="USD per GPU-hour for the cost estimate; default is Modal's list price"
     )
+    syncer_cpu: float = Field(
+        2.0,
+        ge=0.125,
+        le=64,
+        description="physical CPU cores of the syncer's container (diloco.mode = 'decoupled'; it has no GPU: it "
+        "merges in host memory)",
+    )
+    syncer_memory_mb: int = Field(
+        8192,
+        ge=512,
+        le=262144,
+        description="MiB of memory of the syncer's container (decoupled mode): it holds the global, the outer "
+        "momentum and one contribution per learner, in float32",
+    )
 
     @field_validator("gpu")
     @classmethod
@@ -176,6 +190,11 @@ class HFJobsExecutorConfig(_CloudExecutorConfig):
     price_per_hour: float | None = Field(
         None, gt=0, description="USD per job-hour for the cost estimate; default is the flavor's list price"
     )
+    syncer_flavor: str = Field(
+        "cpu-upgrade",
+        description="HF Jobs CPU flavor of the syncer's job (diloco.mode = 'decoupled'; it merges in host memory, "
+        "so a GPU flavor would bill for an idle GPU), e.g. cpu-basic, cpu-upgrade, cpu-xl",
+    )
 
     @property
     def gpus(self) -> int:
@@ -185,6 +204,18 @@ class HFJobsExecutorConfig(_CloudExecutorConfig):
     @classmethod
     def _known_flavor(cls, flavor: str) -> str:
         return _known_name(flavor.lower(), HF_FLAVOR_PRICES, "flavor")
+
+    @field_validator("syncer_flavor")
+    @classmethod
+    def _cpu_flavor(cls, flavor: str) -> str:
+        flavor = _known_name(flavor.lower(), HF_FLAVOR_PRICES, "flavor")
+        if flavor_gpus(flavor):
+            cpu = ", ".join(f for f in HF_FLAVOR_PRICES if not flavor_gpus(f))
+            raise ValueError(
+                f"executor.syncer_flavor {flavor!r} has GPUs; the syncer merges on the CPU and would leave them "
+                f"idle at {flavor}'s price\n  fix: one of {cpu}"
+            )
+        return flavor
 
     @field_validator("namespace")
     @classmethod

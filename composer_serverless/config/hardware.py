@@ -34,6 +34,12 @@ MODAL_GPU_PRICES: dict[str, float] = {
 }
 """USD per GPU-hour on Modal, by the GPU type string Modal's ``gpu=`` accepts."""
 
+MODAL_CPU_CORE_PRICE = 0.0472
+"""USD per physical CPU core-hour on Modal (its per-second rate, $0.0000131, times 3600): what a CPU-only
+function, the decoupled syncer, is billed for its cores (Modal's ``cpu=`` counts physical cores)."""
+MODAL_MEMORY_GIB_PRICE = 0.0080
+"""USD per GiB-hour of memory on Modal (its per-second rate, $0.00000222, times 3600)."""
+
 HF_FLAVOR_PRICES: dict[str, float] = {
     "cpu-basic": 0.01,
     "cpu-upgrade": 0.03,

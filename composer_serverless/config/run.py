@@ -536,9 +536,6 @@ class RunConfig(StrictModel):
             "model.lora (the syncer merges whole models)": self.model.lora is not None,
             "more than one rank per replica (FSDP learners)": self.ranks_per_replica > 1,
             "train.objective = 'composer'": self.train.objective == "composer",
-            "an executor other than local (the syncer is started beside local replicas only)": not isinstance(
-                self.executor, LocalExecutorConfig
-            ),
         }
         for name, on in refused.items():
             if on:

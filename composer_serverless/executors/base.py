@@ -54,6 +54,8 @@ class CostEstimate:
     ``expected_usd`` needs a step time, ``executor.seconds_per_step`` or one the project measured on the same
     GPU for the same model size and workload (``executors/measured.py``; ``expected_basis`` says which), and
     counts start-up plus the configured inner steps once per replica; it leaves out sync waits and restarts.
+    ``of`` says whose cost it is: the replicas' (``diloco.replicas`` of them), or the decoupled syncer's (one
+    CPU machine that runs as long as the learners do; the "replica-hours" fields then count its hours).
     """
 
     price_per_replica_hour: float
@@ -64,20 +66,23 @@ class CostEstimate:
     expected_replica_hours: float | None = None
     expected_usd: float | None = None
     expected_basis: str | None = None
+    of: Literal["replica", "syncer"] = "replica"
 
     def summary(self) -> str:
         if self.price_per_replica_hour == 0:
             return f"$0 ({self.price_basis})"
+        of = self.of
         expected = (
-            f"expected ${self.expected_usd:,.2f} ({self.expected_replica_hours:,.2f} replica-hours; "
+            f"expected ${self.expected_usd:,.2f} ({self.expected_replica_hours:,.2f} {of}-hours; "
             f"{self.expected_basis})"
             if self.expected_usd is not None
             else "expected: no step time measured for this GPU, model size and workload (set "
             "executor.seconds_per_step to estimate)"
         )
+        every = "every replica" if of == "replica" else "the syncer"
         return (
-            f"{expected}; at most ${self.max_usd:,.2f} ({self.max_replica_hours:,.2f} replica-hours, every "
-            f"replica to its timeout with every restart) at ${self.price_per_replica_hour:,.2f}/replica-hour "
+            f"{expected}; at most ${self.max_usd:,.2f} ({self.max_replica_hours:,.2f} {of}-hours, {every} "
+            f"to its timeout with every restart) at ${self.price_per_replica_hour:,.2f}/{of}-hour "
             f"({self.price_basis})"
         )
 
@@ -90,6 +95,9 @@ class LaunchPlan:
     themselves (Modal) get 0 here and their retries in ``resources``. ``model`` says what the replicas load,
     with the opt-ins that matter before paying for them (``trust_remote_code`` runs the checkpoint's code).
     ``ranks_per_replica`` is how many processes (one per GPU, when there are GPUs) shard each replica's model.
+    In decoupled mode ``replicas`` ends with the syncer (rank ``diloco.replicas``), so launch, status, restart
+    and cancel cover it as they cover a replica; ``resources["syncer"]`` says its hardware and
+    ``syncer_cost`` what it costs beside the replicas' ``cost``.
     """
 
     executor: str
@@ -101,6 +109,7 @@ class LaunchPlan:
     launcher_restarts: int = 0
     model: dict[str, Any] = field(default_factory=dict)
     ranks_per_replica: int = 1
+    syncer_cost: CostEstimate | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -121,6 +130,7 @@ class LaunchPlan:
             launcher_restarts=data["launcher_restarts"],
             model=data.get("model", {}),
             ranks_per_replica=data.get("ranks_per_replica", 1),
+            syncer_cost=CostEstimate(**data["syncer_cost"]) if data.get("syncer_cost") else None,
         )
 
     def only(self, ranks: Collection[int]) -> LaunchPlan:

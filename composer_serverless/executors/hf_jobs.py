@@ -25,6 +25,9 @@ What the Jobs API teaches (see the project's research notes on HF Jobs):
 * Logs are for people: progress and outcome come from the store and the job's stage, never from a log
   stream (streams stall and drop lines).
 
+In decoupled mode the syncer (the rank after the learners') is one more job of the run, labelled and
+watched like the replicas, on a CPU flavor (``executor.syncer_flavor``): it merges in host memory.
+
 The replica command is the same worker as everywhere, run by the image's ``python``; with
 ``executor.package`` set the job first pip-installs that requirement (a stock PyTorch image plus the
 package pinned to a commit), otherwise the image must already contain it (deploy/hf_jobs/Dockerfile).
@@ -45,6 +48,7 @@ from composer_serverless.config.hardware import HF_FLAVOR_PRICES
 from composer_serverless.executors import retrying, runtime, shipment
 from composer_serverless.executors.base import (
     BackendError,
+    CostEstimate,
     Journal,
     LaunchPlan,
     LaunchRecord,
@@ -119,14 +123,18 @@ class HFJobsExecutor:
         secrets = present_secrets(config, always=(HUB_TOKEN,))
         stock = ex.image == DEFAULT_HF_JOBS_IMAGE
         shipped = shipment.plan(config, cloud=True)
+        syncer = config.diloco.syncer_rank
+        ranks = [(rank, env) for rank in range(replicas)]
+        if syncer is not None:  # a CPU flavor: no accelerator to find
+            ranks.append((syncer, cloud_env()))
         specs = tuple(
             ReplicaSpec(
                 rank,
                 _command(run_url, rank, ex.package, install_torch=stock, requirements=shipped.requirements),
-                env,
+                rank_env,
                 secrets,
             )
-            for rank in range(replicas)
+            for rank, rank_env in ranks
         )
         price = ex.price_per_hour or HF_FLAVOR_PRICES[ex.flavor]
         basis = "executor.price_per_hour" if ex.price_per_hour else f"HF Jobs list price of {ex.flavor}"
@@ -138,7 +146,11 @@ class HFJobsExecutor:
             cost=estimate_cost(
                 config, price_per_replica_hour=price, price_basis=basis, gpus_per_replica=ex.gpus
             ),
+            syncer_cost=None if syncer is None else _syncer_cost(config),
             resources={
+                "syncer": None
+                if syncer is None
+                else {"rank": syncer, "flavor": ex.syncer_flavor, "hardware": f"HF Jobs {ex.syncer_flavor}"},
                 "image": ex.image,
                 # The stock image gets the tested torch build installed at start; an image of your own
                 # runs the torch it holds.
@@ -212,7 +224,7 @@ class HFJobsExecutor:
                     command=list(spec.command),
                     env=dict(spec.env),
                     secrets=launch_secrets(spec.secrets, self.run_secrets),
-                    flavor=res["flavor"],
+                    flavor=_flavor(plan, spec.rank),
                     timeout=res["timeout_s"],
                     labels=labels,
                     name=f"{plan.run_id}-r{labels['rank']}-a{labels['attempt']}",
@@ -388,6 +400,21 @@ def _command(
     if not steps:
         return worker
     return ("bash", "-c", " && ".join([*steps, f"exec {shlex.join(worker)}"]))
+
+
+def _flavor(plan: LaunchPlan, rank: int) -> str:
+    """The flavor of ``rank``'s job: the syncer's CPU flavor for the syncer, else the replicas'."""
+    syncer = plan.resources.get("syncer")
+    return syncer["flavor"] if syncer is not None and syncer["rank"] == rank else plan.resources["flavor"]
+
+
+def _syncer_cost(config: RunConfig) -> CostEstimate:
+    flavor = config.executor.syncer_flavor
+    price = HF_FLAVOR_PRICES[flavor]
+    basis = f"HF Jobs list price of {flavor}"
+    return estimate_cost(
+        config, price_per_replica_hour=price, price_basis=basis, gpus_per_replica=0, of="syncer"
+    )
 
 
 def _labels(handle: ReplicaHandle) -> dict[str, str]:

@@ -103,11 +103,10 @@ class LocalProcessExecutor:
             )
             for rank in range(replicas)
         )
-        if config.diloco.syncer_rank is not None:  # on the CPU: it merges in host memory
+        syncer = config.diloco.syncer_rank
+        if syncer is not None:  # on the CPU: it merges in host memory
             cpu = env if devices is None else {**env, "CUDA_VISIBLE_DEVICES": ""}
-            specs += (
-                ReplicaSpec(config.diloco.syncer_rank, worker_argv(run_url, replicas, sys.executable), cpu),
-            )
+            specs += (ReplicaSpec(syncer, worker_argv(run_url, syncer, sys.executable), cpu),)
         free = CostEstimate(0.0, "local processes: no cloud bill", 0, 0.0, 0.0, 0.0, 0.0)
         return LaunchPlan(
             executor=self.name,
@@ -115,7 +114,9 @@ class LocalProcessExecutor:
             run_url=run_url,
             replicas=specs,
             cost=free,
+            syncer_cost=None if syncer is None else dataclasses.replace(free, of="syncer"),
             resources={
+                "syncer": None if syncer is None else {"rank": syncer, "hardware": "a local CPU process"},
                 "threads_per_replica": threads,
                 "threads_per_rank": per_rank,
                 "devices": "cpu" if devices is None else {str(r): d for r, d in enumerate(devices)},

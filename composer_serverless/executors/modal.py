@@ -26,6 +26,10 @@ What Modal teaches (see the project's research notes on Modal):
   variant for every replica would spawn them all in the first replica's app.
 * Secrets go to Modal as a ``Secret`` built from this environment at spawn time (plus any named secrets of
   the workspace); their values never enter the plan, the command or a log.
+* In decoupled mode the syncer (the rank after the learners') is a spawn of a second function of the same
+  app, ``modal_app.syncer``, which has no GPU: its cores and memory are per-run options too
+  (``executor.syncer_cpu``, ``syncer_memory_mb``). It gets its own detached app, retries, timeout and secrets
+  exactly as a replica does, so status, logs and cancel reach it the same way.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ from typing import Any, TypeVar
 
 from composer_serverless.accelerator import ACCELERATOR_ENV
 from composer_serverless.config import RunConfig
-from composer_serverless.config.hardware import MODAL_GPU_PRICES
+from composer_serverless.config.hardware import MODAL_CPU_CORE_PRICE, MODAL_GPU_PRICES, MODAL_MEMORY_GIB_PRICE
 from composer_serverless.executors import retrying, shipment
 from composer_serverless.executors.base import (
     BackendError,
+    CostEstimate,
     Journal,
     LaunchPlan,
     LaunchRecord,
@@ -94,6 +99,9 @@ class ModalExecutor:
         env = {**cloud_env(), ACCELERATOR_ENV: "cuda"}  # every Modal replica is given GPUs
         secrets = present_secrets(config)
         specs = tuple(ReplicaSpec(rank, worker_argv(run_url, rank), env, secrets) for rank in range(replicas))
+        syncer = config.diloco.syncer_rank
+        if syncer is not None:  # no GPU: it merges in host memory
+            specs += (ReplicaSpec(syncer, worker_argv(run_url, syncer), cloud_env(), secrets),)
         gpu_price = ex.price_per_gpu_hour or MODAL_GPU_PRICES[ex.gpu]
         basis = "executor.price_per_gpu_hour" if ex.price_per_gpu_hour else f"Modal list price of {ex.gpu}"
         cost = estimate_cost(
@@ -108,7 +116,9 @@ class ModalExecutor:
             run_url=run_url,
             replicas=specs,
             cost=cost,
+            syncer_cost=None if syncer is None else _syncer_cost(config),
             resources={
+                "syncer": None if syncer is None else _syncer_resources(config, syncer),
                 "app": APP_NAME,
                 "function": "train_replica",
                 "gpu": _gpu_option(ex.gpu, ex.gpu_count),
@@ -176,10 +186,11 @@ class ModalExecutor:
         kept: BaseException | None = None
         pending = handle = None
         output = modal.enable_output() if show_output else contextlib.nullcontext()
-        with output, app.run(detach=True, name=f"{plan.run_id} replica {rank}"):
+        role = "syncer" if _is_syncer(plan, rank) else "replica"
+        with output, app.run(detach=True, name=f"{plan.run_id} {role} {rank}"):
             try:
                 pending = journal.launching(rank, {"app_id": app.app_id or "", "own_app": "true"})
-                call = self._function(plan).spawn(plan.run_url, rank)
+                call = self._function(plan, rank).spawn(plan.run_url, rank)
                 handle = dataclasses.replace(
                     pending, backend_id=call.object_id, log=f"modal call {call.object_id}"
                 )
@@ -194,29 +205,32 @@ class ModalExecutor:
         assert handle is not None
         return handle
 
-    def _function(self, plan: LaunchPlan) -> Any:
-        """The replica function with this run's options, made inside the running app that is to hold the
-        call: a ``with_options`` variant binds to the app running when it is first used and stays bound, so
-        one made once for every replica would put them all in the first replica's app. Its secrets are made
-        here too, for the same reason (a secret made from a dict belongs to the app it is first used in)."""
+    def _function(self, plan: LaunchPlan, rank: int) -> Any:
+        """The function of ``rank`` (the replica's, or the syncer's) with this run's options, made inside the
+        running app that is to hold the call: a ``with_options`` variant binds to the app running when it is
+        first used and stays bound, so one made once for every replica would put them all in the first
+        replica's app. Its secrets are made here too, for the same reason (a secret made from a dict belongs
+        to the app it is first used in)."""
         import modal
 
-        train_replica = replica_module(plan.resources.get("shipped")).train_replica
-
+        module = replica_module(plan.resources.get("shipped"))
         res = plan.resources
-        first = plan.replicas[0]
+        (spec,) = (s for s in plan.replicas if s.rank == rank)
         secrets = [modal.Secret.from_name(name) for name in res["modal_secrets"]]
-        if first.secrets:
-            secrets.insert(0, modal.Secret.from_dict(launch_secrets(first.secrets, self.run_secrets)))
-        return train_replica.with_options(
-            gpu=res["gpu"],
-            timeout=res["timeout_s"],
-            retries=modal.Retries(
+        if spec.secrets:
+            secrets.insert(0, modal.Secret.from_dict(launch_secrets(spec.secrets, self.run_secrets)))
+        common = {
+            "timeout": res["timeout_s"],
+            "retries": modal.Retries(
                 max_retries=res["retries"], initial_delay=RETRY_DELAY_S, backoff_coefficient=1.0
             ),
-            secrets=secrets,
-            env=dict(first.env),
-        )
+            "secrets": secrets,
+            "env": dict(spec.env),
+        }
+        if _is_syncer(plan, rank):
+            syncer = res["syncer"]
+            return module.syncer.with_options(cpu=syncer["cpu"], memory=syncer["memory_mb"], **common)
+        return module.train_replica.with_options(gpu=res["gpu"], **common)
 
     def status(self, handles: list[ReplicaHandle]) -> list[ReplicaStatus]:
         statuses = []
@@ -340,6 +354,37 @@ def replica_module(shipped: dict[str, Any] | None) -> Any:
         finally:
             del os.environ[SHIPMENT_ENV]
     return modal_app
+
+
+def _is_syncer(plan: LaunchPlan, rank: int) -> bool:
+    syncer = plan.resources.get("syncer")
+    return syncer is not None and syncer["rank"] == rank
+
+
+def _syncer_resources(config: RunConfig, rank: int) -> dict[str, Any]:
+    ex = config.executor
+    return {
+        "rank": rank,
+        "function": "syncer",
+        "gpu": None,
+        "cpu": ex.syncer_cpu,
+        "memory_mb": ex.syncer_memory_mb,
+        "hardware": f"Modal CPU function, {ex.syncer_cpu:g} cores, {ex.syncer_memory_mb} MiB, no GPU",
+    }
+
+
+def _syncer_cost(config: RunConfig) -> CostEstimate:
+    """The syncer's cores and memory at Modal's per-second CPU and memory rates."""
+    ex = config.executor
+    gib = ex.syncer_memory_mb / 1024
+    price = ex.syncer_cpu * MODAL_CPU_CORE_PRICE + gib * MODAL_MEMORY_GIB_PRICE
+    basis = (
+        f"Modal list prices: {ex.syncer_cpu:g} cores x ${MODAL_CPU_CORE_PRICE}/core-hour + {gib:g} GiB x "
+        f"${MODAL_MEMORY_GIB_PRICE}/GiB-hour"
+    )
+    return estimate_cost(
+        config, price_per_replica_hour=price, price_basis=basis, gpus_per_replica=0, of="syncer"
+    )
 
 
 def _gpu_option(gpu: str, count: int) -> str:

@@ -1,4 +1,5 @@
-"""The Modal App that runs replicas: one GPU function whose body is the replica worker.
+"""The Modal App that runs replicas: one GPU function whose body is the replica worker, and one CPU function,
+the decoupled syncer, whose body is the same worker.
 
 It lives inside the package on purpose: Modal mounts the whole top-level package of a function defined in a
 package, so containers get exactly the code that launched them. Module-level code runs again in every
@@ -67,9 +68,26 @@ def train_replica(run_url: str, rank: int) -> int:
     """Run replica ``rank`` of the run at ``run_url`` here; raises on failure, so Modal retries it (a
     returned value, whatever it is, is a success to Modal: a replica of several ranks reports a dead rank
     with its exit status, which is turned into an exception here)."""
+    return _worker(run_url, rank, "replica")
+
+
+@app.function(
+    cpu=2.0,
+    memory=8192,
+    timeout=6 * 3600,
+    retries=modal.Retries(max_retries=2, initial_delay=RETRY_DELAY_S, backoff_coefficient=1.0),
+    single_use_containers=True,
+)
+def syncer(run_url: str, rank: int) -> int:
+    """Run the decoupled syncer (rank ``diloco.replicas`` of the run at ``run_url``) here: the same worker on
+    a container without a GPU (it merges in host memory); raises on failure, so Modal retries it."""
+    return _worker(run_url, rank, "the syncer, rank")
+
+
+def _worker(run_url: str, rank: int, role: str) -> int:
     from composer_serverless.replicas.worker import main
 
     code = main(["--run", run_url, "--rank", str(rank)])
     if code != 0:
-        raise RuntimeError(f"replica {rank} exited with status {code} (its log says why)")
+        raise RuntimeError(f"{role} {rank} exited with status {code} (its log says why)")
     return code

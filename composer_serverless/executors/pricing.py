@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from composer_serverless.config.base import ConfigError
 from composer_serverless.executors.base import CostEstimate
@@ -19,17 +19,25 @@ if TYPE_CHECKING:
 
 
 def estimate_cost(
-    config: RunConfig, *, price_per_replica_hour: float, price_basis: str, gpus_per_replica: int
+    config: RunConfig,
+    *,
+    price_per_replica_hour: float,
+    price_basis: str,
+    gpus_per_replica: int,
+    of: Literal["replica", "syncer"] = "replica",
 ) -> CostEstimate:
-    """The plan's cost: an upper bound from the timeout, and an expected figure when step time is known."""
+    """The plan's cost: an upper bound from the timeout, and an expected figure when step time is known.
+    ``of = "syncer"``: the decoupled syncer's, one machine with the replicas' timeout and restarts that runs
+    as long as a learner does (it commits the last version when the learners' last contributions are in)."""
     ex = config.executor
-    max_hours = config.diloco.replicas * (1 + ex.max_restarts) * ex.timeout_s / 3600
+    max_hours = _machines(config, of) * (1 + ex.max_restarts) * ex.timeout_s / 3600
     cost = CostEstimate(
         price_per_replica_hour=price_per_replica_hour,
         price_basis=price_basis,
         gpus_per_replica=gpus_per_replica,
         max_replica_hours=round(max_hours, 4),
         max_usd=round(max_hours * price_per_replica_hour, 2),
+        of=of,
     )
     if ex.seconds_per_step is None:
         return cost
@@ -46,14 +54,19 @@ def with_measured(cost: CostEstimate, config: RunConfig, measurement: Measuremen
 
 def _expected(cost: CostEstimate, config: RunConfig, seconds_per_step: float, basis: str) -> CostEstimate:
     dl = config.diloco
-    hours = dl.replicas * replica_seconds(config, seconds_per_step) / 3600
+    hours = _machines(config, cost.of) * replica_seconds(config, seconds_per_step) / 3600
+    learner = "" if cost.of == "replica" else "as long as a learner: "
     return dataclasses.replace(
         cost,
         expected_replica_hours=round(hours, 4),
         expected_usd=round(hours * cost.price_per_replica_hour, 2),
-        expected_basis=f"{dl.rounds} rounds x {dl.sync_every} steps x {seconds_per_step:g} s/step + "
+        expected_basis=f"{learner}{dl.rounds} rounds x {dl.sync_every} steps x {seconds_per_step:g} s/step + "
         f"{config.executor.startup_s:g} s start-up per replica, {basis}",
     )
+
+
+def _machines(config: RunConfig, of: Literal["replica", "syncer"]) -> int:
+    return config.diloco.replicas if of == "replica" else 1
 
 
 def replica_seconds(config: RunConfig, seconds_per_step: float) -> float:

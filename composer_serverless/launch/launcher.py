@@ -223,7 +223,8 @@ def _with_measured_cost(plan: LaunchPlan, config: RunConfig, model: ModelFacts) 
     found = measured.find(measured.load(), gpu, model.parameters["total"], config)
     if found is None:
         return plan
-    return dataclasses.replace(plan, cost=pricing.with_measured(plan.cost, config, found))
+    syncer = plan.syncer_cost and pricing.with_measured(plan.syncer_cost, config, found)
+    return dataclasses.replace(plan, cost=pricing.with_measured(plan.cost, config, found), syncer_cost=syncer)
 
 
 def _with_rewards_checked(config: RunConfig, train: list[Any]) -> RunConfig:
@@ -686,10 +687,12 @@ def follow(
     """Watch a started run to its end, then write and print its report; None if the user detached."""
     plan = supervisor.record.plan
     console.print(
-        f"run [bold]{plan.run_id}[/] at {supervisor.run.url}: {len(plan.replicas)} {plan.executor} replicas"
+        f"run [bold]{plan.run_id}[/] at {supervisor.run.url}: {config.diloco.replicas} {plan.executor} replicas"
         + (f" of {plan.ranks_per_replica} ranks" if plan.ranks_per_replica > 1 else "")
+        + (f" and the syncer ({plan.resources['syncer']['hardware']})" if plan.syncer_cost else "")
         + "\n"
-        f"  estimated cost: {plan.cost.summary()}",
+        f"  estimated cost: {plan.cost.summary()}"
+        + (f"\n  the syncer's: {plan.syncer_cost.summary()}" if plan.syncer_cost else ""),
         highlight=False,
     )
     run = Followed(supervisor, config)

@@ -16,6 +16,7 @@ Policy, per replica:
   goes on without it; the run fails only if no replica is left. The store records that it was given up
   (``layout.given_up``): its last heartbeat may still say "training", and the other replicas must not count
   on it to publish a round they wait for (``recovery.holders``). Starting the rank again removes the record.
+  A decoupled run's syncer is never given up: the run fails instead (its learners would wait for merges).
 * ``cancelled`` by someone else (``cancel RUN`` from another terminal): the run is over.
 """
 
@@ -195,6 +196,7 @@ class Supervisor:
             if status.state == "failed":
                 events.append(self._relaunch_or_fail(handle, status))
             elif status.state == "unscheduled" and handle.rank not in self._given_up:
+                self._no_syncer_without_hardware(handle, status)
                 self._give_up(handle, f"got no hardware ({status.detail})")
                 events.append(
                     f"replica {handle.rank} {self._given_up[handle.rank]}; "
@@ -213,6 +215,18 @@ class Supervisor:
             ]
             raise RunFailed("no replica ran: " + "; ".join(why))
         return Poll(statuses, events, finished)
+
+    def _no_syncer_without_hardware(self, handle: ReplicaHandle, status: ReplicaStatus) -> None:
+        """A run goes on without a learner that got no hardware, never without its syncer (decoupled mode):
+        the learners would wait for merges that never come."""
+        syncer = self.record.plan.resources.get("syncer")
+        if syncer is None or syncer["rank"] != handle.rank:
+            return
+        raise RunFailed(
+            f"the syncer (rank {handle.rank}) got no hardware ({status.detail}); without it no contribution "
+            f"is merged\n  fix: a CPU flavor with hardware free (executor.syncer_flavor) or a longer "
+            f"executor.scheduling_deadline_s, then launch --resume {self.run.url}"
+        )
 
     def _give_up(self, handle: ReplicaHandle, why: str) -> None:
         """Cancel ``handle`` and record in the store that the run goes on without its rank."""

@@ -1,7 +1,7 @@
 """A fake of the part of the Modal SDK the executor uses, behaving as the real client does (modal 1.6.4).
 
 It replaces, in the test process, the objects ``ModalExecutor`` reaches: the replica App's ``run``, the
-replica function's ``with_options(...).spawn``, ``modal.FunctionCall.from_id``, ``modal.App.lookup``,
+replica function's and the syncer function's ``with_options(...).spawn``, ``modal.FunctionCall.from_id``, ``modal.App.lookup``,
 ``modal.Client.from_env`` and ``modal.Secret.from_dict``/``from_name``. Everything else in the executor runs
 as it does against Modal. What the real client does, and the fake does too (read from the installed wheel):
 
@@ -27,7 +27,8 @@ here too; ``used`` names the entry points the executor reached.
 Each spawned replica runs as a local process with a minimal "image" environment plus the options' env and
 the secrets' values, and nothing else, so a secret the executor forgot to request is really missing. A
 container has the GPU it was given: the process runs on the simulated accelerator
-(``accelerator/simulated.py``), so replicas take their CUDA path.
+(``accelerator/simulated.py``), so replicas take their CUDA path; a container given none (the syncer's CPU
+function) has none.
 ``interrupt_at`` sends this process a real SIGINT at points of the spawn sequence; ``fail`` makes a named
 SDK call raise a Modal API error.
 """
@@ -69,6 +70,7 @@ class FakeCall:
     env: dict[str, str]
     log: Path
     max_retries: int
+    function: str = "train_replica"
     proc: subprocess.Popen[bytes] | None = None
     attempts: int = 0
     # None while running, else (status name, data for the result)
@@ -208,7 +210,7 @@ class FakeModal:
 
         fake = self
         shaped = self._shaped_as
-        real_with_options = modal_app.train_replica.with_options
+        real_options = {name: getattr(modal_app, name).with_options for name in ("train_replica", "syncer")}
         real_from_dict = modal.Secret.from_dict
 
         class App:
@@ -244,7 +246,8 @@ class FakeModal:
                     self._running = False
 
         class Function:
-            def __init__(self, options: dict[str, Any]) -> None:
+            def __init__(self, name: str, options: dict[str, Any]) -> None:
+                self.name = name
                 self.options = options
                 self.app_id: str | None = None  # the app it was hydrated in, at its first use
 
@@ -267,10 +270,10 @@ class FakeModal:
                     "HOME": str(fake.logs_dir),
                     "OMP_NUM_THREADS": "1",
                     "AWS_EC2_METADATA_DISABLED": "true",
-                    # A Modal container has the GPU it was given: here, the simulated one.
-                    SIMULATED_ENV: "1",
                     **self.options.get("env", {}),
                 }
+                if self.options.get("gpu"):  # a Modal container has the GPU it was given: the simulated one
+                    env[SIMULATED_ENV] = "1"
                 for secret in self.options.get("secrets", []):
                     env.update(fake.secret_values.get(id(secret), {}))
                 call_id = f"fc-{uuid.uuid4().hex[:12]}"
@@ -282,6 +285,7 @@ class FakeModal:
                     env,
                     fake.logs_dir / f"{call_id}.log",
                     self.options["retries"].max_retries,
+                    self.name,
                 )
                 fake.calls[call_id] = call
                 app.calls.append(call_id)
@@ -292,12 +296,14 @@ class FakeModal:
                 return handle
 
         class Replica:
-            @staticmethod
-            def with_options(**options: Any) -> Function:
-                real_with_options(**options)  # the real one checks the options (lazily, offline)
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def with_options(self, **options: Any) -> Function:
+                real_options[self.name](**options)  # the real one checks the options (lazily, offline)
                 fake.used.add("Function.with_options")
-                fake.options.append(options)
-                return Function(options)
+                fake.options.append({"function": self.name, **options})
+                return Function(self.name, options)
 
         class Logs:
             def __init__(self, call: FakeCall) -> None:
@@ -395,7 +401,8 @@ class FakeModal:
 
         fake_app = App()
         monkeypatch.setattr(modal_app, "app", fake_app)
-        monkeypatch.setattr(modal_app, "train_replica", Replica())
+        monkeypatch.setattr(modal_app, "train_replica", Replica("train_replica"))
+        monkeypatch.setattr(modal_app, "syncer", Replica("syncer"))
         monkeypatch.setattr(modal.FunctionCall, "from_id", FunctionCall.from_id)
         monkeypatch.setattr(modal.App, "lookup", lookup)
         monkeypatch.setattr(modal.Client, "from_env", Client.from_env)

@@ -13,6 +13,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 
+from composer_serverless.accelerator import ACCELERATOR_ENV
 from tests.executors.conftest import (
     HF_TOKEN,
     NAMESPACE,
@@ -320,3 +321,58 @@ def test_a_model_directory_next_to_the_config_is_shipped_to_the_jobs_and_trained
     resolved = json.loads(objects["runs/hf-model/run.json"])
     assert resolved["model"]["path"] == f"{store}/hf-model/model"
     assert json.loads(objects["runs/hf-model/summary.json"])["rounds_committed"] == 2
+
+
+def _decoupled(tmp_path, store, run_id, rounds):
+    """``_config``'s run in decoupled mode: 2 learners and the syncer (rank 2)."""
+    path = _config(tmp_path, store, run_id, rounds=rounds)
+    path.write_text(
+        path.read_text().replace("[diloco]\n", '[diloco]\nmode = "decoupled"\nembedding_average = "all"\n')
+    )
+    return path
+
+
+def test_a_decoupled_run_on_hf_jobs_runs_its_syncer_on_a_cpu_flavor_and_a_cancel_ends_all_three(
+    tmp_path, s3_store, fake_hf, hf_env
+):
+    store, client = s3_store
+    config = _decoupled(tmp_path, store, "hf-decoupled", rounds=2)
+    dry = cli("launch", str(config), "--dry-run", env=hf_env)
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout)
+    assert [r["rank"] for r in plan["replicas"]] == [0, 1, 2]
+    assert plan["resources"]["syncer"] == {
+        "rank": 2,
+        "flavor": "cpu-upgrade",
+        "hardware": "HF Jobs cpu-upgrade",
+    }
+    # cpu-upgrade at $0.03/hour: at most 1 syncer x (1 + 0 restarts) x 2 h.
+    assert plan["syncer_cost"]["max_usd"] == 0.06 and plan["syncer_cost"]["of"] == "syncer"
+    assert "estimated cost of the syncer (HF Jobs cpu-upgrade): " in dry.stderr
+
+    result = cli("launch", str(config), env=hf_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(
+        client.get_object(Bucket="bucket", Key="runs/hf-decoupled/summary.json")["Body"].read()
+    )
+    assert summary["rounds_committed"] == 2
+    flavors = {job.spec["labels"]["rank"]: job.spec["flavor"] for job in fake_hf.jobs.values()}
+    assert flavors == {"0": "a10g-small", "1": "a10g-small", "2": "cpu-upgrade"}
+    syncer = next(job for job in fake_hf.jobs.values() if job.spec["labels"]["rank"] == "2")
+    assert set(syncer.spec["secrets"]) == {"HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    assert ACCELERATOR_ENV not in syncer.spec["environment"]
+
+    # A long run, cancelled once its learners train: learners and syncer all end.
+    fake_hf.reset()
+    launcher = cli_background("launch", str(_decoupled(tmp_path, store, "hf-dc-cancel", 300)), env=hf_env)
+    try:
+        while not _training(client, "hf-dc-cancel", ranks=2):
+            assert launcher.poll() is None, launcher.communicate()
+            time.sleep(0.5)
+        cancel = cli("cancel", f"{store}/hf-dc-cancel", env=hf_env)
+        assert cancel.returncode == 0, cancel.stderr
+        assert len(fake_hf.jobs) == 3 and all(job.stage[0] == "CANCELED" for job in fake_hf.jobs.values())
+        assert all(job.proc.wait() != 0 for job in fake_hf.jobs.values())
+    finally:
+        launcher.kill()
+        launcher.communicate()

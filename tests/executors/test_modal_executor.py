@@ -18,6 +18,7 @@ import tomllib
 from modal import exception as mx
 from rich.console import Console
 
+from composer_serverless.accelerator import ACCELERATOR_ENV, SIMULATED_ENV
 from composer_serverless.config import validate_config
 from composer_serverless.executors.base import (
     BackendError,
@@ -32,6 +33,7 @@ from composer_serverless.executors.runtime import torch_build
 from composer_serverless.launch import runs, watch
 from composer_serverless.launch.launcher import create_run, launch, prepare, resume, start
 from composer_serverless.launch.supervisor import RunCancelled, RunFailed, Supervisor
+from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 from tests.conftest import TINY
@@ -41,14 +43,18 @@ REPO = Path(__file__).resolve().parents[2]
 WAIT = [sys.executable, "-c", "import time; time.sleep(120)"]
 
 
-def _config(store: str, replicas: int = 2, rounds: int = 2, **executor):
+# Decoupled mode's settings (docs/decoupled.md): learners and a syncer, rank ``replicas``.
+DECOUPLED = {"mode": "decoupled", "embedding_average": "all"}
+
+
+def _config(store: str, replicas: int = 2, rounds: int = 2, diloco: dict | None = None, **executor):
     return validate_config(
         {
             "run_id": executor.pop("run_id", "modal-run"),
             "store": store,
             "model": {"tiny": TINY.model_dump()},
             "data": {"seq_len": 32, "batch_size": 4},
-            "diloco": {"replicas": replicas, "sync_every": 3, "rounds": rounds},
+            "diloco": {"replicas": replicas, "sync_every": 3, "rounds": rounds, **(diloco or {})},
             "eval": {"sequences": 8},
             "executor": {"type": "modal", "private_store_endpoint": True, **executor},
         }
@@ -424,3 +430,80 @@ def test_modal_run_help_works_offline(tmp_path, ref, options):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert all(option in result.stdout for option in ["--config", *options])
+
+
+def test_a_decoupled_plan_adds_the_syncer_as_a_cpu_function_with_its_cost():
+    config = _config(
+        "s3://bucket/runs", diloco=DECOUPLED, syncer_cpu=4, syncer_memory_mb=16384, seconds_per_step=0.5
+    )
+    plan = ModalExecutor().plan(config, "s3://bucket/runs/modal-run")
+    assert [s.rank for s in plan.replicas] == [0, 1, 2]  # the learners, then the syncer
+    syncer = plan.replicas[2]
+    assert syncer.command == worker_argv("s3://bucket/runs/modal-run", 2)
+    assert ACCELERATOR_ENV not in syncer.env and plan.replicas[0].env[ACCELERATOR_ENV] == "cuda"
+    assert syncer.secrets == plan.replicas[0].secrets
+    assert plan.resources["syncer"] == {
+        "rank": 2,
+        "function": "syncer",
+        "gpu": None,
+        "cpu": 4.0,
+        "memory_mb": 16384,
+        "hardware": "Modal CPU function, 4 cores, 16384 MiB, no GPU",
+    }
+    # 4 cores x $0.0472 + 16 GiB x $0.0080 = $0.3168/hour; at most 1 syncer x (1 + 2 restarts) x 6 h;
+    # expected as long as one learner: 300 s + 2 rounds x 3 steps x 0.5 s.
+    cost = plan.syncer_cost
+    assert cost is not None and cost.of == "syncer" and cost.gpus_per_replica == 0
+    assert cost.price_per_replica_hour == pytest.approx(0.3168)
+    assert cost.max_replica_hours == 18 and cost.max_usd == round(18 * 0.3168, 2)
+    assert cost.expected_usd == round((300 + 2 * 3 * 0.5) / 3600 * 0.3168, 2)
+    assert "syncer-hours" in cost.summary() and "the syncer to its timeout" in cost.summary()
+    # The replicas' cost is still the two learners' (the syncer is not billed at a GPU's price).
+    assert plan.cost.max_replica_hours == 2 * 3 * 6
+    assert LaunchPlan.from_dict(json.loads(plan.to_json())) == plan
+    lockstep = ModalExecutor().plan(_config("s3://bucket/runs"), "s3://bucket/runs/modal-run")
+    assert lockstep.syncer_cost is None and lockstep.resources["syncer"] is None
+
+
+@pytest.mark.slow
+def test_a_decoupled_run_on_modal_runs_its_syncer_as_a_cpu_function_beside_the_learners(
+    tmp_path, s3_store, fake_modal
+):
+    store, _ = s3_store
+    out = io.StringIO()
+    config = _config(store, diloco=DECOUPLED, status_poll_s=0.5, run_id="modal-decoupled")
+    summary = launch(config, "modal.toml", Console(file=out, width=120))
+    assert summary is not None and summary["rounds_committed"] == 2, out.getvalue()
+    assert "2 modal replicas and the syncer (Modal CPU function, 2 cores" in out.getvalue()
+    run = ObjectStore(f"{store}/modal-decoupled")
+    final = versions.read_version(run, 2)  # both merges committed, each learner's contributions merged once
+    assert final.consumed == {0: 2, 1: 2} and final.dropped == []
+
+    by_function = {o["function"]: o for o in fake_modal.options}
+    assert len(fake_modal.options) == 3 and set(by_function) == {"train_replica", "syncer"}
+    syncer = by_function["syncer"]
+    assert "gpu" not in syncer and syncer["cpu"] == 2.0 and syncer["memory"] == 8192
+    assert syncer["retries"].max_retries == 2 and syncer["timeout"] == 6 * 3600
+    assert syncer["env"]["AWS_ENDPOINT_URL_S3"] == os.environ["AWS_ENDPOINT_URL_S3"]
+    calls = {c.rank: c for c in fake_modal.calls.values()}
+    assert calls[2].function == "syncer" and SIMULATED_ENV not in calls[2].env  # a container with no GPU
+    assert calls[0].function == "train_replica" and calls[0].env[SIMULATED_ENV] == "1"
+    # Its store credentials reached it as a secret (Secret.from_dict), not in its env.
+    assert calls[2].env["AWS_SECRET_ACCESS_KEY"] == os.environ["AWS_SECRET_ACCESS_KEY"]
+    assert "AWS_SECRET_ACCESS_KEY" not in syncer["env"]
+    assert len(fake_modal.apps) == 3 and any(
+        app.name.endswith("syncer 2") for app in fake_modal.apps.values()
+    )
+    _, rows, _ = runs.status(run.url)
+    assert [r.state for r in rows] == ["succeeded"] * 3
+
+
+@pytest.mark.slow
+def test_cancelling_a_decoupled_run_on_modal_ends_the_learners_and_the_syncer(s3_store, fake_modal):
+    store, _ = s3_store
+    config = _config(store, rounds=500, diloco=DECOUPLED, run_id="modal-decoupled-cancel")
+    start(prepare(config, "modal.toml"), Console(file=io.StringIO()))
+    statuses = runs.cancel(f"{store}/modal-decoupled-cancel")
+    assert [s.state for s in statuses] == ["cancelled"] * 3
+    assert {c.function for c in fake_modal.calls.values()} == {"train_replica", "syncer"}
+    assert fake_modal.live() == [] and all(app.stopped for app in fake_modal.apps.values())

@@ -68,6 +68,12 @@ CASES = [
         ["executor.gpu: unknown GPU type 'H1000'; did you mean 'H100'?", "fix: change executor.gpu"],
     ),
     (
+        "a GPU flavor for the syncer, which merges on the CPU",
+        ["launch", "{cfg}", *HF, "--set", "executor.syncer_flavor=a10g-small"],
+        {},
+        ["executor.syncer_flavor 'a10g-small' has GPUs", "fix: one of cpu-basic, cpu-upgrade"],
+    ),
+    (
         "unknown flavor",
         ["launch", "{cfg}", *HF, "--set", "executor.flavor=a100-hueg"],
         {},
