@@ -1,12 +1,16 @@
 """Fixtures for the episode tests: the character tokenizer over printable ASCII (so tool calls' JSON encodes)
 with a ChatML template that renders tool turns, and a scripted "model" that writes given turns."""
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
+from composer_serverless.cli import run as cli_run
 from composer_serverless.environments.episodes import chat_codec
 from composer_serverless.models.loading import char_tokenizer
+from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 
 TOOL_CHATML = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
@@ -53,3 +57,19 @@ class Scripted:
 @pytest.fixture
 def scripted(tokenizer):
     return lambda scripts: Scripted(tokenizer, scripts)
+
+
+def trained_rows(config: Path, run_id: str, rounds: int, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Launch the task ``config`` (from its directory, on the simulated accelerator) as a user would; check it
+    committed ``rounds`` rounds with its replicas bit-identical; rank 0's step rows of the training rounds."""
+    monkeypatch.chdir(config.parent)
+    with replicas_on_the_simulated_accelerator():
+        assert cli_run(["launch", str(config), "--set", f"run_id={run_id}"]) == 0
+    run = config.parent / "runs" / run_id
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rounds_committed"] == rounds and summary["replicas_bit_identical"]
+    assert ran_on_the_simulated_accelerator(run / "logs")
+    rows = [json.loads(p.read_text()) for p in sorted((run / "metrics" / "0").glob("*.json"))]
+    trained = [r["train"] for r in rows if r["round"] > 0]
+    assert trained
+    return trained

@@ -12,6 +12,7 @@ import pytest
 from composer_serverless.cli import run as cli_run
 from composer_serverless.executors import shipment
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
+from tests.environments.conftest import trained_rows
 
 TOOLS = '''
 def lookup(key: str) -> str:
@@ -170,19 +171,10 @@ def test_an_environment_class_and_a_tool_next_to_the_config_train_two_replicas(
 ):
     """No reward function: the environment owns the reward alone (TRL's environment-owned reward), and it is
     the whole reward the step's rows show."""
-    config = write_task(tmp_path / "task", tool_chat_model_dir, rewards="")
-    monkeypatch.chdir(config.parent)
-    with replicas_on_the_simulated_accelerator():
-        assert cli_run(["launch", str(config), "--set", "run_id=agent"]) == 0
-    run = tmp_path / "task" / "runs" / "agent"
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["rounds_committed"] == 2 and summary["replicas_bit_identical"]
-    assert ran_on_the_simulated_accelerator(run / "logs")
-    rows = [json.loads(p.read_text()) for p in sorted((run / "metrics" / "0").glob("*.json"))]
-    trained = [r["train"] for r in rows if r["round"] > 0]
-    assert trained and all(
-        {"rollout/turns", "rollout/tool_calls", "rollout/reward/Vault"} <= t.keys() for t in trained
+    trained = trained_rows(
+        write_task(tmp_path / "task", tool_chat_model_dir, rewards=""), "agent", 2, monkeypatch
     )
+    assert all({"rollout/turns", "rollout/tool_calls", "rollout/reward/Vault"} <= t.keys() for t in trained)
     assert all(1 <= t["rollout/turns"] <= 2 for t in trained)
     assert all(t["rollout/reward_mean"] == pytest.approx(t["rollout/reward/Vault"]) for t in trained)
     assert not any(key.startswith("rollout/reward/exact_match") for t in trained for key in t)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from composer_serverless.cli import run as cli_run
-from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
+from tests.environments.conftest import trained_rows
 
 CONFIG = """
 store = "runs"
@@ -92,16 +92,7 @@ def test_an_unknown_builtin_or_a_dataset_without_tests_exits_2_before_anything_i
 
 @pytest.mark.slow
 def test_the_builtin_code_environment_trains_two_replicas(tmp_path, tool_chat_model_dir, monkeypatch):
-    config = write_task(tmp_path / "task", tool_chat_model_dir)
-    monkeypatch.chdir(config.parent)
-    with replicas_on_the_simulated_accelerator():
-        assert cli_run(["launch", str(config), "--set", "run_id=code"]) == 0
-    run = tmp_path / "task" / "runs" / "code"
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["rounds_committed"] == 1 and summary["replicas_bit_identical"]
-    assert ran_on_the_simulated_accelerator(run / "logs")
-    rows = [json.loads(p.read_text()) for p in sorted((run / "metrics" / "0").glob("*.json"))]
-    trained = [r["train"] for r in rows if r["round"] > 0]
-    assert trained and all({"rollout/turns", "rollout/reward/tests_passed"} <= t.keys() for t in trained)
+    trained = trained_rows(write_task(tmp_path / "task", tool_chat_model_dir), "code", 1, monkeypatch)
+    assert all({"rollout/turns", "rollout/reward/tests_passed"} <= t.keys() for t in trained)
     # A random model calls no tool, never submits, and scores the environment's 0.
     assert all(t["rollout/reward/tests_passed"] == 0.0 for t in trained)

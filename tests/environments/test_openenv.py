@@ -16,7 +16,7 @@ from composer_serverless.config.composer import EpisodesConfig
 from composer_serverless.environments.episodes import Limits, run_episodes
 from composer_serverless.environments.openenv import OpenEnvFactory, OpenEnvUnreachable, answer, reset_text
 from composer_serverless.environments.protocol import ErrorMark, Step, ToolCall
-from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
+from tests.environments.conftest import trained_rows
 from tests.environments.openenv_vault import Vault, free_port, serving
 from tests.environments.test_agent_task import write_task
 
@@ -224,19 +224,10 @@ def test_an_openenv_server_drives_two_replicas_training(
     tmp_path, tool_chat_model_dir, monkeypatch, vault_url
 ):
     Vault.events.clear()
-    config = openenv_task(tmp_path / "task", tool_chat_model_dir, vault_url)
-    monkeypatch.chdir(config.parent)
-    with replicas_on_the_simulated_accelerator():
-        assert cli_run(["launch", str(config), "--set", "run_id=agent"]) == 0
-    run = tmp_path / "task" / "runs" / "agent"
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["rounds_committed"] == 2 and summary["replicas_bit_identical"]
-    assert ran_on_the_simulated_accelerator(run / "logs")
-    rows = [json.loads(p.read_text()) for p in sorted((run / "metrics" / "0").glob("*.json"))]
-    trained = [r["train"] for r in rows if r["round"] > 0]
-    assert trained and all(
-        {"rollout/turns", "rollout/tool_calls", "rollout/tool_errors"} <= t.keys() for t in trained
+    trained = trained_rows(
+        openenv_task(tmp_path / "task", tool_chat_model_dir, vault_url), "agent", 2, monkeypatch
     )
+    assert all({"rollout/turns", "rollout/tool_calls", "rollout/tool_errors"} <= t.keys() for t in trained)
     # Every episode was a session on the server, reset on its row: the launch's check (1), training (2 replicas
     # x 2 rounds x 2 steps x 2 prompts x 2 episodes) and the held-out evaluations of rounds 0, 1, 2 (4 each).
     assert Vault.events["resets"] == Vault.events["sessions"] == 1 + 2 * 2 * 2 * 2 * 2 + 3 * 4
