@@ -447,7 +447,10 @@ def run_once(
         acc = account_decoupled(metrics, *read_decoupled(run, LEARNERS))
     else:
         acc = account_lock_step(metrics)
-    alive = lifetimes_s(injector.lives)
+    # the learners' lives only: decoupled's syncer (rank LEARNERS) trains nothing and is reported apart
+    lives = injector.lives.values()
+    alive = {rank: s for rank, s in lifetimes_s(injector.lives).items() if rank < LEARNERS}
+    syncer_s = lifetimes_s(injector.lives).get(LEARNERS)
     dl = config.diloco
     step_tokens = next(
         (
@@ -492,7 +495,8 @@ def run_once(
         "mean_step_s_by_learner": {str(r): round(sum(v) / len(v), 4) for r, v in sorted(step_s.items()) if v},
         "kills": injector.kills,
         "kills_missed": injector.missed,
-        "restarts": len(injector.lives) - LEARNERS,
+        "restarts": sum(1 for rank, _, _ in lives if rank < LEARNERS) - LEARNERS,
+        "syncer_alive_s": round(syncer_s, 2) if syncer_s is not None else None,
         "wall_s": round(wall_s, 1),
     }
 
@@ -528,7 +532,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
             label=mode if any(v is not None for v in values) else f"{mode} (not available)",
             color=f"C{i}",
         )
-    bars.set_xticks(range(len(names)), names)
+    bars.set_xticks(range(len(names)), [n.split(":")[0] for n in names])  # the scenario letters
     bars.set_ylim(0, 1)
     bars.set_ylabel("goodput")
     bars.legend(fontsize=8)
