@@ -22,17 +22,20 @@ lifetimes (sampled every ``POLL_S``):
 
 - ``goodput``: the share of the learners' alive time (every process's life, start to death or exit, a cold
   start's hold included: a cloud bills it) spent on inner steps whose work reached a merged global: the
-  steps' own time (``time_s.step`` minus the part blocked in a sync) in the rows of the rounds each learner
-  was a participant of.
+  steps' own time (``time_s.step`` minus the part blocked in a sync). Lock-step: in the rows of the rounds
+  each learner was a participant of. Decoupled: of the contributions the syncer's version records list as
+  merged (``account_decoupled``; a merged contribution no row times is timed at its learner's mean step).
 - ``wall_s_to_tokens``: seconds from the launch until the merged globals hold ``TARGET_SHARE`` of the tokens
-  the run plans (rounds x H x N x tokens per step): every scenario can reach it with some learners lost.
-- ``eval_loss_at_tokens``: held-out loss of the first global holding that many tokens.
-- ``staleness``: how many versions old each merged contribution was (lock-step: always 0, every round
-  starts from the last global).
+  lock-step plans (rounds x H x N x tokens per step): every scenario can reach it with some learners lost.
+- ``eval_loss_at_tokens``: held-out loss of the first evaluated global holding that many tokens (decoupled
+  evaluates its last version only); per scenario, ``equal_tokens`` sets both modes side by side at the
+  tokens both reach.
+- ``staleness``: how many versions were committed between a merged contribution's base and the version it
+  entered (lock-step: always 0, every round starts from the last global).
 
-The decoupled side launches ``diloco.mode = "decoupled"``; on a commit whose config has no such mode, or
-whose merge record this benchmark does not read yet (``ACCOUNTING``), it is reported as not available, with
-why, and no figure is made up for it.
+The decoupled side launches ``diloco.mode = "decoupled"`` with a quorum of ``MIN_QUORUM`` of the 4 learners,
+a grace of ``GRACE_S`` and ``max_lag = MAX_LAG`` (learners never wait for the syncer), written into
+results.json with the rest of its settings.
 
 Writes ``results.json`` and ``goodput.png`` (goodput per scenario and mode; held-out loss against wall time).
 """
@@ -59,19 +62,29 @@ from rich.console import Console
 from composer_serverless.config import ConfigError, RunConfig, load_config, validate_config
 from composer_serverless.executors.base import LaunchRecord
 from composer_serverless.launch.launcher import launch
+from composer_serverless.rendezvous import decoupled as store_versions
 from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.codec import read_header
+from composer_serverless.rendezvous.decoupled import Contribution, Version
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 
 LEARNERS = 4
 SLOW_RANK = 3
 THROTTLE_PERIOD_S = 0.2
-MTBI_S = 20.0
+MTBI_S = 30.0
 COLD_START_S = 8.0
 TARGET_SHARE = 0.75
 POLL_S = 0.05
 MAX_RESTARTS = 10  # per learner: the executor's limit
 MODES = ("lock-step", "decoupled")
+# The decoupled side: a syncer that merges once 2 of the 4 learners' contributions are in, plus a short grace
+# for more, and learners that never wait for it (a contribution may be 1 unmerged when the next round
+# starts). It may commit up to LEARNERS / MIN_QUORUM times as many versions as lock-step has rounds, so the
+# work it may merge is at least lock-step's; both stop as soon as their last global is committed.
+MIN_QUORUM = 2
+GRACE_S = 1.0
+MAX_LAG = 1
 
 
 @dataclass(frozen=True)
@@ -117,7 +130,12 @@ class Accounting:
     # (the time the round's global was complete, the tokens it merged), per merged round in order
     merges: list[tuple[float, float]] = field(default_factory=list)
     eval_time: dict[int, float] = field(default_factory=dict)
+    # the merged tokens a global holds, per global (round or version) in order
+    tokens_at: dict[int, float] = field(default_factory=dict)
     staleness: Counter[int] = field(default_factory=Counter)
+    # merged contributions whose steps' own time no row records (the learner died before it wrote one, or
+    # sent another before its next row): timed at that learner's mean recorded step time
+    estimated: int = 0
 
 
 def _inner_seconds(row: dict[str, Any]) -> float:
@@ -151,13 +169,87 @@ def account_lock_step(metrics: dict[int, list[dict[str, Any]]]) -> Accounting:
         acc.merged_steps += sum(r.get("steps", 0) for r in rows)
         acc.merges.append((max(r["time"] for r in rows), sum(_tokens(r) for r in rows)))
         acc.eval_time[k] = max(r["time"] for r in rows)
+        acc.tokens_at[k] = sum(tokens for _, tokens in acc.merges)
         acc.staleness[0] += len(rows)
     return acc
 
 
-# How each mode's merged work is read from the store. The decoupled mode's comes with its syncer's record of
-# what each version merged (the contributions, their base versions and tokens), which this commit lacks.
-ACCOUNTING = {"lock-step": account_lock_step}
+def account_decoupled(
+    metrics: dict[int, list[dict[str, Any]]],
+    versions: list[Version],
+    contributions: dict[tuple[int, int], Contribution],
+    committed: dict[int, float],
+) -> Accounting:
+    """Decoupled versions: version v's record lists the (learner, seq) contributions merged into it; each
+    contribution's header its steps, tokens and base version (``contributions``: every one published);
+    ``committed`` the time each version's record was created.
+
+    A merged contribution's useful time is its inner steps' own time, from the learner's row that names it
+    (``contribution``); a learner writes a row per version it adopts, with its last contribution's steps, so
+    a contribution sent before another without a row between them, or just before the learner died, is
+    timed at that learner's mean recorded step time (counted in ``estimated``). Staleness is how many
+    versions were committed between a contribution's base and the version it entered (v - 1 - base): 0 is
+    lock-step's case, a round started from the last global."""
+    timed: dict[tuple[int, int], float] = {}
+    step_s: dict[int, tuple[float, int]] = {}
+    for rank, rows in metrics.items():
+        for row in rows:
+            if "contribution" in row and row.get("step_rows"):
+                timed[(rank, row["contribution"])] = _inner_seconds(row)
+        seconds = sum(timed[ids] for ids in timed if ids[0] == rank)
+        steps = sum(contributions[ids].steps for ids in timed if ids[0] == rank and ids in contributions)
+        step_s[rank] = (seconds, steps)
+    acc = Accounting(executed_steps=sum(c.steps for c in contributions.values()))
+    tokens_total = 0.0
+    for record in sorted(versions, key=lambda r: r.version):
+        if not record.merged:
+            continue
+        tokens = 0.0
+        for learner, seq in record.merged:
+            c = contributions[(learner, seq)]
+            if (learner, seq) in timed:
+                acc.useful_s += timed[(learner, seq)]
+            else:
+                seconds, steps = step_s.get(learner, (0.0, 0))
+                acc.useful_s += c.steps * seconds / steps if steps else 0.0
+                acc.estimated += 1
+            acc.merged_steps += c.steps
+            tokens += c.tokens
+            acc.staleness[record.version - 1 - c.base] += 1
+        tokens_total += tokens
+        acc.merges.append((committed[record.version], tokens))
+        acc.eval_time[record.version] = committed[record.version]
+        acc.tokens_at[record.version] = tokens_total
+    return acc
+
+
+def read_decoupled(
+    run: ObjectStore, learners: int
+) -> tuple[list[Version], dict[tuple[int, int], Contribution], dict[int, float]]:
+    """The syncer's version records, every published contribution's header (its safetensors metadata: JSON,
+    no tensor decoded) and each version record's creation time, from the run's store."""
+    newest = store_versions.newest_version(run)
+    records = [store_versions.read_version(run, v) for v in range(newest + 1)]
+    committed = {v: run.modified(layout.version(v)) for v in range(newest + 1)}
+    contributions: dict[tuple[int, int], Contribution] = {}
+    for learner in range(learners):
+        for name in run.list(layout.contributions(learner)):
+            if name.isdigit():
+                meta = read_header(run.get(layout.contribution(learner, int(name))))[0]["__metadata__"]
+                fields = {f: int(meta[f]) for f in ("base", "tokens", "steps")}
+                contributions[(learner, int(name))] = Contribution(learner, int(name), **fields)
+    return records, contributions, committed
+
+
+def loss_at_tokens(
+    tokens_at: dict[int, float], losses: dict[int, float], tokens: float
+) -> tuple[float, float] | None:
+    """The held-out loss of the first evaluated global holding at least ``tokens`` merged tokens, and the
+    tokens it holds; None if no evaluated global holds that many."""
+    for k in sorted(losses):
+        if k in tokens_at and tokens_at[k] >= tokens:
+            return losses[k], tokens_at[k]
+    return None
 
 
 def time_to_tokens(
@@ -298,7 +390,8 @@ class Sizes:
 
 def run_config(base: RunConfig, sizes: Sizes, mode: str, seed: int, run_id: str, out: Path) -> RunConfig:
     """The demo's config at ``sizes`` in ``mode``. Lock-step waits for stragglers as the chaos soak does (a
-    quorum of 2, a grace of 2 to 10 s); raises ConfigError where this commit has no such mode."""
+    quorum of 2, a grace of 2 to 10 s); decoupled merges at a quorum of ``MIN_QUORUM`` without making a
+    learner wait."""
     raw = base.model_dump()
     raw.update(run_id=run_id, store=f"file://{(out / 'runs').absolute()}", seed=seed)
     raw["data"].update(batch_size=sizes.batch_size)
@@ -311,14 +404,26 @@ def run_config(base: RunConfig, sizes: Sizes, mode: str, seed: int, run_id: str,
         quorum_grace_max_s=10.0,
     )
     if mode == "decoupled":
-        raw["diloco"]["mode"] = "decoupled"
+        raw["diloco"].update(
+            mode="decoupled",
+            embedding_average="all",  # the mode's only choice yet (the demo's lock-step: "touched")
+            rounds=sizes.rounds * LEARNERS // MIN_QUORUM,
+            decoupled={
+                **raw["diloco"].get("decoupled", {}),
+                "min_quorum": MIN_QUORUM,
+                "grace_s": GRACE_S,
+                "max_lag": MAX_LAG,
+            },
+        )
     raw["eval"].update(every_rounds=1, sequences=sizes.eval_sequences)
     raw["train"].update(warmup_steps=min(raw["train"]["warmup_steps"], sizes.sync_every))
     raw["executor"] = {"type": "local", "max_restarts": MAX_RESTARTS}
     return validate_config(raw, source=run_id)
 
 
-def run_once(config: RunConfig, mode: str, scenario: Scenario, seed: int, out: Path) -> dict[str, Any]:
+def run_once(
+    config: RunConfig, mode: str, scenario: Scenario, seed: int, sizes: Sizes, out: Path
+) -> dict[str, Any]:
     """Launch ``config`` under ``scenario`` and account for it."""
     run = ObjectStore(config.store).child(config.run_id or "")
     start = time.time()
@@ -338,8 +443,14 @@ def run_once(config: RunConfig, mode: str, scenario: Scenario, seed: int, out: P
         raise RuntimeError(f"the injector failed: {injector.error!r}") from injector.error
     assert summary is not None
     metrics = read_metrics(run)
-    acc = ACCOUNTING[mode](metrics)
-    alive = lifetimes_s(injector.lives)
+    if mode == "decoupled":
+        acc = account_decoupled(metrics, *read_decoupled(run, LEARNERS))
+    else:
+        acc = account_lock_step(metrics)
+    # the learners' lives only: decoupled's syncer (rank LEARNERS) trains nothing and is reported apart
+    lives = injector.lives.values()
+    alive = {rank: s for rank, s in lifetimes_s(injector.lives).items() if rank < LEARNERS}
+    syncer_s = lifetimes_s(injector.lives).get(LEARNERS)
     dl = config.diloco
     step_tokens = next(
         (
@@ -351,9 +462,11 @@ def run_once(config: RunConfig, mode: str, scenario: Scenario, seed: int, out: P
         ),
         None,
     )
-    target = TARGET_SHARE * dl.rounds * dl.sync_every * LEARNERS * (step_tokens or 0.0)
+    # lock-step's planned work, whichever the mode: the same token target for both
+    target = TARGET_SHARE * sizes.rounds * dl.sync_every * LEARNERS * (step_tokens or 0.0)
     reached = time_to_tokens(acc.merges, target, start)
     losses = {int(k): v for k, v in summary["eval_loss_by_round"].items()}
+    at_target = loss_at_tokens(acc.tokens_at, losses, target) if reached else None
     step_s = {
         rank: [
             s["time_s"]["step"] - s["time_s"].get("sync", 0.0) for r in rows for s in r.get("step_rows", [])
@@ -369,18 +482,36 @@ def run_once(config: RunConfig, mode: str, scenario: Scenario, seed: int, out: P
         "merged_steps": acc.merged_steps,
         "target_tokens": target,
         "wall_s_to_tokens": round(reached[0], 2) if reached else None,
-        "eval_loss_at_tokens": losses.get(reached[1]) if reached else None,
+        "eval_loss_at_tokens": at_target[0] if at_target else None,
+        "eval_tokens_at_tokens": at_target[1] if at_target else None,
         "final_eval_loss": summary["final_eval_loss"],
+        "globals": len(acc.merges),
+        "evals_by_tokens": [[acc.tokens_at[k], losses[k]] for k in sorted(losses) if k in acc.tokens_at],
         "eval_loss_by_time": [
             [round(acc.eval_time[k] - start, 2), losses[k]] for k in sorted(losses) if k in acc.eval_time
         ],
         "staleness": {str(a): n for a, n in sorted(acc.staleness.items())},
+        "step_time_estimated_contributions": acc.estimated,
         "mean_step_s_by_learner": {str(r): round(sum(v) / len(v), 4) for r, v in sorted(step_s.items()) if v},
         "kills": injector.kills,
         "kills_missed": injector.missed,
-        "restarts": len(injector.lives) - LEARNERS,
+        "restarts": sum(1 for rank, _, _ in lives if rank < LEARNERS) - LEARNERS,
+        "syncer_alive_s": round(syncer_s, 2) if syncer_s is not None else None,
         "wall_s": round(wall_s, 1),
     }
+
+
+def equal_tokens(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Both modes' held-out loss at the same merged tokens: the most tokens both modes' evaluated globals
+    reach (decoupled evaluates only its last version), and each mode's loss at its first evaluated global
+    holding that many (with the tokens it holds)."""
+    tokens = min(max(t for t, _ in modes[m]["evals_by_tokens"]) for m in MODES)
+    out: dict[str, Any] = {"tokens": tokens}
+    for m in MODES:
+        tokens_at = dict(enumerate(t for t, _ in modes[m]["evals_by_tokens"]))
+        losses = dict(enumerate(loss for _, loss in modes[m]["evals_by_tokens"]))
+        out[m] = loss_at_tokens(tokens_at, losses, tokens)
+    return out
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
@@ -401,7 +532,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
             label=mode if any(v is not None for v in values) else f"{mode} (not available)",
             color=f"C{i}",
         )
-    bars.set_xticks(range(len(names)), names)
+    bars.set_xticks(range(len(names)), [n.split(":")[0] for n in names])  # the scenario letters
     bars.set_ylim(0, 1)
     bars.set_ylabel("goodput")
     bars.legend(fontsize=8)
@@ -414,6 +545,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
                 curves.plot(
                     *zip(*row["eval_loss_by_time"], strict=True),
                     style,
+                    marker="o" if i else None,  # decoupled evaluates its last version only
                     color=f"C{j + 2}",
                     label=f"{scenario} {mode}",
                 )
@@ -473,38 +605,29 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python", "benchmarks/goodput.py", *(sys.argv[1:] if argv is None else argv)])
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    # every config first: one this commit refuses stops the benchmark before anything launches
+    configs = {
+        (letter, mode): run_config(
+            args.base, sizes, mode, args.seed, f"{mode}-{letter}-s{args.seed}", args.out
+        )
+        for letter in args.scenarios
+        for mode in args.modes
+    }
     results: dict[str, dict[str, Any]] = {}
     for letter in args.scenarios:
         scenario = SCENARIOS[letter]
         results[scenario.name] = {}
         for mode in args.modes:
-            try:
-                config = run_config(
-                    args.base, sizes, mode, args.seed, f"{mode}-{letter}-s{args.seed}", args.out
-                )
-            except ConfigError as e:
-                if mode != "decoupled":
-                    raise
-                why = " ".join(line.strip() for line in str(e).splitlines()[1:2])
-                results[scenario.name][mode] = {
-                    "available": False,
-                    "why": f"not available on this commit ({why})",
-                }
-                print(f"decoupled: {results[scenario.name][mode]['why']}", flush=True)
-                continue
-            if mode not in ACCOUNTING:
-                why = "not available: the mode launches, but this benchmark does not read its syncer's merge record yet"
-                results[scenario.name][mode] = {"available": False, "why": why}
-                print(f"{mode}: {why}", flush=True)
-                continue
-            row = run_once(config, mode, scenario, args.seed, args.out)
-            results[scenario.name][mode] = {"available": True, **row}
+            row = run_once(configs[(letter, mode)], mode, scenario, args.seed, sizes, args.out)
+            results[scenario.name][mode] = row
             print(
                 f"[{time.monotonic() - started:6.0f}s] {scenario.name:32s} {mode:9s} goodput {row['goodput']:.3f}  "
                 f"to tokens {row['wall_s_to_tokens']}s  loss there {row['eval_loss_at_tokens']}  "
                 f"kills {len(row['kills'])}  ({row['wall_s']:.0f}s)",
                 flush=True,
             )
+        if set(MODES) <= set(results[scenario.name]):
+            results[scenario.name]["equal_tokens"] = equal_tokens(results[scenario.name])
     result = {
         "command": command,
         "sizes": asdict(sizes),
@@ -516,6 +639,14 @@ def main(argv: list[str] | None = None) -> int:
             "mtbi_s": MTBI_S,
             "cold_start_s": COLD_START_S,
             "target_share": TARGET_SHARE,
+        },
+        "decoupled": {
+            "min_quorum": MIN_QUORUM,
+            "grace_s": GRACE_S,
+            "max_lag": MAX_LAG,
+            "versions": sizes.rounds * LEARNERS // MIN_QUORUM,
+            "embedding_average": "all (decoupled refuses 'touched', the demo's, which lock-step uses)",
+            "other settings": "the defaults of diloco.decoupled",
         },
         "results": results,
         "wall_s": round(time.monotonic() - started, 1),

@@ -1,5 +1,6 @@
-"""benchmarks/goodput.py: the preemption schedule, the accounting of lock-step rounds with hand-computed
-numbers, the time to a token count, lifetimes, the configs it launches and its argument checks."""
+"""benchmarks/goodput.py: the preemption schedule, the accounting of lock-step rounds and of decoupled
+versions with hand-computed numbers, the time to a token count, the loss at equal tokens, lifetimes, the
+configs it launches and its argument checks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 import pytest
 from bench_scripts import load_script
 
-from composer_serverless.config import ConfigError, load_config
+from composer_serverless.config import load_config
+from composer_serverless.rendezvous.decoupled import Contribution, Version
 
 bench = load_script("goodput")
 
@@ -79,6 +81,52 @@ def test_lock_step_accounting_by_hand() -> None:
     assert bench.time_to_tokens(acc.merges, 601.0, start=100.0) is None
 
 
+def test_decoupled_accounting_by_hand() -> None:
+    """Two learners, H = 2, 100 tokens a step. Version 1 merged (0, 0) and (1, 0), both from version 0;
+    version 2 merged (1, 1), from version 0 (one version behind), and dropped (0, 1). Learner 1 sent (1, 0)
+    and (1, 1) with no row between them: its only row names (1, 1), so (1, 0) is timed at its mean recorded
+    step time. Learner 0's row names (0, 0) and holds 0.5 s of a sync in its last step."""
+    metrics = {
+        0: [{"round": 1, "contribution": 0, "steps": 2, "time": 5.0, "step_rows": _steps([1.0, 1.5], 0.5)}],
+        1: [{"round": 2, "contribution": 1, "steps": 2, "time": 9.0, "step_rows": _steps([2.0, 3.0])}],
+    }
+    contributions = {
+        (0, 0): Contribution(0, 0, base=0, tokens=200, steps=2),
+        (1, 0): Contribution(1, 0, base=0, tokens=200, steps=2),
+        (1, 1): Contribution(1, 1, base=0, tokens=200, steps=2),
+        (0, 1): Contribution(0, 1, base=1, tokens=200, steps=2),
+    }
+    versions = [
+        Version(2, "w", {0: 2, 1: 2}, [[1, 1]], [{"learner": 0, "seq": 1, "why": "an outlier"}]),
+        Version(0, "w"),
+        Version(1, "w", {0: 1, 1: 1}, [[0, 0], [1, 0]]),
+    ]
+    acc = bench.account_decoupled(metrics, versions, contributions, {0: 100.0, 1: 104.0, 2: 108.0})
+    # (0, 0): 1 + 1 = 2 s; (1, 1): 2 + 3 = 5 s; (1, 0): 2 steps x 5 s / 2 steps = 5 s (estimated)
+    assert acc.useful_s == 12.0 and acc.estimated == 1
+    assert (acc.executed_steps, acc.merged_steps) == (8, 6)  # (0, 1) ran and was dropped
+    assert acc.merges == [(104.0, 400.0), (108.0, 200.0)]
+    assert acc.eval_time == {1: 104.0, 2: 108.0} and acc.tokens_at == {1: 400.0, 2: 600.0}
+    assert dict(acc.staleness) == {0: 2, 1: 1}
+    assert bench.time_to_tokens(acc.merges, 500.0, start=100.0) == (8.0, 2)
+    # decoupled evaluates its last version only: the loss at 400 tokens is that of the one holding 600
+    assert bench.loss_at_tokens(acc.tokens_at, {2: 5.5}, 400.0) == (5.5, 600.0)
+    assert bench.loss_at_tokens(acc.tokens_at, {1: 6.0, 2: 5.5}, 400.0) == (6.0, 400.0)
+    assert bench.loss_at_tokens(acc.tokens_at, {2: 5.5}, 601.0) is None
+
+
+def test_equal_tokens_compares_both_modes_at_the_tokens_both_reach() -> None:
+    modes = {
+        "lock-step": {"evals_by_tokens": [[400.0, 6.0], [800.0, 5.0], [1200.0, 4.5]]},
+        "decoupled": {"evals_by_tokens": [[1000.0, 4.8]]},
+    }
+    assert bench.equal_tokens(modes) == {
+        "tokens": 1000.0,
+        "lock-step": (4.5, 1200.0),
+        "decoupled": (4.8, 1000.0),
+    }
+
+
 def test_lifetimes_sum_every_process_of_a_learner() -> None:
     lives = {11: (0, 100.0, 130.0), 12: (1, 100.0, 110.0), 13: (1, 118.0, 130.0), 14: (1, 131.0, 130.95)}
     assert bench.lifetimes_s(lives) == {0: 30.0, 1: 22.0}
@@ -91,12 +139,10 @@ def test_the_configs_it_launches() -> None:
     assert (config.diloco.replicas, config.diloco.rounds, config.diloco.sync_every) == (4, 3, 4)
     assert (config.data.batch_size, config.eval.sequences, config.eval.every_rounds) == (2, 8, 1)
     assert config.store == "file:///tmp/goodput-test/runs" and config.seed == 1
-    try:
-        decoupled = bench.run_config(base, sizes, "decoupled", 1, "run", Path("/tmp/goodput-test"))
-    except ConfigError as e:  # on a commit without the mode: the benchmark reports it as not available
-        assert "diloco.mode" in str(e)
-    else:
-        assert decoupled.diloco.mode == "decoupled"
+    decoupled = bench.run_config(base, sizes, "decoupled", 1, "run", Path("/tmp/goodput-test"))
+    dc = decoupled.diloco.decoupled
+    assert decoupled.diloco.mode == "decoupled" and decoupled.diloco.rounds == 3 * 4 // 2
+    assert (dc.min_quorum, dc.grace_s, dc.max_lag) == (2, 1.0, 1)  # a quorum below N; learners never wait
 
 
 @pytest.mark.parametrize(
