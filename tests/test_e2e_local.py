@@ -2,6 +2,7 @@
 
 import io
 import json
+from pathlib import Path
 
 import matplotlib.image
 import pytest
@@ -49,7 +50,12 @@ def test_summary_reports_the_run(finished_run):
     # Reduce-scatter with 2 replicas: each uploads its 2 shards and the reduced shard it owns (1.5 payloads)
     # and reads the peer's input of its shard and the other reduced shard (1 payload; plus a small quorum).
     assert summary["bytes_downloaded"] > 0
-    assert summary["bytes_uploaded"] == pytest.approx(1.5 * summary["bytes_downloaded"], rel=1e-3)
+    # Beside them, each replica publishes its norm record once a sync and each shard's owner reads both
+    # replicas' records (the outlier rule, rendezvous/norms.py).
+    norms = sum(p.stat().st_size for p in Path(run.url).glob("rounds/*/*/*/norm/*.json"))
+    assert norms > 0
+    payload_up, payload_down = summary["bytes_uploaded"] - norms, summary["bytes_downloaded"] - 2 * norms
+    assert payload_up == pytest.approx(1.5 * payload_down, rel=1e-3)
     assert summary["wall_s"] > 0
     assert "held-out loss of the global model" in output and "summary.json" in output
 
