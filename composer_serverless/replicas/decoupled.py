@@ -71,9 +71,11 @@ class DecoupledLearner(Replica):
     def _start(self) -> Version:
         """Hold the newest global version (creating version 0 from the initial weights if there is none)."""
         store = self.run_store
+        # Every learner, fresh or restarted (it loaded the model afresh): a version holds the trainable
+        # parameters only, so with LoRA the frozen base each learner adapts must be the others'.
+        check_initial_weights(store, self.model, self.rank, self.node)
         newest = store_versions.newest_version(store)
         if newest < 0:
-            check_initial_weights(store, self.model, self.rank, self.node)
             initial = {name: local(p).detach().to("cpu", copy=True) for name, p in self.params.items()}
             record = Version(0, store_versions.writer_token(), embeddings=self._embedding_names())
             if store_versions.commit(store, record, initial, None, self.key):
@@ -163,6 +165,13 @@ class DecoupledLearner(Replica):
         row.update(version=record.version, contributions=[r["contribution"] for r in self.sent])
         if self.config.diloco.verify_global:
             row["global_sha256"] = digest(params)
+        # What the objective does between rounds, per version: the composer objective's completions table,
+        # and its rollouts recorded under this version (composer.record_rollouts).
+        row.update(
+            self.objective.round_ended(
+                record.version, lambda: self._global_model(params), self._waiting(record.version)
+            )
+        )
         self.reporter.round(record.version, row)
         self.sent = []
         self.log.info("adopted global version %d (held %d)", record.version, was)
