@@ -89,7 +89,8 @@ class DiLoCoConfig(StrictModel):
         "lockstep",
         description="'lockstep': every round is a barrier the replicas reach together (torchft's DiLoCo); "
         "'decoupled': learners never wait for one another, a syncer merges what has arrived "
-        "(diloco.decoupled, docs/decoupled.md)",
+        "(diloco.decoupled, docs/decoupled.md; the lm or the composer objective, every weight or LoRA's "
+        "adapters, one rank per learner, no live harvest)",
     )
     decoupled: DecoupledConfig = Field(
         default_factory=DecoupledConfig, description="the syncer's and learners' settings in decoupled mode"
