@@ -23,15 +23,16 @@ from transformers import AutoModelForCausalLM
 from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import RunConfig, validate_config
 from composer_serverless.launch.launcher import launch
+from composer_serverless.models.loading import load_model
 from composer_serverless.outputs.export import export
+from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous import decoupled as versions
-from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.codec import read_header
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 from tests.composer_tasks import TINY_CHARS, composer
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
-from tests.rendezvous.harness import create, rows, run_replicas
+from tests.rendezvous.harness import create, rows, run_replicas, start_replica, wait_all
 from tests.syncer.processes import run_decoupled
 from tests.syncer.test_oracle import lockstep_final
 
@@ -239,3 +240,24 @@ def test_lora_one_version_ahead_ends_with_its_eval_and_merged_export(
     ours = {name.replace(".default.", "."): value for name, value in final.items()}
     theirs = {name.removeprefix("base_model.model."): value for name, value in saved.items()}
     assert set(ours) == set(theirs) and all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+def test_a_lora_learner_on_another_base_is_refused_though_version_0_exists(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A version holds the adapters alone: a learner that joins after version 0 must still prove that the
+    frozen base it adapts is the run's (here the run recorded another model's digest)."""
+    config = lora_config(tmp_path, "other-base", tiny_model_dir, mode="decoupled")
+    run = create(config)
+    torch.manual_seed(config.seed)
+    adapters = {n: p.detach() for n, p in load_model(config.model, tiny_model_dir).model.named_parameters()}
+    adapters = {n: p for n, p in adapters.items() if "lora_" in n}
+    assert versions.commit(run, versions.Version(0, versions.writer_token()), adapters, None, None)
+    assert checkpoint.agree_on_initial_weights(run, "0" * 64)  # another model's
+    with replicas_on_the_simulated_accelerator():
+        learner = start_replica(run, 0, tmp_path / "learner-0.log")
+        assert wait_all([learner]) != [0]
+    assert ran_on_the_simulated_accelerator(tmp_path)
+    log = (tmp_path / "learner-0.log").read_text()
+    assert "InitialWeightsError" in log and "initial weights differ" in log
+    assert versions.newest_version(run) == 0 and run.list(layout.contributions(0)) == []
