@@ -8,7 +8,9 @@ It waits for no other learner; it waits for the syncer only as far as ``diloco.d
 starts its next round once at most ``max_lag`` of its contributions are unmerged. At a round boundary it adopts
 the newest global version: with ``adopt = "keep"`` its inner steps since publishing are carried onto it, with
 ``"overwrite"`` they are discarded. The inner optimizer's state is kept across adoptions, as lock-step's
-DiLoCo keeps it across syncs.
+DiLoCo keeps it across syncs. Each adoption ends the objective's round (``Objective.round_ended``: the
+composer objective's completions and recorded rollouts go with the adopted version). Only trainable parameters
+travel: with LoRA, the adapters.
 
 With ``max_lag = 0`` a learner's schedule is lock-step's: train H steps from global v, publish, adopt v + 1;
 with a syncer that merges every learner's contribution with lock-step's arithmetic, the run is lock-step's bit
