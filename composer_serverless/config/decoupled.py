@@ -56,7 +56,8 @@ class DecoupledConfig(StrictModel):
         "tokens",
         description="how much a contribution counts in the merge: 'tokens', tokens ** 2 / steps (Decoupled "
         "DiLoCo's quantity times quality), or 'equal'. Equal weights (equal learners) merge with lock-step's "
-        "arithmetic either way",
+        "arithmetic either way; the composer objective's tokens are its completions', which differ from "
+        "learner to learner, so there only 'equal' is lock-step's plain average",
     )
     average: Literal["mean", "rda"] = Field(
         "mean",

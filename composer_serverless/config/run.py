@@ -89,7 +89,8 @@ class DiLoCoConfig(StrictModel):
         "lockstep",
         description="'lockstep': every round is a barrier the replicas reach together (torchft's DiLoCo); "
         "'decoupled': learners never wait for one another, a syncer merges what has arrived "
-        "(diloco.decoupled, docs/decoupled.md)",
+        "(diloco.decoupled, docs/decoupled.md; the lm or the composer objective, every weight or LoRA's "
+        "adapters, one rank per learner, no live harvest)",
     )
     decoupled: DecoupledConfig = Field(
         default_factory=DecoupledConfig, description="the syncer's and learners' settings in decoupled mode"
@@ -528,14 +529,17 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _decoupled_learners_supported(self) -> RunConfig:
-        """Decoupled mode's learners are the lm objective's, one rank each, training every weight: refused
-        before anything is written for whatever else they would have to carry (docs/decoupled.md)."""
+        """Decoupled mode's learners run one rank each (the lm or the composer objective, every weight or
+        LoRA's adapters): refused before anything is written for whatever else they would have to carry
+        (docs/decoupled.md). A live harvest is refused: its schedule is lock-step's (the pairs of round k are
+        taken at the end of round k + live_lag, decided once for the round's quorum), and versions have no
+        quorum every learner ends together."""
         if self.diloco.mode != "decoupled":
             return self
         refused = {
-            "model.lora (the syncer merges whole models)": self.model.lora is not None,
             "more than one rank per replica (FSDP learners)": self.ranks_per_replica > 1,
-            "train.objective = 'composer'": self.train.objective == "composer",
+            "a live harvest (harvest.live; composer.record_rollouts and `composer-serverless harvest --run` "
+            "afterwards work)": self.live_harvest,
         }
         for name, on in refused.items():
             if on:

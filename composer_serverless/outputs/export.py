@@ -134,7 +134,7 @@ def choose(store: ObjectStore, config: RunConfig, round_index: int | None) -> So
     a resume that takes a finished run further (``--set diloco.rounds``) leaves the old end's until the new
     one. ConfigError names the rounds there are when the one asked for is not kept."""
     kept = tuple(latest.kept_checkpoints(store))
-    has_final = bool(store.list(layout.FINAL)) and latest.latest_round(store) >= config.diloco.rounds
+    has_final = bool(store.list(layout.FINAL)) and _reached_the_end(store, config)
     if round_index is None and has_final:
         return Source(config.diloco.rounds, True, kept)
     if round_index is None and kept:
@@ -154,6 +154,14 @@ def choose(store: ObjectStore, config: RunConfig, round_index: int | None) -> So
             "  fix: --round one of those"
         )
     return Source(round_index, False, kept)
+
+
+def _reached_the_end(store: ObjectStore, config: RunConfig) -> bool:
+    """Whether the run got to its last round: lock-step's ``state/LATEST`` names it, or in decoupled mode
+    (which publishes versions, not rounds) the syncer committed its last global version."""
+    if config.diloco.mode == "decoupled":
+        return store.exists(layout.version(config.diloco.rounds))
+    return latest.latest_round(store) >= config.diloco.rounds
 
 
 def _push_token(repo: str) -> str:

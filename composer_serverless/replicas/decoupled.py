@@ -8,7 +8,9 @@ It waits for no other learner; it waits for the syncer only as far as ``diloco.d
 starts its next round once at most ``max_lag`` of its contributions are unmerged. At a round boundary it adopts
 the newest global version: with ``adopt = "keep"`` its inner steps since publishing are carried onto it, with
 ``"overwrite"`` they are discarded. The inner optimizer's state is kept across adoptions, as lock-step's
-DiLoCo keeps it across syncs.
+DiLoCo keeps it across syncs. Each adoption ends the objective's round (``Objective.round_ended``: the
+composer objective's completions and recorded rollouts go with the adopted version). Only trainable parameters
+travel: with LoRA, the adapters.
 
 With ``max_lag = 0`` a learner's schedule is lock-step's: train H steps from global v, publish, adopt v + 1;
 with a syncer that merges every learner's contribution with lock-step's arithmetic, the run is lock-step's bit
@@ -71,9 +73,11 @@ class DecoupledLearner(Replica):
     def _start(self) -> Version:
         """Hold the newest global version (creating version 0 from the initial weights if there is none)."""
         store = self.run_store
+        # Every learner, fresh or restarted (it loaded the model afresh): a version holds the trainable
+        # parameters only, so with LoRA the frozen base each learner adapts must be the others'.
+        check_initial_weights(store, self.model, self.rank, self.node)
         newest = store_versions.newest_version(store)
         if newest < 0:
-            check_initial_weights(store, self.model, self.rank, self.node)
             initial = {name: local(p).detach().to("cpu", copy=True) for name, p in self.params.items()}
             record = Version(0, store_versions.writer_token(), embeddings=self._embedding_names())
             if store_versions.commit(store, record, initial, None, self.key):
@@ -163,6 +167,13 @@ class DecoupledLearner(Replica):
         row.update(version=record.version, contributions=[r["contribution"] for r in self.sent])
         if self.config.diloco.verify_global:
             row["global_sha256"] = digest(params)
+        # What the objective does between rounds, per version: the composer objective's completions table,
+        # and its rollouts recorded under this version (composer.record_rollouts).
+        row.update(
+            self.objective.round_ended(
+                record.version, lambda: self._global_model(params), self._waiting(record.version)
+            )
+        )
         self.reporter.round(record.version, row)
         self.sent = []
         self.log.info("adopted global version %d (held %d)", record.version, was)

@@ -25,9 +25,9 @@ ROUNDS = 3
 SETTINGS = {"replicas": LEARNERS, "rounds": ROUNDS, "embedding_average": "all", "min_replicas": LEARNERS}
 
 
-def lockstep_final(run) -> dict[str, torch.Tensor]:
-    """The global parameters lock-step published after its last round, by model name."""
-    tree = checkpoint.load_global(run, ROUNDS)
+def lockstep_final(run, rounds: int = ROUNDS) -> dict[str, torch.Tensor]:
+    """The global parameters lock-step published after its last round (``rounds``), by model name."""
+    tree = checkpoint.load_global(run, rounds)
     originals = tree["user"]["StreamingDiLoCoFragment_0"]["original_parameters"]
     return {name.replace("__", "."): tensor for name, tensor in originals.items()}
 

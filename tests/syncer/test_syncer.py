@@ -152,10 +152,18 @@ def test_decoupled_mode_refuses_what_it_does_not_do(diloco: dict, said: str) -> 
         validate_config(raw)
 
 
-def test_decoupled_mode_refuses_lora() -> None:
-    base = {"replicas": 2, "sync_every": 4, "rounds": 1, "mode": "decoupled", "embedding_average": "all"}
-    with pytest.raises(ValueError, match="model.lora"):
-        validate_config({"model": {"path": ".", "lora": {}}, "diloco": base})
+def test_decoupled_mode_takes_lora_and_the_composer_objective_but_refuses_a_live_harvest() -> None:
+    from tests.harvest.test_config_harvest import RUN
+
+    decoupled = {"mode": "decoupled", "embedding_average": "all"}
+    lora = {"model": {"path": ".", "lora": {}}, "diloco": {"sync_every": 4, "rounds": 1, **decoupled}}
+    assert validate_config(lora).model.lora is not None
+    live = {**RUN, "diloco": {**RUN["diloco"], **decoupled}}
+    with pytest.raises(ValueError, match=r"a live harvest \(harvest.live;"):
+        validate_config(live)
+    recorded = {**live, "harvest": {**RUN["harvest"], "live": False}}
+    recorded["composer"] = {**RUN["composer"], "beta": 0.0, "record_rollouts": True}
+    assert validate_config(recorded).train.objective == "composer"
 
 
 def test_resuming_a_decoupled_run_is_refused_before_anything_is_written(
