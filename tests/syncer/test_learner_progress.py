@@ -1,5 +1,5 @@
-"""A decoupled learner sends each inner step's progress exactly once: a learner ``max_lag`` ahead that finds no
-newer global after publishing trains on from where it published, and its next contribution holds only the
+"""A decoupled learner sends each inner step's progress exactly once: a learner ``max_lag`` ahead that finds
+no newer global after publishing trains on from where it published, and its next contribution holds only the
 steps since (it used to hold the published ones again: the global it held minus its local parameters). An
 adoption between contributions carries (``keep``) or discards (``overwrite``) only the progress not sent.
 
@@ -70,7 +70,8 @@ def sent(learner: DecoupledLearner, seq: int) -> torch.Tensor:
 
 
 def nan_at_call(monkeypatch: pytest.MonkeyPatch, poisoned: int) -> None:
-    """The objective's loss times NaN at its ``poisoned``-th call from now (as tests/replicas/test_divergence.py)."""
+    """The objective's loss times NaN at its ``poisoned``-th call from now (as in
+    tests/replicas/test_divergence.py)."""
     real = objective.LMObjective.losses
     calls = 0
 
