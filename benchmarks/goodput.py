@@ -27,17 +27,25 @@ lifetimes (sampled every ``POLL_S``):
   merged (``account_decoupled``; a merged contribution no row times is timed at its learner's mean step).
 - ``wall_s_to_tokens``: seconds from the launch until the merged globals hold ``TARGET_SHARE`` of the tokens
   lock-step plans (rounds x H x N x tokens per step): every scenario can reach it with some learners lost.
-- ``eval_loss_at_tokens``: held-out loss of the first evaluated global holding that many tokens (decoupled
-  evaluates its last version only); per scenario, ``equal_tokens`` sets both modes side by side at the
-  tokens both reach.
+- ``evals``: every global's held-out loss, with the merged tokens it holds and when it was complete:
+  lock-step's rounds as its replicas scored them; decoupled's versions (its learners score only the last)
+  scored after the run from the store, which keeps every version, by the product's evaluation
+  (``score_versions``: the objective's, on the same held-out sequences, in the run's compute precision).
+  ``eval_loss_at_tokens``: the loss of the first global holding the token target.
+- per scenario, ``at_equal_tokens``: lock-step's held-out loss at its last round against decoupled's first
+  version holding at least as many merged tokens (and the relative gap), and the seconds decoupled took to
+  reach lock-step's final loss (its first version scoring at most that) against the seconds lock-step took
+  (its last round complete), with their ratio (the issue's bar under d: at most 0.7).
 - ``staleness``: how many versions were committed between a merged contribution's base and the version it
   entered (lock-step: always 0, every round starts from the last global).
 
 The decoupled side launches ``diloco.mode = "decoupled"`` with a quorum of ``MIN_QUORUM`` of the 4 learners,
-a grace of ``GRACE_S`` and ``max_lag = MAX_LAG`` (learners never wait for the syncer), written into
+a grace of ``GRACE_S`` and ``max_lag = MAX_LAG`` (learners never wait for the syncer; ``--max-lag 0`` makes
+each wait for the merge of its own last contribution, no staleness from the learners' side), written into
 results.json with the rest of its settings.
 
-Writes ``results.json`` and ``goodput.png`` (goodput per scenario and mode; held-out loss against wall time).
+Writes ``results.json`` and ``goodput.png`` (goodput per scenario and mode; held-out loss against wall time,
+and against merged tokens).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -57,17 +66,21 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
 from rich.console import Console
 
 from composer_serverless.config import ConfigError, RunConfig, load_config, validate_config
 from composer_serverless.executors.base import LaunchRecord
 from composer_serverless.launch.launcher import launch
+from composer_serverless.objectives.objective import evaluate, make_objective
 from composer_serverless.rendezvous import decoupled as store_versions
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.codec import read_header
 from composer_serverless.rendezvous.decoupled import Contribution, Version
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
+from composer_serverless.replicas import precision
+from composer_serverless.replicas.weights import load_run_model, swapped_in
 
 LEARNERS = 4
 SLOW_RANK = 3
@@ -252,6 +265,37 @@ def loss_at_tokens(
     return None
 
 
+def at_equal_tokens(lock_step: list[list[float]], decoupled: list[list[float]]) -> dict[str, Any]:
+    """Both modes' globals side by side, each as ``[global, merged tokens, seconds since launch, held-out
+    loss]`` in global order: lock-step's last round against decoupled's first version holding at least its
+    tokens (None if none does), the relative gap of their losses; and the seconds decoupled took to reach
+    lock-step's final loss (its first version scoring at most that; None if none does) against the seconds
+    lock-step took (its last round complete), and their ratio."""
+    last, tokens, seconds, loss = lock_step[-1]
+    out: dict[str, Any] = {
+        "tokens": tokens,
+        "lock-step": {"round": int(last), "tokens": tokens, "s": seconds, "loss": loss},
+        "decoupled": None,
+        "relative_gap": None,
+        "to_lock_step_final_loss": None,
+    }
+    equal = next((g for g in decoupled if g[1] >= tokens), None)
+    if equal is not None:
+        out["decoupled"] = {"version": int(equal[0]), "tokens": equal[1], "s": equal[2], "loss": equal[3]}
+        out["relative_gap"] = equal[3] / loss - 1
+    reached = next((g for g in decoupled if g[3] <= loss), None)
+    if reached is not None:
+        out["to_lock_step_final_loss"] = {
+            "version": int(reached[0]),
+            "tokens": reached[1],
+            "s": reached[2],
+            "loss": reached[3],
+            "lock_step_s": seconds,
+            "ratio": reached[2] / seconds,
+        }
+    return out
+
+
 def time_to_tokens(
     merges: list[tuple[float, float]], target: float, start: float
 ) -> tuple[float, int] | None:
@@ -271,6 +315,25 @@ def lifetimes_s(lives: dict[int, tuple[int, float, float]]) -> dict[int, float]:
     for rank, started, ended in lives.values():
         alive[rank] = alive.get(rank, 0.0) + max(0.0, ended - started)
     return alive
+
+
+def score_versions(run: ObjectStore, config: RunConfig, records: list[Version]) -> dict[int, float]:
+    """The held-out loss of every version after 0, scored as a lock-step round's global is (the objective's
+    evaluation over the whole held-out set, in the run's compute precision; lock-step's participants each
+    score a share of it), on this process, from the run's store."""
+    losses: dict[int, float] = {}
+    with tempfile.TemporaryDirectory(prefix="goodput-") as cache:
+        torch.manual_seed(config.seed)
+        loaded = load_run_model(run, config, Path(cache))
+        model = loaded.model.train()
+        objective = make_objective(config, loaded.tokenizer, 0, model=model)
+        device = next(model.parameters()).device
+        for record in records:
+            if record.version > 0:
+                params = store_versions.load_params(run, record, None)
+                with swapped_in(model, params), precision.compute(config.model, device):
+                    losses[record.version] = evaluate(objective, model)["eval/loss"]
+    return losses
 
 
 # --- the injector ---------------------------------------------------------------------------------------
@@ -388,10 +451,12 @@ class Sizes:
     eval_sequences: int
 
 
-def run_config(base: RunConfig, sizes: Sizes, mode: str, seed: int, run_id: str, out: Path) -> RunConfig:
+def run_config(
+    base: RunConfig, sizes: Sizes, mode: str, seed: int, run_id: str, out: Path, max_lag: int = MAX_LAG
+) -> RunConfig:
     """The demo's config at ``sizes`` in ``mode``. Lock-step waits for stragglers as the chaos soak does (a
-    quorum of 2, a grace of 2 to 10 s); decoupled merges at a quorum of ``MIN_QUORUM`` without making a
-    learner wait."""
+    quorum of 2, a grace of 2 to 10 s); decoupled merges at a quorum of ``MIN_QUORUM``, its learners
+    ``max_lag`` contributions ahead of the merges."""
     raw = base.model_dump()
     raw.update(run_id=run_id, store=f"file://{(out / 'runs').absolute()}", seed=seed)
     raw["data"].update(batch_size=sizes.batch_size)
@@ -412,7 +477,7 @@ def run_config(base: RunConfig, sizes: Sizes, mode: str, seed: int, run_id: str,
                 **raw["diloco"].get("decoupled", {}),
                 "min_quorum": MIN_QUORUM,
                 "grace_s": GRACE_S,
-                "max_lag": MAX_LAG,
+                "max_lag": max_lag,
             },
         )
     raw["eval"].update(every_rounds=1, sequences=sizes.eval_sequences)
@@ -443,8 +508,12 @@ def run_once(
         raise RuntimeError(f"the injector failed: {injector.error!r}") from injector.error
     assert summary is not None
     metrics = read_metrics(run)
+    losses = {int(k): v for k, v in summary["eval_loss_by_round"].items()}
+    scored_by_the_run = summary["final_eval_loss"]
     if mode == "decoupled":
-        acc = account_decoupled(metrics, *read_decoupled(run, LEARNERS))
+        records, contributions, committed = read_decoupled(run, LEARNERS)
+        acc = account_decoupled(metrics, records, contributions, committed)
+        losses = score_versions(run, config, records)
     else:
         acc = account_lock_step(metrics)
     # the learners' lives only: decoupled's syncer (rank LEARNERS) trains nothing and is reported apart
@@ -465,7 +534,6 @@ def run_once(
     # lock-step's planned work, whichever the mode: the same token target for both
     target = TARGET_SHARE * sizes.rounds * dl.sync_every * LEARNERS * (step_tokens or 0.0)
     reached = time_to_tokens(acc.merges, target, start)
-    losses = {int(k): v for k, v in summary["eval_loss_by_round"].items()}
     at_target = loss_at_tokens(acc.tokens_at, losses, target) if reached else None
     step_s = {
         rank: [
@@ -484,11 +552,14 @@ def run_once(
         "wall_s_to_tokens": round(reached[0], 2) if reached else None,
         "eval_loss_at_tokens": at_target[0] if at_target else None,
         "eval_tokens_at_tokens": at_target[1] if at_target else None,
-        "final_eval_loss": summary["final_eval_loss"],
+        "final_eval_loss": losses[max(losses)] if losses else None,
+        # the last global's loss as the run's own replicas scored it: decoupled's must be the one above
+        "final_eval_loss_scored_by_the_run": scored_by_the_run,
         "globals": len(acc.merges),
-        "evals_by_tokens": [[acc.tokens_at[k], losses[k]] for k in sorted(losses) if k in acc.tokens_at],
-        "eval_loss_by_time": [
-            [round(acc.eval_time[k] - start, 2), losses[k]] for k in sorted(losses) if k in acc.eval_time
+        "evals": [
+            [k, acc.tokens_at[k], round(acc.eval_time[k] - start, 2), losses[k]]
+            for k in sorted(losses)
+            if k in acc.tokens_at
         ],
         "staleness": {str(a): n for a, n in sorted(acc.staleness.items())},
         "step_time_estimated_contributions": acc.estimated,
@@ -501,26 +572,13 @@ def run_once(
     }
 
 
-def equal_tokens(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Both modes' held-out loss at the same merged tokens: the most tokens both modes' evaluated globals
-    reach (decoupled evaluates only its last version), and each mode's loss at its first evaluated global
-    holding that many (with the tokens it holds)."""
-    tokens = min(max(t for t, _ in modes[m]["evals_by_tokens"]) for m in MODES)
-    out: dict[str, Any] = {"tokens": tokens}
-    for m in MODES:
-        tokens_at = dict(enumerate(t for t, _ in modes[m]["evals_by_tokens"]))
-        losses = dict(enumerate(loss for _, loss in modes[m]["evals_by_tokens"]))
-        out[m] = loss_at_tokens(tokens_at, losses, tokens)
-    return out
-
-
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (bars, curves) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
+    fig, (bars, curves, by_tokens) = plt.subplots(1, 3, figsize=(16, 4.2), dpi=120)
     names = list(results)
     for i, mode in enumerate(MODES):
         values = [results[s].get(mode, {}).get("goodput") for s in names]
@@ -539,20 +597,18 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     bars.grid(alpha=0.3, axis="y")
     for j, scenario in enumerate(names):
         for i, mode in enumerate(MODES):
-            row = results[scenario].get(mode, {})
-            if row.get("eval_loss_by_time"):
-                style = "-" if i == 0 else "--"
-                curves.plot(
-                    *zip(*row["eval_loss_by_time"], strict=True),
-                    style,
-                    marker="o" if i else None,  # decoupled evaluates its last version only
-                    color=f"C{j + 2}",
-                    label=f"{scenario} {mode}",
-                )
+            evals = results[scenario].get(mode, {}).get("evals")
+            if evals:
+                _, tokens, seconds, losses = zip(*evals, strict=True)
+                style = dict(linestyle="-" if i == 0 else "--", color=f"C{j + 2}", label=f"{scenario} {mode}")
+                curves.plot(seconds, losses, **style)
+                by_tokens.plot([t / 1000 for t in tokens], losses, **style)
     curves.set_xlabel("wall seconds since launch")
-    curves.set_ylabel("held-out loss, global model")
-    curves.grid(alpha=0.3)
-    curves.legend(fontsize=7)
+    by_tokens.set_xlabel("merged tokens (thousands)")
+    for axes in (curves, by_tokens):
+        axes.set_ylabel("held-out loss, global model")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -573,6 +629,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--batch-size", type=int, default=8, help="sequences per inner step per learner (the demo's)"
     )
     parser.add_argument("--eval-sequences", type=int, default=16, help="held-out sequences per evaluation")
+    parser.add_argument(
+        "--max-lag", type=int, default=MAX_LAG, help="decoupled learners' diloco.decoupled.max_lag"
+    )
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a directory")
@@ -585,8 +644,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or set(args.modes) - set(MODES):
         parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
-    if min(args.rounds, args.sync_every, args.batch_size, args.eval_sequences) < 1 or args.seed < 0:
-        parser.error("--rounds, --sync-every, --batch-size, --eval-sequences must be >= 1 and --seed >= 0")
+    if (
+        min(args.rounds, args.sync_every, args.batch_size, args.eval_sequences) < 1
+        or min(args.seed, args.max_lag) < 0
+    ):
+        parser.error(
+            "--rounds, --sync-every, --batch-size, --eval-sequences must be >= 1 and --seed, --max-lag >= 0"
+        )
     try:
         args.base = load_config(args.config)
     except ConfigError as e:
@@ -608,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     # every config first: one this commit refuses stops the benchmark before anything launches
     configs = {
         (letter, mode): run_config(
-            args.base, sizes, mode, args.seed, f"{mode}-{letter}-s{args.seed}", args.out
+            args.base, sizes, mode, args.seed, f"{mode}-{letter}-s{args.seed}", args.out, args.max_lag
         )
         for letter in args.scenarios
         for mode in args.modes
@@ -627,7 +691,10 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         if set(MODES) <= set(results[scenario.name]):
-            results[scenario.name]["equal_tokens"] = equal_tokens(results[scenario.name])
+            both = results[scenario.name]
+            compared = at_equal_tokens(both["lock-step"]["evals"], both["decoupled"]["evals"])
+            both["at_equal_tokens"] = compared
+            print(f"{scenario.name:32s} at equal tokens: {json.dumps(compared)}", flush=True)
     result = {
         "command": command,
         "sizes": asdict(sizes),
@@ -643,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         "decoupled": {
             "min_quorum": MIN_QUORUM,
             "grace_s": GRACE_S,
-            "max_lag": MAX_LAG,
+            "max_lag": args.max_lag,
             "versions": sizes.rounds * LEARNERS // MIN_QUORUM,
             "embedding_average": "all (decoupled refuses 'touched', the demo's, which lock-step uses)",
             "other settings": "the defaults of diloco.decoupled",

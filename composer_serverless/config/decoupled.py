@@ -48,9 +48,10 @@ class DecoupledConfig(StrictModel):
     )
     adopt: Literal["keep", "overwrite"] = Field(
         "keep",
-        description="what a learner does with the inner steps it ran since its last contribution when it "
-        "adopts a newer global: 'keep' carries them over (new global + local progress since publishing), "
-        "'overwrite' discards them. Identical with max_lag = 0 (nothing runs between publishing and adopting)",
+        description="what a learner does with the inner steps it has not sent yet when it adopts a newer "
+        "global: 'keep' carries them over (new global + local progress since its last contribution, sent "
+        "with its next one), 'overwrite' discards them. A learner adopts only right after publishing, when "
+        "nothing is unsent, so the two run alike today",
     )
     weighting: Literal["tokens", "equal"] = Field(
         "tokens",

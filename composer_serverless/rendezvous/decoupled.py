@@ -1,9 +1,10 @@
 """What decoupled mode's learners and syncer share through the store: contributions, and global versions.
 
-* A **contribution** is one learner's pseudo-gradient (the global it started from minus its local
-  parameters, one flat tensor in the global's parameter order) through the run's codec, with its checksum or,
-  with a run key, its MAC. Its header names the run, the learner, its sequence number, the global version it
-  started from (``base``) and the tokens and inner steps it covers. Created once under
+* A **contribution** is one learner's pseudo-gradient (its progress not sent yet: the parameters of its
+  last contribution or adoption minus its local parameters, one flat tensor in the global's parameter
+  order) through the run's codec, with its checksum or, with a run key, its MAC. Its header names the run,
+  the learner, its sequence number, the global version it holds (``base``) and the tokens and inner steps
+  it covers. Created once under
   ``layout.contribution(learner, seq)``: an input is immutable once written, as in lock-step's exchange.
 * A **global version** ``v`` is two snapshots (``checkpoint.write_snapshot``: manifest last, checksums or
   MACs): the parameters, which learners load, and the syncer's outer optimizer state, which only a syncer

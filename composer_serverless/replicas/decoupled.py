@@ -2,15 +2,20 @@
 
 It runs the lock-step replica's inner step (``trainer.Replica._inner_step``: the objective, the inner
 optimizer and its schedule, the discarded non-finite steps), but no DiLoCo wraps the optimizer. After every
-``sync_every`` inner steps it publishes its contribution, the global it started from minus its local
-parameters (``rendezvous/decoupled.py``), with that global's version and its tokens and steps, and goes on.
+``sync_every`` inner steps it publishes its contribution, its progress not sent yet: the parameters its last
+contribution or its last adoption left it at, whichever is later, minus its local parameters
+(``rendezvous/decoupled.py``), with the version of the global it holds and its tokens and steps, and goes on.
+So each inner step's progress is sent exactly once: a learner ``max_lag`` ahead that finds no newer global
+after publishing trains on from where it published, and its next contribution holds only the steps since.
 It waits for no other learner; it waits for the syncer only as far as ``diloco.decoupled.max_lag`` says: it
-starts its next round once at most ``max_lag`` of its contributions are unmerged. At a round boundary it adopts
-the newest global version: with ``adopt = "keep"`` its inner steps since publishing are carried onto it, with
-``"overwrite"`` they are discarded. The inner optimizer's state is kept across adoptions, as lock-step's
-DiLoCo keeps it across syncs. Each adoption ends the objective's round (``Objective.round_ended``: the
-composer objective's completions and recorded rollouts go with the adopted version). Only trainable parameters
-travel: with LoRA, the adapters.
+starts its next round once at most ``max_lag`` of its contributions are unmerged. At a round boundary it
+adopts the newest global version: with ``adopt = "keep"`` its progress not sent yet is carried onto it (and
+sent with its next contribution), with ``"overwrite"`` it is discarded. The global it holds (``base``: what it
+scores, exports, and names in its contributions) and the point its contributions have accounted for
+(``sent_to``) are kept apart: after a publish with no newer global they differ. The inner optimizer's state is
+kept across adoptions, as lock-step's DiLoCo keeps it across syncs. Each adoption ends the objective's round
+(``Objective.round_ended``: the composer objective's completions and recorded rollouts go with the adopted
+version). Only trainable parameters travel: with LoRA, the adapters.
 
 With ``max_lag = 0`` a learner's schedule is lock-step's: train H steps from global v, publish, adopt v + 1;
 with a syncer that merges every learner's contribution with lock-step's arithmetic, the run is lock-step's bit
@@ -46,7 +51,9 @@ class DecoupledLearner(Replica):
         self.params = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
         self.version = -1  # the global version it holds
         self.base: dict[str, torch.Tensor] = {}  # that version's parameters, in host memory
-        self.published: dict[str, torch.Tensor] | None = None  # local parameters at the last contribution
+        # What its contributions have accounted for, in host memory: the local parameters at its last
+        # contribution, or the global it adopted since (empty before the first adoption)
+        self.sent_to: dict[str, torch.Tensor] = {}
         self.seq = 0  # its next contribution's sequence number
         self.sent: list[dict[str, Any]] = []  # the rows of its contributions since its last adoption
 
@@ -55,7 +62,10 @@ class DecoupledLearner(Replica):
         return max(self.version, 0)
 
     def _last_global(self) -> dict[str, torch.Tensor]:
-        return self.base
+        """Where a discarded step goes back to: the point its contributions have accounted for, so that the
+        discarded steps are the unsent ones (going back to ``base`` after a publish would send the negation
+        of progress already sent)."""
+        return self.sent_to
 
     def run(self) -> None:
         dl = self.config.diloco
@@ -105,20 +115,20 @@ class DecoupledLearner(Replica):
 
     @torch.no_grad()
     def _publish(self) -> None:
-        """Send the global this learner started from minus its local parameters (in their dtype, as
-        torchft computes a pseudo-gradient), flat in the global's parameter order."""
+        """Send the progress not sent yet, ``sent_to`` minus the local parameters (in their dtype, as
+        torchft computes a pseudo-gradient), flat in the global's parameter order; the local parameters
+        become ``sent_to``."""
         dl = self.config.diloco
         lr = self.schedule.get_last_lr()[0]
         row = self.meter.row(lr)
-        deltas = [(self.base[name] - local(p).to("cpu")).reshape(-1) for name, p in self.params.items()]
-        values = torch.cat([d.to(torch.float32) for d in deltas])
+        now = {name: local(p).detach().to("cpu", copy=True) for name, p in self.params.items()}
+        values = torch.cat([(self.sent_to[name] - now[name]).reshape(-1).to(torch.float32) for name in now])
         tokens = sum(int(trained_tokens(m) or 0) for m in self.meter.metrics)
         contribution = Contribution(self.rank, self.seq, self.version, tokens, row["steps"])
         sent = store_versions.publish(
             self.run_store, self.config.run_id or "", contribution, values, wire_codec(dl.codec, dl), self.key
         )
-        if self.config.diloco.decoupled.adopt == "keep":
-            self.published = {name: local(p).detach().clone() for name, p in self.params.items()}
+        self.sent_to = now
         own = {"bytes_up": sent, "contribution": self.seq, "base_version": self.version, "tokens": tokens}
         self.sent.append({**row, **own})
         self.seq += 1
@@ -144,20 +154,20 @@ class DecoupledLearner(Replica):
     @torch.no_grad()
     def _adopt(self, record: Version) -> None:
         """Take global version ``record`` as this learner's parameters (with ``adopt = "keep"``, plus its
-        inner steps since its last contribution)."""
+        progress not sent yet, which its next contribution sends: ``sent_to`` becomes the global)."""
         params = store_versions.load_params(self.run_store, record, self.key)
         if set(params) != set(self.params):
             raise ValueError(f"global version {record.version} does not hold this model's parameters")
+        keep = self.config.diloco.decoupled.adopt == "keep" and self.sent_to
         for name, p in self.params.items():
             target = local(p)
-            if self.published is not None:
-                progress = target - self.published[name]
+            if keep:
+                progress = target - self.sent_to[name].to(target.device)
                 target.copy_(params[name]).add_(progress)
             else:
                 target.copy_(params[name])
         was, self.version = self.version, record.version
-        self.base = params
-        self.published = None
+        self.base = self.sent_to = params
         self.nonfinite = 0
         if was < 0:
             return

@@ -1,8 +1,9 @@
 """The syncer's merge arithmetic: how much each contribution counts, how contributions are combined, how long
 to wait for more. Pure functions over torch tensors; no store, no model.
 
-A contribution is one learner's pseudo-gradient of a fragment (``global it started from - its local
-parameters``), with the global version it started from and the tokens and inner steps it trained on.
+A contribution is one learner's pseudo-gradient of a fragment (its progress not sent yet: ``parameters at its
+last contribution or adoption - its local parameters``), with the global version it holds and the tokens and
+inner steps it trained on since its last contribution.
 
 **Weights** (Decoupled DiLoCo, Douillard et al. 2026): ``"tokens"`` weighs a contribution by
 ``tokens ** 2 / steps``, quantity (tokens) times quality (tokens per step: a learner that took bigger batches

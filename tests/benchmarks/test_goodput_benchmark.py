@@ -1,6 +1,6 @@
 """benchmarks/goodput.py: the preemption schedule, the accounting of lock-step rounds and of decoupled
-versions with hand-computed numbers, the time to a token count, the loss at equal tokens, lifetimes, the
-configs it launches and its argument checks."""
+versions with hand-computed numbers, the time to a token count, the loss at equal tokens, the scoring of
+decoupled versions, lifetimes, the configs it launches and its argument checks."""
 
 from __future__ import annotations
 
@@ -9,8 +9,14 @@ from pathlib import Path
 import pytest
 from bench_scripts import load_script
 
+from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import load_config
+from composer_serverless.models.loading import load_pretrained
+from composer_serverless.rendezvous import decoupled as store_versions
 from composer_serverless.rendezvous.decoupled import Contribution, Version
+from composer_serverless.rendezvous.telemetry import Reporter
+from composer_serverless.replicas.trainer import Replica
+from tests.rendezvous.harness import create, make_config
 
 bench = load_script("goodput")
 
@@ -109,22 +115,49 @@ def test_decoupled_accounting_by_hand() -> None:
     assert acc.eval_time == {1: 104.0, 2: 108.0} and acc.tokens_at == {1: 400.0, 2: 600.0}
     assert dict(acc.staleness) == {0: 2, 1: 1}
     assert bench.time_to_tokens(acc.merges, 500.0, start=100.0) == (8.0, 2)
-    # decoupled evaluates its last version only: the loss at 400 tokens is that of the one holding 600
+    # the loss at 400 tokens is that of the first evaluated global holding as many
     assert bench.loss_at_tokens(acc.tokens_at, {2: 5.5}, 400.0) == (5.5, 600.0)
     assert bench.loss_at_tokens(acc.tokens_at, {1: 6.0, 2: 5.5}, 400.0) == (6.0, 400.0)
     assert bench.loss_at_tokens(acc.tokens_at, {2: 5.5}, 601.0) is None
 
 
-def test_equal_tokens_compares_both_modes_at_the_tokens_both_reach() -> None:
-    modes = {
-        "lock-step": {"evals_by_tokens": [[400.0, 6.0], [800.0, 5.0], [1200.0, 4.5]]},
-        "decoupled": {"evals_by_tokens": [[1000.0, 4.8]]},
+def test_at_equal_tokens_by_hand() -> None:
+    """Lock-step ends at round 3 with 1200 tokens, loss 4.5, 30 s after the launch. Decoupled's first version
+    holding 1200 tokens is version 4 (1250 tokens, loss 4.6: 2.2 % worse); its first version scoring at most
+    4.5 is version 5 (1500 tokens, 4.4) at 18 s, 0.6 of lock-step's 30 s; version 3, the last one below 1200
+    tokens, and a later better one (version 6) are not the ones taken."""
+    lock_step = [[1, 400.0, 10.0, 6.0], [2, 800.0, 20.0, 5.0], [3, 1200.0, 30.0, 4.5]]
+    decoupled = [
+        [1, 300.0, 5.0, 6.2],
+        [2, 700.0, 9.0, 5.6],
+        [3, 1100.0, 12.0, 4.9],
+        [4, 1250.0, 15.0, 4.6],
+        [5, 1500.0, 18.0, 4.4],
+        [6, 1800.0, 21.0, 4.3],
+    ]
+    compared = bench.at_equal_tokens(lock_step, decoupled)
+    assert compared["relative_gap"] == pytest.approx(4.6 / 4.5 - 1)
+    assert compared == {
+        "tokens": 1200.0,
+        "lock-step": {"round": 3, "tokens": 1200.0, "s": 30.0, "loss": 4.5},
+        "decoupled": {"version": 4, "tokens": 1250.0, "s": 15.0, "loss": 4.6},
+        "relative_gap": compared["relative_gap"],
+        "to_lock_step_final_loss": {
+            "version": 5,
+            "tokens": 1500.0,
+            "s": 18.0,
+            "loss": 4.4,
+            "lock_step_s": 30.0,
+            "ratio": 0.6,
+        },
     }
-    assert bench.equal_tokens(modes) == {
-        "tokens": 1000.0,
-        "lock-step": (4.5, 1200.0),
-        "decoupled": (4.8, 1000.0),
-    }
+
+
+def test_at_equal_tokens_when_decoupled_reaches_neither() -> None:
+    """A decoupled run that merged fewer tokens than lock-step and never scored as low: both are None."""
+    compared = bench.at_equal_tokens([[1, 400.0, 10.0, 5.0]], [[1, 200.0, 4.0, 6.0], [2, 390.0, 8.0, 5.1]])
+    assert compared["lock-step"] == {"round": 1, "tokens": 400.0, "s": 10.0, "loss": 5.0}
+    assert compared["decoupled"] is compared["relative_gap"] is compared["to_lock_step_final_loss"] is None
 
 
 def test_lifetimes_sum_every_process_of_a_learner() -> None:
@@ -143,6 +176,8 @@ def test_the_configs_it_launches() -> None:
     dc = decoupled.diloco.decoupled
     assert decoupled.diloco.mode == "decoupled" and decoupled.diloco.rounds == 3 * 4 // 2
     assert (dc.min_quorum, dc.grace_s, dc.max_lag) == (2, 1.0, 1)  # a quorum below N; learners never wait
+    waiting = bench.run_config(base, sizes, "decoupled", 1, "run", Path("/tmp/goodput-test"), max_lag=0)
+    assert waiting.diloco.decoupled.max_lag == 0
 
 
 @pytest.mark.parametrize(
@@ -151,6 +186,7 @@ def test_the_configs_it_launches() -> None:
         (["--scenarios", "ae"], "--scenarios takes letters of abcd"),
         (["--modes", "async"], "--modes takes lock-step, decoupled"),
         (["--rounds", "0"], "must be >= 1"),
+        (["--max-lag", "-1"], "--max-lag >= 0"),
     ],
 )
 def test_bad_arguments_exit_2(
@@ -160,3 +196,23 @@ def test_bad_arguments_exit_2(
         bench.parse_args(["--out", str(tmp_path / "out"), *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_versions_are_scored_as_a_replica_scores_a_round(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Two hand-made versions in a run's store (the initial weights plus 0.01, and times 0.9): the benchmark
+    scores each as a replica of the run scores that global in a round (its own evaluation, on the simulated
+    accelerator), and version 0 not at all."""
+    config = make_config(str(tmp_path / "runs"), "scored", tiny_model_dir)
+    run = create(config)
+    with simulated():
+        model, tokenizer = load_pretrained(tiny_model_dir, "float32")
+        replica = Replica(run, config, 0, Reporter(run, 0), model.to("cuda"), tokenizer)
+        initial = {name: p.detach().to("cpu", copy=True) for name, p in replica.model.named_parameters()}
+        globals_ = {1: {n: t + 0.01 for n, t in initial.items()}, 2: {n: t * 0.9 for n, t in initial.items()}}
+        records = [Version(v, "hand-made") for v in range(3)]
+        for record in records:
+            assert store_versions.commit(run, record, globals_.get(record.version, initial), None, None)
+        by_replica = {v: replica._evaluate(v, [0], params)["eval/loss"] for v, params in globals_.items()}
+    scored = bench.score_versions(run, config, records)
+    assert scored == pytest.approx(by_replica, rel=1e-6) and set(scored) == {1, 2}
+    assert abs(scored[1] - scored[2]) > 1e-3  # each version's own parameters were scored

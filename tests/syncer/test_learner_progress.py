@@ -1,0 +1,154 @@
+"""A decoupled learner sends each inner step's progress exactly once: a learner ``max_lag`` ahead that finds
+no newer global after publishing trains on from where it published, and its next contribution holds only the
+steps since (it used to hold the published ones again: the global it held minus its local parameters). An
+adoption between contributions carries (``keep``) or discards (``overwrite``) only the progress not sent.
+
+The learner runs in this process on the simulated accelerator, with the tiny model, its real inner steps and
+its real contributions, read back from the store through the fp32 codec."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from composer_serverless.accelerator.simulated import simulated
+from composer_serverless.models.loading import load_pretrained
+from composer_serverless.objectives import lm as objective
+from composer_serverless.rendezvous import decoupled as versions
+from composer_serverless.rendezvous.decoupled import Version
+from composer_serverless.rendezvous.telemetry import Reporter
+from composer_serverless.replicas.decoupled import DecoupledLearner
+from tests.rendezvous.harness import create, make_config
+
+H = 2
+
+
+@pytest.fixture
+def learner(
+    tmp_path: Path, tiny_model_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[DecoupledLearner]:
+    """Learner 0 of 2 (``max_lag = 1``, fp32 contributions), started: it holds version 0."""
+    config = make_config(
+        str(tmp_path / "runs"),
+        "progress",
+        tiny_model_dir,
+        mode="decoupled",
+        embedding_average="all",
+        codec="fp32",
+        sync_every=H,
+        decoupled={"max_lag": 1, "adopt": request.param},
+    )
+    run = create(config)
+    with simulated():
+        model, tokenizer = load_pretrained(tiny_model_dir, "float32")
+        learner = DecoupledLearner(run, config, 0, Reporter(run, 0), model.to("cuda").train(), tokenizer)
+        learner._start()
+        yield learner
+
+
+def local_params(learner: DecoupledLearner) -> dict[str, torch.Tensor]:
+    return {name: p.detach().to("cpu", copy=True) for name, p in learner.params.items()}
+
+
+def flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in params.values()])
+
+
+def train_round(learner: DecoupledLearner) -> None:
+    learner.meter.reset()
+    while learner.meter.steps < H:
+        learner._inner_step()
+
+
+def sent(learner: DecoupledLearner, seq: int) -> torch.Tensor:
+    numel = sum(p.numel() for p in learner.params.values())
+    run = learner.run_store
+    return versions.read_contribution(run, "progress", 0, seq, "fp32", numel, None)[1]
+
+
+def nan_at_call(monkeypatch: pytest.MonkeyPatch, poisoned: int) -> None:
+    """The objective's loss times NaN at its ``poisoned``-th call from now (as in
+    tests/replicas/test_divergence.py)."""
+    real = objective.LMObjective.losses
+    calls = 0
+
+    def diverging(self, model):
+        nonlocal calls
+        calls += 1
+        for loss, metrics in real(self, model):
+            yield (loss * float("nan") if calls == poisoned else loss), metrics
+
+    monkeypatch.setattr(objective.LMObjective, "losses", diverging)
+
+
+@pytest.mark.parametrize("learner", ["keep", "overwrite"], indirect=True)
+def test_two_contributions_without_a_newer_global_send_each_step_once(
+    learner: DecoupledLearner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start = local_params(learner)
+    train_round(learner)
+    published = local_params(learner)
+    learner._publish()
+    # No newer version: it trains on from where it published. Its first step there is discarded (a NaN
+    # loss): it goes back to the point it published, not to the global it holds.
+    nan_at_call(monkeypatch, 1)
+    learner.meter.reset()
+    learner._inner_step()
+    assert learner.nonfinite == 1 and learner.meter.steps == 0
+    assert all(torch.equal(published[n], t) for n, t in local_params(learner).items())
+    train_round(learner)
+    final = local_params(learner)
+    learner._publish()
+
+    first, second = sent(learner, 0), sent(learner, 1)
+    assert torch.equal(first, flat(start) - flat(published))
+    assert torch.equal(second, flat(published) - flat(final))  # the steps since the first only
+    assert bool((second != 0).any()) and bool((first != second).any())  # both rounds trained
+    # Together they are all the learner's progress since the global it started from (to fp32 rounding of
+    # the two differences), once; before the fix the first round's progress came twice.
+    torch.testing.assert_close(first + second, flat(start) - flat(final), rtol=0, atol=1e-6)
+    # It still holds version 0: that is what it scores and exports, and its contributions' base.
+    assert learner.version == 0 and all(torch.equal(learner.base[n], start[n]) for n in start)
+    assert (
+        versions.read_contribution(learner.run_store, "progress", 0, 1, "fp32", first.numel(), None)[0].base
+        == 0
+    )
+
+
+@pytest.mark.parametrize("learner", ["keep", "overwrite"], indirect=True)
+def test_an_adoption_between_contributions_carries_only_the_unsent_progress(
+    learner: DecoupledLearner,
+) -> None:
+    """Adopting version 1 (hand-made: version 0 plus 0.01) two inner steps after publishing: with ``keep``
+    the learner holds version 1 plus those two steps and sends them with its next contribution; with
+    ``overwrite`` it holds version 1 and they are never sent. The published steps are not sent again."""
+    train_round(learner)
+    published = local_params(learner)
+    learner._publish()
+    train_round(learner)
+    before = local_params(learner)
+    run = learner.run_store
+    g1 = {name: t + 0.01 for name, t in learner.base.items()}
+    record = Version(1, "hand-made", consumed={0: 1}, merged=[[0, 0]])
+    assert versions.commit(run, record, g1, None, None)
+    learner._adopt(versions.read_version(run, 1))
+
+    adopted = local_params(learner)
+    keep = learner.config.diloco.decoupled.adopt == "keep"
+    for name in g1:
+        expected = g1[name] + (before[name] - published[name]) if keep else g1[name]
+        assert torch.equal(adopted[name], expected), name
+    assert learner.version == 1 and all(torch.equal(learner.base[n], g1[n]) for n in g1)
+
+    train_round(learner)
+    final = local_params(learner)
+    learner._publish()
+    second = sent(learner, 1)
+    assert torch.equal(second, flat(g1) - flat(final))
+    unsent = flat(published) - flat(before)  # the two steps after the first contribution
+    since = flat(adopted) - flat(final)  # the round after the adoption
+    torch.testing.assert_close(second, (unsent if keep else 0) + since, rtol=0, atol=1e-6)
+    assert versions.read_contribution(run, "progress", 0, 1, "fp32", second.numel(), None)[0].base == 1
