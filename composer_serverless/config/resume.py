@@ -88,8 +88,9 @@ REFUSED: dict[str, str] = {
     "diloco.authenticate": "the run key and the MAC on every saved state depend on it",
     **dict.fromkeys(
         ("diloco.mode", "diloco.decoupled"),
-        "the run's saved states are of this mode (a lock-step round or a decoupled version), and a decoupled run "
-        "is not resumed yet",
+        "the run's saved states are of this mode (a lock-step round or a decoupled version), and the syncer's "
+        "and learners' settings decide what every version merges: the versions after the resume would not "
+        "continue the versions before",
     ),
     **dict.fromkeys(
         ("train.optimizer", "train.betas", "train.weight_decay"),

@@ -60,6 +60,7 @@ from composer_serverless.launch.watch import Choice, Followed, ReplicaView, canc
 from composer_serverless.objectives import inputs
 from composer_serverless.outputs import export
 from composer_serverless.rendezvous import config_changes, layout, runkey
+from composer_serverless.rendezvous import decoupled as decoupled_versions
 from composer_serverless.rendezvous import shipped as shipped_code
 from composer_serverless.rendezvous.latest import NoIntactState, roll_back
 from composer_serverless.rendezvous.run_keys import checked_run_key, new_run_key
@@ -406,7 +407,8 @@ def resume(
     If none runs, every earlier attempt not known to have ended is ended first (cancelled, and seen ended:
     ``_end_open_attempts``), then the run is rolled back to its newest checkpoint (``latest.roll_back``) and
     every replica is started again, continuing from it and their own states saved with it: the rounds after
-    the checkpoint are redone. Either way the new attempts are added to ``launch.json`` beside the earlier
+    the checkpoint are redone. A decoupled run is not rolled back: its syncer and learners (the syncer's rank
+    among them) continue from its newest global version (``_resume_point``). Either way the new attempts are added to ``launch.json`` beside the earlier
     ones, so ``cancel`` still reaches every one.
 
     With ``overrides`` there is no adopting: ``run.json`` is rewritten only while no replica of the run is live
@@ -431,11 +433,6 @@ def resume(
         RunFailed, RunCancelled: as for ``launch``.
     """
     run, created = open_created(run_url)
-    if created.diloco.mode == "decoupled":
-        raise ConfigError(
-            f"cannot resume {run.url}: resuming a decoupled run (diloco.mode) is not supported yet: its learners "
-            "keep no state of their own in the store (docs/decoupled.md)"
-        )
     config, changed, accept_code = _overridden(created, overrides)
     executor = make_executor(config, run)
     plan = _plan(executor, config, run)
@@ -471,6 +468,29 @@ def resume(
         _end_open_attempts(run, executor, earlier, console)
     run.ensure_root()
     earlier_wall_s = _wall_so_far(run)
+    resumed = _resume_point(run, config, console)
+    if changed or code.changed:
+        _reconfigure(run, created, config, changed, resumed, console, code)
+    if code.digests is None:  # a run from before runs recorded their code: from here on, resumes compare
+        shipped_code.record(run, code.now)
+    handles = earlier.handles if earlier is not None else ()
+    record = LaunchRecord(plan, handles, created_at=time.time(), earlier_wall_s=earlier_wall_s)
+    return follow(_start_replicas(run, executor, record, config, console), config, console, on_interrupt)
+
+
+def _resume_point(run: ObjectStore, config: RunConfig, console: Console) -> int:
+    """Where the resumed replicas continue, said on the console: lock-step's run is rolled back to its
+    newest intact checkpoint (``latest.roll_back``); a decoupled run continues from its newest global version
+    as it is, with nothing rolled back: every version is committed whole, its syncer continues after it, and
+    its learners from the newest intact version and their own states (docs/decoupled.md)."""
+    if config.diloco.mode == "decoupled":
+        newest = max(decoupled_versions.newest_version(run), 0)
+        console.print(
+            f"resuming run [bold]{config.run_id}[/] from its global version {newest}: the syncer merges on from "
+            "it, each learner starts from it and its own state",
+            highlight=False,
+        )
+        return newest
     try:
         back = roll_back(run, config.ranks_per_replica)
     except NoIntactState as e:
@@ -490,13 +510,7 @@ def resume(
         + f" of round {back.round}",
         highlight=False,
     )
-    if changed or code.changed:
-        _reconfigure(run, created, config, changed, back.round, console, code)
-    if code.digests is None:  # a run from before runs recorded their code: from here on, resumes compare
-        shipped_code.record(run, code.now)
-    handles = earlier.handles if earlier is not None else ()
-    record = LaunchRecord(plan, handles, created_at=time.time(), earlier_wall_s=earlier_wall_s)
-    return follow(_start_replicas(run, executor, record, config, console), config, console, on_interrupt)
+    return back.round
 
 
 def _overridden(

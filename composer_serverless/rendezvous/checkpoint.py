@@ -216,8 +216,8 @@ def prune_exchanges(store: ObjectStore, round_index: int, *, keep_rollouts: int 
     recorded rollouts before the last ``keep_rollouts``: a replica that is further behind catches up from a
     published state instead, and a harvest reads rollouts no older than that (a live harvest's lag)."""
     for prefix in (layout.ROUNDS, layout.EVALS):
-        _prune_numbered(store, prefix, keep_from=round_index - KEEP_ROUNDS + 1)
-    _prune_numbered(store, layout.ROLLOUTS, keep_from=round_index - keep_rollouts + 1)
+        prune_numbered(store, prefix, keep_from=round_index - KEEP_ROUNDS + 1)
+    prune_numbered(store, layout.ROLLOUTS, keep_from=round_index - keep_rollouts + 1)
 
 
 def load_global(store: ObjectStore, round_index: int, local: int = 0, key: RunKey | None = None) -> Any:
@@ -249,7 +249,7 @@ def save_replica(
 def prune_replica(store: ObjectStore, rank: int, round_index: int) -> None:
     kept = latest.kept_checkpoints(store)  # none readable: keep everything rather than guess
     keep_from = min(round_index, kept[-1]) if kept else 0
-    _prune_numbered(store, layout.replica_states(rank), keep_from=keep_from)
+    prune_numbered(store, layout.replica_states(rank), keep_from=keep_from)
 
 
 def load_replica(
@@ -277,7 +277,8 @@ def load_replica(
     return None
 
 
-def _prune_numbered(store: ObjectStore, prefix: str, *, keep_from: int) -> None:
+def prune_numbered(store: ObjectStore, prefix: str, *, keep_from: int) -> None:
+    """Delete the numbered entries under ``prefix`` before ``keep_from``."""
     for name in store.list(prefix):
         if name.isdigit() and int(name) < keep_from:
             store.delete(f"{prefix}/{name}")

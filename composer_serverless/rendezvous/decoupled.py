@@ -12,6 +12,8 @@
   says what the merge took: ``consumed`` (per learner, the next sequence number not yet taken, so a
   contribution is merged at most once whichever syncer resumes) and which contributions it merged or
   dropped. Whoever loses the creation of a record wrote its snapshots under its own name and discards them.
+  It also names its ``parent``, the version whose global the merge stepped from: the one before it, but after
+  a rollback (``newest_intact``) the newest intact one.
 
 Version 0 is the initial weights, written by the first learner to start (all start from the same ones).
 """
@@ -64,6 +66,9 @@ class Version:
     # The embeddings' parameter names (input, and an untied output head), which a merge averages plainly:
     # named by the learner that writes version 0, which knows the model, and carried on by every version.
     embeddings: list[str] = field(default_factory=list)
+    # The version whose global this one's merge stepped from (-1: none, version 0): ``version - 1``, or after
+    # a rollback past damaged versions the newest intact one (what those took is taken again, by this one).
+    parent: int = -1
 
     def to_json(self) -> bytes:
         record = {
@@ -73,6 +78,7 @@ class Version:
             "merged": self.merged,
             "dropped": self.dropped,
             "embeddings": self.embeddings,
+            "parent": self.parent,
         }
         return json.dumps(record).encode()
 
@@ -86,6 +92,7 @@ class Version:
             merged=[[int(a), int(b)] for a, b in data["merged"]],
             dropped=list(data["dropped"]),
             embeddings=[str(name) for name in data["embeddings"]],
+            parent=int(data.get("parent", int(data["version"]) - 1)),
         )
 
 
@@ -163,6 +170,34 @@ def load_params(store: ObjectStore, record: Version, key: RunKey | None) -> dict
 def load_outer(store: ObjectStore, record: Version, key: RunKey | None) -> dict[str, Any]:
     """The syncer's outer optimizer state after version ``record``."""
     return checkpoint.read_snapshot(store, layout.syncer_state(record.version, record.writer), key)
+
+
+def newest_intact(
+    store: ObjectStore, newest: int, key: RunKey | None, *, outer: bool
+) -> tuple[Version, dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The newest version at or below ``newest`` that reads whole, loaded: its record, its parameters and,
+    with ``outer`` (a syncer), the outer optimizer state after it (None for version 0, which has none).
+
+    ``commit`` creates a record only after its snapshots are whole, so a version that does not read was
+    damaged afterwards (an object corrupted, replaced, or written without the run's key): as lock-step's
+    rollback passes over a damaged checkpoint for the one before it, each damaged version is passed over,
+    with a warning, for the one before it.
+
+    Raises:
+        CheckpointError: no version at or below ``newest`` reads whole, each named with why.
+    """
+    problems = []
+    for v in range(newest, -1, -1):
+        try:
+            record = read_version(store, v)
+            params = load_params(store, record, key)
+            state = load_outer(store, record, key) if outer and v > 0 else None
+        except (checkpoint.CheckpointError, FileNotFoundError, ValueError, KeyError, TypeError) as e:
+            logger.warning("global version %d cannot be read, passing it over: %s", v, e)
+            problems.append(f"version {v}: {e}")
+            continue
+        return record, params, state
+    raise checkpoint.CheckpointError(f"no global version in {store.url} can be read: " + "; ".join(problems))
 
 
 def commit(

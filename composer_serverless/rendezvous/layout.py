@@ -236,7 +236,8 @@ def replica_states(rank: int) -> str:
 
 
 def replica_state(rank: int, round_index: int, local: int = 0) -> str:
-    """The snapshot of local rank ``local`` of replica ``rank``: its own state after round ``round_index``."""
+    """The snapshot of local rank ``local`` of replica ``rank``: its own state after round ``round_index`` (in
+    decoupled mode, a learner's as it publishes its contribution ``round_index``)."""
     return f"{replica_states(rank)}/{round_index}/{local}"
 
 
@@ -362,7 +363,7 @@ def describe() -> list[tuple[str, str]]:
         ),
         (
             f"{replica_state(rank, k, local)}/",
-            "inner optimizer, schedule, RNG, data position, per local rank",
+            "inner optimizer, schedule, RNG, data position, per local rank (decoupled: k is a contribution)",
         ),
         (rollouts(k, rank), "a replica's rollouts of round k: prompt, completion, reward (when recorded)"),
         (

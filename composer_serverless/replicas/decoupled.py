@@ -21,8 +21,14 @@ With ``max_lag = 0`` a learner's schedule is lock-step's: train H steps from glo
 with a syncer that merges every learner's contribution with lock-step's arithmetic, the run is lock-step's bit
 for bit (tests/syncer/test_oracle.py).
 
-Not kept yet: a learner's own state (inner optimizer, data position) in the store. A restarted learner
-starts from the newest global version with a fresh inner optimizer, its schedule placed at that version.
+A learner keeps its own state in the store as lock-step's replica does at a checkpoint (``state.own_state``:
+inner optimizer, schedule position, data position, RNG; ``checkpoint.save_replica``'s snapshot, with its
+checksums or MACs), once per contribution, written just before it under the contribution's sequence number
+(``layout.replica_state(rank, seq)``). A restarted learner (killed, preempted, or resumed with the run) holds the
+newest intact global version and restores the newest own state whose contribution is in the store: a state
+written by a learner that died before its contribution is passed over, so the data of that round is trained
+again and published once. Its local parameters are not kept: they are its contribution's base minus the
+contribution, and a restart adopts the newest global instead (what ``adopt = "overwrite"`` does).
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ from typing import Any
 
 import torch
 
+from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous import decoupled as store_versions
-from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.decoupled import Contribution, Version
+from composer_serverless.replicas import state
 from composer_serverless.replicas.diloco import wire_codec
 from composer_serverless.replicas.meter import trained_tokens
 from composer_serverless.replicas.shards import local
@@ -77,7 +85,7 @@ class DecoupledLearner(Replica):
             self._publish()
             record = self._wait_for_syncer()
             if record.version > self.version:
-                self._adopt(record)
+                self._adopt_newest(record)
         self._finish(record)
 
     def _start(self) -> Version:
@@ -93,19 +101,66 @@ class DecoupledLearner(Replica):
             if store_versions.commit(store, record, initial, None, self.key):
                 self.log.info("wrote global version 0 (the initial weights)")
             newest = 0
-        record = store_versions.read_version(store, newest)
+        record, params, _ = store_versions.newest_intact(store, newest, self.key, outer=False)
         own = self.rank
         listed = [int(n) for n in store.list(layout.contributions(own)) if n.isdigit()]
         self.seq = max(record.consumed.get(own, 0), max(listed, default=-1) + 1)
-        self._adopt(record)
-        self.schedule = self._schedule_at(record.version)
-        if record.version:
-            self.log.warning(
-                "started from global version %d with a fresh inner optimizer (learners keep no state of "
-                "their own yet)",
-                record.version,
-            )
+        self._adopt(record, params)
+        self._restore_own(record.version)
         return record
+
+    def _restore_own(self, version: int) -> None:
+        """Continue this learner's inner loop from its newest own state whose contribution is in the store
+        (the one just before its next, ``self.seq``), or, with none, from a fresh inner optimizer, its
+        schedule placed at global version ``version``."""
+        self.schedule = self._schedule_at(version)
+        node = self.node
+        saved = (
+            checkpoint.load_replica(
+                self.run_store, self.rank, self.seq - 1, node.local_rank, node.all_true, key=self.key
+            )
+            if self.seq
+            else None
+        )
+        if saved is None:
+            if version:
+                self.log.warning(
+                    "started from global version %d with a fresh inner optimizer (no state of its own)",
+                    version,
+                )
+            return
+        seq, own = saved
+        state.restore_own(
+            own,
+            inner=self.inner,
+            objective=self.objective,
+            model=self.model,
+            schedule=self.schedule,
+            device=self.device,
+        )
+        self.log.info(
+            "started from global version %d and its own state of contribution %d: inner step %d, data "
+            "position %s",
+            version,
+            seq,
+            self.schedule.last_epoch,
+            own["objective"],
+        )
+
+    def _save_own(self) -> int:
+        """Write this learner's own state before its contribution ``self.seq``, and drop its states before the
+        one of its last contribution (the newest a restart could need if this one's contribution is never
+        written). Its local parameters are left out (no global copy given: see the module). Returns the
+        bytes written."""
+        own = state.own_state(self.model, self.inner, self.schedule, self.objective, {}, self.device)
+        written = checkpoint.save_replica(
+            self.run_store, self.rank, self.seq, own, self.node.local_rank, prune=False, key=self.key
+        )
+        if self.node.lead:
+            checkpoint.prune_numbered(
+                self.run_store, layout.replica_states(self.rank), keep_from=self.seq - 1
+            )
+        return written
 
     def _embedding_names(self) -> list[str]:
         """The names of the embeddings' trainable parameters (input, and an untied output head)."""
@@ -125,11 +180,18 @@ class DecoupledLearner(Replica):
         values = torch.cat([(self.sent_to[name] - now[name]).reshape(-1).to(torch.float32) for name in now])
         tokens = sum(int(trained_tokens(m) or 0) for m in self.meter.metrics)
         contribution = Contribution(self.rank, self.seq, self.version, tokens, row["steps"])
+        written = self._save_own()
         sent = store_versions.publish(
             self.run_store, self.config.run_id or "", contribution, values, wire_codec(dl.codec, dl), self.key
         )
         self.sent_to = now
-        own = {"bytes_up": sent, "contribution": self.seq, "base_version": self.version, "tokens": tokens}
+        own = {
+            "bytes_up": sent,
+            "checkpoint_bytes_up": written,
+            "contribution": self.seq,
+            "base_version": self.version,
+            "tokens": tokens,
+        }
         self.sent.append({**row, **own})
         self.seq += 1
 
@@ -151,11 +213,23 @@ class DecoupledLearner(Replica):
                 told = True
             time.sleep(dl.decoupled.poll_s)
 
+    def _adopt_newest(self, record: Version) -> None:
+        """Adopt the newest version, ``record``; one that does not read whole (damaged after its commit) is
+        passed over: this learner trains on from the global it holds, and adopts the syncer's next version,
+        which a restarted syncer merges from the newest intact one (``Syncer._load``)."""
+        try:
+            params = store_versions.load_params(self.run_store, record, self.key)
+        except CheckpointError as e:
+            self.log.warning(
+                "global version %d cannot be read, keeping version %d: %s", record.version, self.version, e
+            )
+            return
+        self._adopt(record, params)
+
     @torch.no_grad()
-    def _adopt(self, record: Version) -> None:
-        """Take global version ``record`` as this learner's parameters (with ``adopt = "keep"``, plus its
-        progress not sent yet, which its next contribution sends: ``sent_to`` becomes the global)."""
-        params = store_versions.load_params(self.run_store, record, self.key)
+    def _adopt(self, record: Version, params: dict[str, torch.Tensor]) -> None:
+        """Take ``params``, global version ``record``'s, as this learner's parameters (with ``adopt = "keep"``,
+        plus its progress not sent yet, which its next contribution sends: ``sent_to`` becomes the global)."""
         if set(params) != set(self.params):
             raise ValueError(f"global version {record.version} does not hold this model's parameters")
         keep = self.config.diloco.decoupled.adopt == "keep" and self.sent_to

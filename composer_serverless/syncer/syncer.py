@@ -12,7 +12,10 @@ the new version (``rendezvous/decoupled.py``): parameters, outer state, and the 
 Nothing lost, nothing merged twice, whatever kills it: a syncer starts from the newest committed version and
 its recorded ``consumed`` marks; contributions are immutable; a version is committed by creating its record,
 once. Two syncers at once (a restart while the old one still runs) cannot both commit a version: the loser
-of the creation reloads the winner's and goes on from there.
+of the creation reloads the winner's and goes on from there. A version damaged after its commit (it no longer
+reads whole) is passed over by a restarted syncer for the newest intact one, whose marks make the
+contributions the damaged ones took unconsumed again: the next version merges them, and names the intact
+one as its ``parent``.
 """
 
 from __future__ import annotations
@@ -75,19 +78,20 @@ class Syncer:
         self.writer = versions.writer_token()
         self.params: dict[str, torch.Tensor] = {}
         self.outer: torch.optim.Optimizer | None = None
-        self.record = Version(-1, "")
+        self.record = Version(-1, "")  # the version whose global it holds, and what that one's merge took
+        self.newest = -1  # the newest version committed: the record's, unless damaged ones were passed over
 
     def run(self) -> None:
         self._load(self._first_version())
-        while self.record.version < self.config.diloco.rounds:
+        while self.newest < self.config.diloco.rounds:
             taken = self._gather()
             self._merge(taken)
-        logger.info("committed the run's last global version (%d): done", self.record.version)
+        logger.info("committed the run's last global version (%d): done", self.newest)
         self._beat("done")
 
     def _beat(self, state: str) -> None:
         rounds = self.config.diloco.rounds
-        self.reporter.beat(state=state, round=max(self.record.version, 0), rounds=rounds, step=0, steps=1)
+        self.reporter.beat(state=state, round=max(self.newest, 0), rounds=rounds, step=0, steps=1)
 
     def _first_version(self) -> int:
         """The newest committed version, once version 0 (the learners' initial weights) exists."""
@@ -101,10 +105,12 @@ class Syncer:
         return newest
 
     def _load(self, v: int) -> None:
-        """Continue from committed version ``v``: its parameters, the outer state after it, its marks."""
+        """Continue after committed version ``v`` from the newest intact version at or below it
+        (``versions.newest_intact``): its parameters, the outer state after it, its marks. The next version
+        is ``v + 1`` either way; after a rollback past damaged versions, the contributions they took are
+        unconsumed again by the intact one's marks, so the next merge takes them again, once."""
         dl = self.config.diloco
-        record = versions.read_version(self.run_store, v)
-        self.params = versions.load_params(self.run_store, record, self.key)
+        record, self.params, outer = versions.newest_intact(self.run_store, v, self.key, outer=True)
         self.outer = outer_optimizer(
             list(self.params.values()),
             lr=dl.outer_lr,
@@ -112,10 +118,21 @@ class Syncer:
             nesterov=dl.nesterov,
             delay=dl.replicas if dl.decoupled.outer == "delayed_nesterov" else 1,
         )
-        if v > 0:
-            self.outer.load_state_dict(versions.load_outer(self.run_store, record, self.key))
-        self.record = record
-        logger.info("holding global version %d (consumed %s)", v, record.consumed)
+        if outer is not None:
+            self.outer.load_state_dict(outer)
+        self.record, self.newest = record, v
+        if record.version < v:
+            logger.warning(
+                "rolled back: versions %d-%d cannot be read; continuing from version %d's global and its marks "
+                "(consumed %s), so version %d merges again what they merged",
+                record.version + 1,
+                v,
+                record.version,
+                record.consumed,
+                v + 1,
+            )
+        else:
+            logger.info("holding global version %d (consumed %s)", v, record.consumed)
 
     def _gather(self) -> dict[int, list[int]]:
         """Per learner, its unconsumed contributions, once the quorum and the grace window allow a merge."""
@@ -135,7 +152,7 @@ class Syncer:
 
     def _merge(self, taken: dict[int, list[int]]) -> None:
         dl = self.config.diloco
-        v = self.record.version
+        v = self.newest
         numel = sum(t.numel() for t in self.params.values())
         run_id = self.config.run_id or ""
         dc = dl.decoupled
@@ -181,10 +198,12 @@ class Syncer:
         merged = [[learner, seq] for learner, seq in good]
         if good:
             self._outer_step(self._merged([values for _, values in good.values()], weights))
-        record = Version(v + 1, self.writer, consumed, merged, dropped, self.record.embeddings)
+        record = Version(
+            v + 1, self.writer, consumed, merged, dropped, self.record.embeddings, parent=self.record.version
+        )
         outer = self.outer.state_dict() if self.outer is not None else None
         if versions.commit(self.run_store, record, self.params, outer, self.key):
-            self.record = record
+            self.record, self.newest = record, record.version
             logger.info(
                 "merged version %d: %d contributions %s, staleness %s, dropped %d",
                 v + 1,

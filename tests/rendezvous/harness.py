@@ -153,3 +153,25 @@ def digests(run: ObjectStore) -> dict[int, set[str]]:
 
 def logs_of(logs: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.log")))
+
+
+def resume_in_a_process(run: ObjectStore, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """``composer-serverless launch --resume`` (with ``--set`` for each of ``overrides``) in a fresh
+    interpreter, as a user runs it."""
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from composer_serverless.cli import main; main()",
+            "launch",
+            "--resume",
+            run.url,
+            *sets,
+        ],
+        env={**subprocess_env(), "COLUMNS": "200"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +16,9 @@ from harness import (
     digests,
     logs_of,
     make_config,
+    resume_in_a_process,
     rows,
     run_replicas,
-    subprocess_env,
 )
 
 from composer_serverless.rendezvous import layout
@@ -55,25 +53,6 @@ def test_interrupted_and_resumed_run_is_bit_identical(
     assert set(resumed) == {1, 2, 3, 4, 5}
     assert resumed == reference_run.digests
     assert final_eval(interrupted) == final_eval(reference_run.run)
-
-
-def resume_in_a_process(run: ObjectStore) -> subprocess.CompletedProcess[str]:
-    """``composer-serverless launch --resume`` in a fresh interpreter, as a user runs it."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from composer_serverless.cli import main; main()",
-            "launch",
-            "--resume",
-            run.url,
-        ],
-        env={**subprocess_env(), "COLUMNS": "200"},
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def final_eval(run: ObjectStore) -> float:

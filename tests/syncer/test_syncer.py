@@ -7,17 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from rich.console import Console
 
-from composer_serverless.config import ConfigError, validate_config
-from composer_serverless.launch.launcher import resume
+from composer_serverless.config import validate_config
 from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.decoupled import Contribution, Version
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.syncer.syncer import Syncer
-from tests.rendezvous.harness import create, make_config
+from tests.rendezvous.harness import make_config
 
 LR, MOMENTUM = 0.5, 0.25
 
@@ -166,17 +164,42 @@ def test_decoupled_mode_takes_lora_and_the_composer_objective_but_refuses_a_live
     assert validate_config(recorded).train.objective == "composer"
 
 
-def test_resuming_a_decoupled_run_is_refused_before_anything_is_written(
-    tmp_path: Path, tiny_model_dir: Path
+def test_a_restarted_syncer_rolls_back_past_a_damaged_version_and_merges_what_it_took_again(
+    tmp_path: Path,
 ) -> None:
-    config = make_config(
-        str(tmp_path), "to-resume", tiny_model_dir, mode="decoupled", embedding_average="all"
-    )
-    run = create(config)
-    before = sorted(run.list_tree())
-    with pytest.raises(ConfigError, match="resuming a decoupled run"):
-        resume(run.url, Console(quiet=True))
-    assert sorted(run.list_tree()) == before
+    """Version 2 damaged after its commit (its parameters fail their checksum): a restarted syncer continues
+    from version 1's global, outer momentum and marks, so version 3 merges the contributions version 2 took
+    (seq 1) with the new ones (seq 2), steps from version 1's global, and names version 1 its parent."""
+    run, syncer = run_of(tmp_path)
+    syncer._load(0)
+    for learner, values in enumerate(([1.0, 2.0, 3.0], [3.0, 2.0, 1.0], [2.0, 5.0, -1.0])):
+        send(run, learner, 0, values)
+    syncer._merge(syncer._gather())  # version 1: mean (2, 3, 1)
+    for learner in range(3):
+        send(run, learner, 1, [1.0, 1.0, 1.0], base=1)
+    syncer._merge(syncer._gather())  # version 2
+    damaged = f"{layout.global_params(2, syncer.writer)}/{layout.SNAPSHOT_TENSORS}"
+    data = bytearray(run.get(damaged))
+    data[-1] ^= 0xFF
+    run.put(damaged, bytes(data))
+    # A learner starting now holds version 1, the newest that reads whole.
+    assert versions.newest_intact(run, 2, None, outer=False)[0].version == 1
+
+    restarted = Syncer(run, syncer.config, None, syncer.reporter)
+    restarted._load(versions.newest_version(run))
+    assert restarted.newest == 2 and restarted.record.version == 1
+    for learner in range(3):
+        send(run, learner, 2, [3.0, 3.0, 3.0], base=1)
+    restarted._merge(restarted._gather())
+    record = versions.read_version(run, 3)
+    assert record.parent == 1 and versions.read_version(run, 2).parent == 1
+    assert record.merged == [[learner, seq] for learner in range(3) for seq in (1, 2)]
+    assert record.consumed == {0: 3, 1: 3, 2: 3} and record.dropped == []
+    # Version 1: p1 = p0 - lr * 1.25 * (2, 3, 1), momentum (2, 3, 1). Version 3 from it with the mean (2, 2, 2):
+    # buf = 0.25 * (2, 3, 1) + 2, p3 = p1 - lr * (2 + 0.25 * buf).
+    after = versions.load_params(run, record, None)
+    assert torch.allclose(after["w"], torch.tensor([-1.5625, -1.21875]), rtol=0, atol=1e-6)
+    assert torch.allclose(after["b"], torch.tensor([-1.40625]), rtol=0, atol=1e-6)
 
 
 def test_token_weights_and_delayed_nesterov_reach_the_merge(tmp_path: Path) -> None:
