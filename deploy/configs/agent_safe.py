@@ -1,5 +1,5 @@
 """The environment of `make demo-agent` (deploy/configs/local-agent.toml), a TRL-style environment class: one
-safe per episode, whose four-digit code is in the dataset row and nowhere in the prompt. The only way to learn
+safe per episode, whose code (one character: a letter or a digit) is in the dataset row and nowhere in the prompt. The only way to learn
 it is the tool, ``read_note``; the answer is then scored by ``exact_match`` against the row's ``answer``."""
 
 

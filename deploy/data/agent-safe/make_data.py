@@ -8,14 +8,17 @@ its held-out success), ``traces.jsonl`` and ``traces-heldout.jsonl`` (``messages
 tool-calling SFT format: the tool call, the tool's answer, the code as the answer; three in four without the
 tools, a curriculum: see ``main``). The traces' tool schema is
 the one the run's environment gives (read from ``deploy/configs/agent_safe.py`` through the product's loader),
-so the warm start reads the prompt the episodes will. The traces use other safes' codes than the prompts do:
-the warm start teaches the behaviour, not the answers.
+so the warm start reads the prompt the episodes will. A code is one character of 62 (letters and digits), drawn
+afresh for every row, so a safe's number says nothing of its code: the warm start teaches the behaviour, not
+the answers. Why one character: a tiny model from scratch learns to copy one from the tool's answer within the
+demo's budget (after a plateau); four digits stayed guessed (docs/RESULTS.md, section 20).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import string
 import sys
 from pathlib import Path
 
@@ -24,8 +27,11 @@ from composer_serverless.environments.tools import EnvironmentFactory
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
+SYMBOLS = string.ascii_letters + string.digits
+
+
 def row(rng: random.Random) -> dict[str, str]:
-    code = f"{rng.randrange(10_000):04d}"
+    code = rng.choice(SYMBOLS)
     return {"prompt": f"What is the code of safe {rng.randrange(1000)}?", "code": code, "answer": code}
 
 
