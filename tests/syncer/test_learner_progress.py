@@ -134,7 +134,8 @@ def test_an_adoption_between_contributions_carries_only_the_unsent_progress(
     g1 = {name: t + 0.01 for name, t in learner.base.items()}
     record = Version(1, "hand-made", consumed={0: 1}, merged=[[0, 0]])
     assert versions.commit(run, record, g1, None, None)
-    learner._adopt(versions.read_version(run, 1))
+    record = versions.read_version(run, 1)
+    learner._adopt(record, versions.load_params(run, record, None))
 
     adopted = local_params(learner)
     keep = learner.config.diloco.decoupled.adopt == "keep"
