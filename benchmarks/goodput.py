@@ -77,6 +77,7 @@ from composer_serverless.rendezvous import decoupled as store_versions
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.codec import read_header
 from composer_serverless.rendezvous.decoupled import Contribution, Version
+from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
 from composer_serverless.replicas import precision
@@ -241,7 +242,7 @@ def read_decoupled(
 ) -> tuple[list[Version], dict[tuple[int, int], Contribution], dict[int, float]]:
     """The syncer's version records, every published contribution's header (its safetensors metadata: JSON,
     no tensor decoded) and each version record's creation time, from the run's store."""
-    newest = store_versions.newest_version(run)
+    newest = newest_version(run)
     records = [store_versions.read_version(run, v) for v in range(newest + 1)]
     committed = {v: run.modified(layout.version(v)) for v in range(newest + 1)}
     contributions: dict[tuple[int, int], Contribution] = {}

@@ -60,9 +60,8 @@ from composer_serverless.launch.watch import Choice, Followed, ReplicaView, canc
 from composer_serverless.objectives import inputs
 from composer_serverless.outputs import export
 from composer_serverless.rendezvous import config_changes, layout, runkey
-from composer_serverless.rendezvous import decoupled as decoupled_versions
 from composer_serverless.rendezvous import shipped as shipped_code
-from composer_serverless.rendezvous.latest import NoIntactState, roll_back
+from composer_serverless.rendezvous.latest import NoIntactState, newest_version, roll_back
 from composer_serverless.rendezvous.run_keys import checked_run_key, new_run_key
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
@@ -484,7 +483,7 @@ def _resume_point(run: ObjectStore, config: RunConfig, console: Console) -> int:
     as it is, with nothing rolled back: every version is committed whole, its syncer continues after it, and
     its learners from the newest intact version and their own states (docs/decoupled.md)."""
     if config.diloco.mode == "decoupled":
-        newest = max(decoupled_versions.newest_version(run), 0)
+        newest = max(newest_version(run), 0)
         console.print(
             f"resuming run [bold]{config.run_id}[/] from its global version {newest}: the syncer merges on from "
             "it, each learner starts from it and its own state",

@@ -152,12 +152,6 @@ def read_contribution(
     return Contribution(learner, seq, **fields), values
 
 
-def newest_version(store: ObjectStore) -> int:
-    """The newest global version recorded; -1 before version 0 exists."""
-    names = [n.removesuffix(".json") for n in store.list(layout.VERSIONS) if n.endswith(".json")]
-    return max((int(n) for n in names if n.isdigit()), default=-1)
-
-
 def read_version(store: ObjectStore, v: int) -> Version:
     return Version.from_json(store.get(layout.version(v)))
 

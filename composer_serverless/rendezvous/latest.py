@@ -68,6 +68,13 @@ def newest_round(store: ObjectStore) -> int:
     return 0
 
 
+def newest_version(store: ObjectStore) -> int:
+    """A decoupled run's newest global version recorded; -1 before version 0 exists. Here, not with the
+    versions' tensors (``rendezvous/decoupled.py``), so the launcher can ask it without loading torch."""
+    names = [n.removesuffix(".json") for n in store.list(layout.VERSIONS) if n.endswith(".json")]
+    return max((int(n) for n in names if n.isdigit()), default=-1)
+
+
 def fixed_participants(
     store: ObjectStore, round_index: int, fragment: int, replicas: int | None = None
 ) -> list[int] | None:

@@ -43,6 +43,7 @@ from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous import decoupled as store_versions
 from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.decoupled import Contribution, Version
+from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.replicas import state
 from composer_serverless.replicas.diloco import wire_codec
 from composer_serverless.replicas.meter import trained_tokens
@@ -94,7 +95,7 @@ class DecoupledLearner(Replica):
         # Every learner, fresh or restarted (it loaded the model afresh): a version holds the trainable
         # parameters only, so with LoRA the frozen base each learner adapts must be the others'.
         check_initial_weights(store, self.model, self.rank, self.node)
-        newest = store_versions.newest_version(store)
+        newest = newest_version(store)
         if newest < 0:
             initial = {name: local(p).detach().to("cpu", copy=True) for name, p in self.params.items()}
             record = Version(0, store_versions.writer_token(), embeddings=self._embedding_names())
@@ -202,9 +203,7 @@ class DecoupledLearner(Replica):
         allowed = self.seq - dl.decoupled.max_lag
         told = False
         while True:
-            record = store_versions.read_version(
-                self.run_store, store_versions.newest_version(self.run_store)
-            )
+            record = store_versions.read_version(self.run_store, newest_version(self.run_store))
             if record.version >= dl.rounds or record.consumed.get(self.rank, 0) >= allowed:
                 return record
             if not told:

@@ -31,6 +31,7 @@ from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous import layout, runkey
 from composer_serverless.rendezvous.codec import Codec, PayloadError, decode, encode, l2_norm
 from composer_serverless.rendezvous.decoupled import Contribution, Version
+from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.rendezvous.robust import outliers
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
@@ -97,7 +98,7 @@ class Syncer:
         """The newest committed version, once version 0 (the learners' initial weights) exists."""
         told = False
         self._beat("waiting")
-        while (newest := versions.newest_version(self.run_store)) < 0:
+        while (newest := newest_version(self.run_store)) < 0:
             if not told:
                 logger.info("waiting for a learner to write global version 0 (the initial weights)")
                 told = True

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from composer_serverless.rendezvous import decoupled as versions
+from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.rendezvous.store import ObjectStore
 from tests.rendezvous.harness import start_replica, wait_all
 
@@ -26,4 +27,4 @@ def killed_on(key: str) -> str:
 
 def merges(run: ObjectStore) -> dict[int, versions.Version]:
     """Every committed version's record."""
-    return {v: versions.read_version(run, v) for v in range(versions.newest_version(run) + 1)}
+    return {v: versions.read_version(run, v) for v in range(newest_version(run) + 1)}

@@ -13,6 +13,7 @@ import torch
 
 from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous import decoupled as versions
+from composer_serverless.rendezvous.latest import newest_version
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 from tests.rendezvous.harness import (
     create,
@@ -30,7 +31,7 @@ SYNC_EVERY = 4  # make_config's diloco.sync_every: inner steps per contribution
 
 
 def final_global(run) -> dict[str, torch.Tensor]:
-    return versions.load_params(run, versions.read_version(run, versions.newest_version(run)), None)
+    return versions.load_params(run, versions.read_version(run, newest_version(run)), None)
 
 
 def own_state(run, learner: int, seq: int) -> dict:
@@ -104,7 +105,7 @@ def test_a_decoupled_run_stopped_mid_way_is_resumed_and_merges_every_contributio
         assert wait_all(learners) == [-signal.SIGKILL] * LEARNERS
         syncer.kill()
         assert wait_all([syncer]) == [-signal.SIGKILL]
-        stopped_at = versions.newest_version(run)
+        stopped_at = newest_version(run)
         assert 1 <= stopped_at < 3
         for r in range(LEARNERS):  # the state of the contribution that was never written
             assert sorted(run.list(layout.replica_states(r))) == ["1", "2"]

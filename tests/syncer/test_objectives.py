@@ -28,6 +28,7 @@ from composer_serverless.outputs.export import export
 from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous.codec import read_header
+from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 from tests.composer_tasks import TINY_CHARS, composer
@@ -260,4 +261,4 @@ def test_a_lora_learner_on_another_base_is_refused_though_version_0_exists(
     assert ran_on_the_simulated_accelerator(tmp_path)
     log = (tmp_path / "learner-0.log").read_text()
     assert "InitialWeightsError" in log and "initial weights differ" in log
-    assert versions.newest_version(run) == 0 and run.list(layout.contributions(0)) == []
+    assert newest_version(run) == 0 and run.list(layout.contributions(0)) == []

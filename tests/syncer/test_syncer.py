@@ -12,6 +12,7 @@ from composer_serverless.config import validate_config
 from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.decoupled import Contribution, Version
+from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.syncer.syncer import Syncer
@@ -119,7 +120,7 @@ def test_two_syncers_cannot_both_commit_a_version(tmp_path: Path) -> None:
     taken = first._gather()
     first._merge(taken)
     second._merge(taken)  # loses the creation of version 1: goes on from the first one's
-    assert versions.newest_version(run) == 1 and versions.read_version(run, 1).writer == first.writer
+    assert newest_version(run) == 1 and versions.read_version(run, 1).writer == first.writer
     assert second.record == versions.read_version(run, 1)
 
 
@@ -186,7 +187,7 @@ def test_a_restarted_syncer_rolls_back_past_a_damaged_version_and_merges_what_it
     assert versions.newest_intact(run, 2, None, outer=False)[0].version == 1
 
     restarted = Syncer(run, syncer.config, None, syncer.reporter)
-    restarted._load(versions.newest_version(run))
+    restarted._load(newest_version(run))
     assert restarted.newest == 2 and restarted.record.version == 1
     for learner in range(3):
         send(run, learner, 2, [3.0, 3.0, 3.0], base=1)
