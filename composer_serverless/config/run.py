@@ -528,13 +528,12 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _decoupled_learners_supported(self) -> RunConfig:
-        """Decoupled mode's learners are the lm objective's, one rank each, training every weight: refused
+        """Decoupled mode's learners are the lm objective's, training every weight: refused
         before anything is written for whatever else they would have to carry (docs/decoupled.md)."""
         if self.diloco.mode != "decoupled":
             return self
         refused = {
             "model.lora (the syncer merges whole models)": self.model.lora is not None,
-            "more than one rank per replica (FSDP learners)": self.ranks_per_replica > 1,
             "train.objective = 'composer'": self.train.objective == "composer",
         }
         for name, on in refused.items():

@@ -14,6 +14,14 @@ With ``max_lag = 0`` a learner's schedule is lock-step's: train H steps from glo
 with a syncer that merges every learner's contribution with lock-step's arithmetic, the run is lock-step's bit
 for bit (tests/syncer/test_oracle.py).
 
+A learner of G ranks (FSDP2, ``replicas/shards.py``) trains as the lock-step replica's ranks do and acts as
+one learner towards the store: every rank computes the pseudo-gradient of its own shards, the lead (local
+rank 0) gathers them whole and publishes the learner's one contribution, and reads the version to adopt and
+scatters it, each rank keeping its shard. The contribution stays one object, created once with one header (so
+the syncer, unchanged, can never mix shards of different versions or attempts), and the learner's link
+carries the same bytes as with one rank (S up, P down): gathering and scattering run on the node's own
+interconnect. Which version the learner adopts and when it may go on, the lead decides and broadcasts.
+
 Not kept yet: a learner's own state (inner optimizer, data position) in the store. A restarted learner
 starts from the newest global version with a fresh inner optimizer, its schedule placed at that version.
 """
@@ -31,7 +39,7 @@ from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.decoupled import Contribution, Version
 from composer_serverless.replicas.diloco import wire_codec
 from composer_serverless.replicas.meter import trained_tokens
-from composer_serverless.replicas.shards import local
+from composer_serverless.replicas.shards import local, shard_of, whole_of_shard
 from composer_serverless.replicas.trainer import Replica
 from composer_serverless.replicas.weights import check_initial_weights, digest
 
@@ -70,19 +78,21 @@ class DecoupledLearner(Replica):
 
     def _start(self) -> Version:
         """Hold the newest global version (creating version 0 from the initial weights if there is none)."""
-        store = self.run_store
-        newest = store_versions.newest_version(store)
+        store, node = self.run_store, self.node
+        newest = node.broadcast(store_versions.newest_version(store) if node.lead else -1)
         if newest < 0:
-            check_initial_weights(store, self.model, self.rank, self.node)
-            initial = {name: local(p).detach().to("cpu", copy=True) for name, p in self.params.items()}
+            check_initial_weights(store, self.model, self.rank, node)
+            initial = self._gathered({name: local(p).detach() for name, p in self.params.items()})
             record = Version(0, store_versions.writer_token(), embeddings=self._embedding_names())
-            if store_versions.commit(store, record, initial, None, self.key):
+            if node.lead and store_versions.commit(store, record, initial, None, self.key):
                 self.log.info("wrote global version 0 (the initial weights)")
             newest = 0
         record = store_versions.read_version(store, newest)
         own = self.rank
-        listed = [int(n) for n in store.list(layout.contributions(own)) if n.isdigit()]
-        self.seq = max(record.consumed.get(own, 0), max(listed, default=-1) + 1)
+        if node.lead:
+            listed = [int(n) for n in store.list(layout.contributions(own)) if n.isdigit()]
+            self.seq = max(record.consumed.get(own, 0), max(listed, default=-1) + 1)
+        self.seq = node.broadcast(self.seq)
         self._adopt(record)
         self.schedule = self._schedule_at(record.version)
         if record.version:
@@ -99,20 +109,39 @@ class DecoupledLearner(Replica):
         ids = {id(p) for m in modules if m is not None for p in m.parameters()}
         return [name for name, p in self.params.items() if id(p) in ids]
 
+    def _gathered(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole tensors, on the CPU, of this rank's ``shards`` of the learner's parameters: on the lead
+        (a collective over the learner's ranks); empty on the other ranks."""
+        out = {}
+        for name, p in self.params.items():
+            tensor = whole_of_shard(shards[name], p).to("cpu")
+            if self.node.lead:
+                out[name] = tensor
+        return out
+
     @torch.no_grad()
     def _publish(self) -> None:
         """Send the global this learner started from minus its local parameters (in their dtype, as
-        torchft computes a pseudo-gradient), flat in the global's parameter order."""
-        dl = self.config.diloco
+        torchft computes a pseudo-gradient), flat in the global's parameter order. Each rank subtracts its
+        own shards (elementwise, so the whole is what one rank would compute); the lead gathers and sends."""
+        dl, node = self.config.diloco, self.node
         lr = self.schedule.get_last_lr()[0]
         row = self.meter.row(lr)
-        deltas = [(self.base[name] - local(p).to("cpu")).reshape(-1) for name, p in self.params.items()]
-        values = torch.cat([d.to(torch.float32) for d in deltas])
         tokens = sum(int(trained_tokens(m) or 0) for m in self.meter.metrics)
-        contribution = Contribution(self.rank, self.seq, self.version, tokens, row["steps"])
-        sent = store_versions.publish(
-            self.run_store, self.config.run_id or "", contribution, values, wire_codec(dl.codec, dl), self.key
-        )
+        if node.size > 1:  # each rank trained on its share of the learner's batch
+            loss = row["train_loss"]
+            row["train_loss"] = None if loss is None else node.sum([loss])[0] / node.size
+            tokens = int(node.sum([tokens])[0])
+        shards = {name: self.base[name] - local(p).to("cpu") for name, p in self.params.items()}
+        deltas = self._gathered(shards)
+        sent = 0
+        if node.lead:
+            values = torch.cat([deltas[name].reshape(-1).to(torch.float32) for name in self.params])
+            contribution = Contribution(self.rank, self.seq, self.version, tokens, row["steps"])
+            codec = wire_codec(dl.codec, dl)
+            sent = store_versions.publish(
+                self.run_store, self.config.run_id or "", contribution, values, codec, self.key
+            )
         if self.config.diloco.decoupled.adopt == "keep":
             self.published = {name: local(p).detach().clone() for name, p in self.params.items()}
         own = {"bytes_up": sent, "contribution": self.seq, "base_version": self.version, "tokens": tokens}
@@ -121,16 +150,22 @@ class DecoupledLearner(Replica):
 
     def _wait_for_syncer(self) -> Version:
         """The newest global version, once at most ``max_lag`` of this learner's contributions are unmerged
-        (or the run's last version exists)."""
-        dl = self.config.diloco
+        (or the run's last version exists). The lead looks and tells its ranks at every poll, found or not
+        (-1), so that no rank sits in one collective for longer than a poll however long the syncer takes."""
+        dl, node = self.config.diloco, self.node
         allowed = self.seq - dl.decoupled.max_lag
         told = False
         while True:
-            record = store_versions.read_version(
-                self.run_store, store_versions.newest_version(self.run_store)
-            )
-            if record.version >= dl.rounds or record.consumed.get(self.rank, 0) >= allowed:
-                return record
+            found = -1
+            if node.lead:
+                record = store_versions.read_version(
+                    self.run_store, store_versions.newest_version(self.run_store)
+                )
+                if record.version >= dl.rounds or record.consumed.get(self.rank, 0) >= allowed:
+                    found = record.version
+            found = node.broadcast(found)
+            if found >= 0:
+                return record if node.lead else store_versions.read_version(self.run_store, found)
             if not told:
                 self.log.info("waiting for the syncer to merge contribution %d", allowed - 1)
                 self.reporter.beat(state="waiting", round=self.version + 1, rounds=dl.rounds)
@@ -140,19 +175,23 @@ class DecoupledLearner(Replica):
     @torch.no_grad()
     def _adopt(self, record: Version) -> None:
         """Take global version ``record`` as this learner's parameters (with ``adopt = "keep"``, plus its
-        inner steps since its last contribution)."""
-        params = store_versions.load_params(self.run_store, record, self.key)
-        if set(params) != set(self.params):
+        inner steps since its last contribution). The lead reads the version whole and scatters it: each
+        rank keeps its shards (the learner's link carries the version once, whatever its ranks)."""
+        node = self.node
+        params = store_versions.load_params(self.run_store, record, self.key) if node.lead else {}
+        if not node.all_true(not node.lead or set(params) == set(self.params)):
             raise ValueError(f"global version {record.version} does not hold this model's parameters")
+        shards = {}
         for name, p in self.params.items():
+            shards[name] = shard_of(params.get(name), p).to("cpu")
             target = local(p)
             if self.published is not None:
                 progress = target - self.published[name]
-                target.copy_(params[name]).add_(progress)
+                target.copy_(shards[name]).add_(progress)
             else:
-                target.copy_(params[name])
+                target.copy_(shards[name])
         was, self.version = self.version, record.version
-        self.base = params
+        self.base = shards
         self.published = None
         self.nonfinite = 0
         if was < 0:
@@ -161,7 +200,7 @@ class DecoupledLearner(Replica):
         # one, the last one's figures first, and the digest of the global now held.
         row: dict[str, Any] = {**(self.sent[-1] if self.sent else {}), "time": time.time()}
         row.update(version=record.version, contributions=[r["contribution"] for r in self.sent])
-        if self.config.diloco.verify_global:
+        if self.config.diloco.verify_global and node.lead:  # of the whole global: the same whatever G
             row["global_sha256"] = digest(params)
         self.reporter.round(record.version, row)
         self.sent = []
