@@ -86,7 +86,7 @@ class DecoupledLearner(Replica):
             record = Version(0, store_versions.writer_token(), embeddings=self._embedding_names())
             if node.lead and store_versions.commit(store, record, initial, None, self.key):
                 self.log.info("wrote global version 0 (the initial weights)")
-            newest = 0
+            newest = node.broadcast(0)  # once the lead's commit returned: its ranks read what it wrote
         record = store_versions.read_version(store, newest)
         own = self.rank
         if node.lead:
