@@ -75,7 +75,7 @@ def test_two_ranks_per_learner_end_where_one_rank_does(tmp_path: Path, tiny_mode
         assert record.dropped == []
     for learner in range(LEARNERS):
         # One object per contribution, from the learner's lead, holding the whole model (the size is checked).
-        assert sorted(two.list(layout.contributions(learner))) == [str(s) for s in range(ROUNDS)]
+        assert sorted(int(n) for n in two.list(layout.contributions(learner))) == list(range(ROUNDS))
         contribution, values = versions.read_contribution(
             two, "g2", learner, ROUNDS - 1, wire_codec(dl.codec, dl), numel, None
         )
