@@ -529,15 +529,13 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _decoupled_learners_supported(self) -> RunConfig:
-        """Decoupled mode's learners run one rank each (the lm or the composer objective, every weight or
-        LoRA's adapters): refused before anything is written for whatever else they would have to carry
-        (docs/decoupled.md). A live harvest is refused: its schedule is lock-step's (the pairs of round k are
-        taken at the end of round k + live_lag, decided once for the round's quorum), and versions have no
-        quorum every learner ends together."""
+        """Decoupled mode's learners run the lm or the composer objective, every weight or LoRA's adapters, on
+        one rank or several (FSDP). A live harvest is refused before anything is written: its schedule is
+        lock-step's (the pairs of round k are taken at the end of round k + live_lag, decided once for the
+        round's quorum), and versions have no quorum every learner ends together (docs/decoupled.md)."""
         if self.diloco.mode != "decoupled":
             return self
         refused = {
-            "more than one rank per replica (FSDP learners)": self.ranks_per_replica > 1,
             "a live harvest (harvest.live; composer.record_rollouts and `composer-serverless harvest --run` "
             "afterwards work)": self.live_harvest,
         }

@@ -29,6 +29,15 @@ newest intact global version and restores the newest own state whose contributio
 written by a learner that died before its contribution is passed over, so the data of that round is trained
 again and published once. Its local parameters are not kept: they are its contribution's base minus the
 contribution, and a restart adopts the newest global instead (what ``adopt = "overwrite"`` does).
+
+A learner of G ranks (FSDP2, ``replicas/shards.py``) trains as the lock-step replica's ranks do and acts as
+one learner towards the store: every rank computes the pseudo-gradient of its own shards, the lead (local
+rank 0) gathers them whole and publishes the learner's one contribution, and reads the version to adopt and
+scatters it, each rank keeping its shard. The contribution stays one object, created once with one header (so
+the syncer, unchanged, can never mix shards of different versions or attempts), and the learner's link
+carries the same bytes as with one rank (S up, P down): gathering and scattering run on the node's own
+interconnect. Which version the learner adopts and when it may go on, the lead decides and broadcasts; each
+rank saves and restores its own shards of the learner's state, as a lock-step replica's ranks do.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.replicas import state
 from composer_serverless.replicas.diloco import wire_codec
 from composer_serverless.replicas.meter import trained_tokens
-from composer_serverless.replicas.shards import local
+from composer_serverless.replicas.shards import local, shard_of, whole_of_shard
 from composer_serverless.replicas.trainer import Replica
 from composer_serverless.replicas.weights import check_initial_weights, digest
 
@@ -91,21 +100,28 @@ class DecoupledLearner(Replica):
 
     def _start(self) -> Version:
         """Hold the newest global version (creating version 0 from the initial weights if there is none)."""
-        store = self.run_store
+        store, node = self.run_store, self.node
         # Every learner, fresh or restarted (it loaded the model afresh): a version holds the trainable
         # parameters only, so with LoRA the frozen base each learner adapts must be the others'.
-        check_initial_weights(store, self.model, self.rank, self.node)
-        newest = newest_version(store)
+        check_initial_weights(store, self.model, self.rank, node)
+        newest = node.broadcast(newest_version(store) if node.lead else -1)
         if newest < 0:
-            initial = {name: local(p).detach().to("cpu", copy=True) for name, p in self.params.items()}
+            initial = self._gathered({name: local(p).detach() for name, p in self.params.items()})
             record = Version(0, store_versions.writer_token(), embeddings=self._embedding_names())
-            if store_versions.commit(store, record, initial, None, self.key):
+            if node.lead and store_versions.commit(store, record, initial, None, self.key):
                 self.log.info("wrote global version 0 (the initial weights)")
-            newest = 0
-        record, params, _ = store_versions.newest_intact(store, newest, self.key, outer=False)
+            newest = node.broadcast(0)  # once the lead's commit returned: its ranks read what it wrote
+        params: dict[str, torch.Tensor] = {}  # read by the lead, scattered by _adopt
+        if node.lead:
+            record, params, _ = store_versions.newest_intact(store, newest, self.key, outer=False)
+            node.broadcast(record.version)
+        else:
+            record = store_versions.read_version(store, node.broadcast(-1))
         own = self.rank
-        listed = [int(n) for n in store.list(layout.contributions(own)) if n.isdigit()]
-        self.seq = max(record.consumed.get(own, 0), max(listed, default=-1) + 1)
+        if node.lead:
+            listed = [int(n) for n in store.list(layout.contributions(own)) if n.isdigit()]
+            self.seq = max(record.consumed.get(own, 0), max(listed, default=-1) + 1)
+        self.seq = node.broadcast(self.seq)
         self._adopt(record, params)
         self._restore_own(record.version)
         return record
@@ -169,22 +185,41 @@ class DecoupledLearner(Replica):
         ids = {id(p) for m in modules if m is not None for p in m.parameters()}
         return [name for name, p in self.params.items() if id(p) in ids]
 
+    def _gathered(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole tensors, on the CPU, of this rank's ``shards`` of the learner's parameters: on the lead
+        (a collective over the learner's ranks); empty on the other ranks."""
+        out = {}
+        for name, p in self.params.items():
+            tensor = whole_of_shard(shards[name], p).to("cpu")
+            if self.node.lead:
+                out[name] = tensor
+        return out
+
     @torch.no_grad()
     def _publish(self) -> None:
         """Send the progress not sent yet, ``sent_to`` minus the local parameters (in their dtype, as
         torchft computes a pseudo-gradient), flat in the global's parameter order; the local parameters
-        become ``sent_to``."""
-        dl = self.config.diloco
+        become ``sent_to``. Each rank subtracts its own shards (elementwise, so the whole is what one rank
+        would compute); the lead gathers and sends."""
+        dl, node = self.config.diloco, self.node
         lr = self.schedule.get_last_lr()[0]
         row = self.meter.row(lr)
-        now = {name: local(p).detach().to("cpu", copy=True) for name, p in self.params.items()}
-        values = torch.cat([(self.sent_to[name] - now[name]).reshape(-1).to(torch.float32) for name in now])
         tokens = sum(int(trained_tokens(m) or 0) for m in self.meter.metrics)
-        contribution = Contribution(self.rank, self.seq, self.version, tokens, row["steps"])
+        if node.size > 1:  # each rank trained on its share of the learner's batch
+            loss = row["train_loss"]
+            row["train_loss"] = None if loss is None else node.sum([loss])[0] / node.size
+            tokens = int(node.sum([tokens])[0])
+        now = {name: local(p).detach().to("cpu", copy=True) for name, p in self.params.items()}
+        deltas = self._gathered({name: self.sent_to[name] - now[name] for name in now})
         written = self._save_own()
-        sent = store_versions.publish(
-            self.run_store, self.config.run_id or "", contribution, values, wire_codec(dl.codec, dl), self.key
-        )
+        sent = 0
+        if node.lead:
+            values = torch.cat([deltas[name].reshape(-1).to(torch.float32) for name in self.params])
+            contribution = Contribution(self.rank, self.seq, self.version, tokens, row["steps"])
+            codec = wire_codec(dl.codec, dl)
+            sent = store_versions.publish(
+                self.run_store, self.config.run_id or "", contribution, values, codec, self.key
+            )
         self.sent_to = now
         own = {
             "bytes_up": sent,
@@ -198,14 +233,20 @@ class DecoupledLearner(Replica):
 
     def _wait_for_syncer(self) -> Version:
         """The newest global version, once at most ``max_lag`` of this learner's contributions are unmerged
-        (or the run's last version exists)."""
-        dl = self.config.diloco
+        (or the run's last version exists). The lead looks and tells its ranks at every poll, found or not
+        (-1), so that no rank sits in one collective for longer than a poll however long the syncer takes."""
+        dl, node = self.config.diloco, self.node
         allowed = self.seq - dl.decoupled.max_lag
         told = False
         while True:
-            record = store_versions.read_version(self.run_store, newest_version(self.run_store))
-            if record.version >= dl.rounds or record.consumed.get(self.rank, 0) >= allowed:
-                return record
+            found = -1
+            if node.lead:
+                record = store_versions.read_version(self.run_store, newest_version(self.run_store))
+                if record.version >= dl.rounds or record.consumed.get(self.rank, 0) >= allowed:
+                    found = record.version
+            found = node.broadcast(found)
+            if found >= 0:
+                return record if node.lead else store_versions.read_version(self.run_store, found)
             if not told:
                 self.log.info("waiting for the syncer to merge contribution %d", allowed - 1)
                 self.reporter.beat(state="waiting", round=self.version + 1, rounds=dl.rounds)
@@ -216,31 +257,44 @@ class DecoupledLearner(Replica):
         """Adopt the newest version, ``record``; one that does not read whole (damaged after its commit) is
         passed over: this learner trains on from the global it holds, and adopts the syncer's next version,
         which a restarted syncer merges from the newest intact one (``Syncer._load``)."""
-        try:
-            params = store_versions.load_params(self.run_store, record, self.key)
-        except CheckpointError as e:
+        params: dict[str, torch.Tensor] = {}
+        damaged = None
+        if self.node.lead:  # it reads the version for the learner's ranks (see _adopt)
+            try:
+                params = store_versions.load_params(self.run_store, record, self.key)
+            except CheckpointError as e:
+                damaged = e
+        if not self.node.all_true(damaged is None):
             self.log.warning(
-                "global version %d cannot be read, keeping version %d: %s", record.version, self.version, e
+                "global version %d cannot be read, keeping version %d: %s",
+                record.version,
+                self.version,
+                damaged or "its learner's lead could not read it",
             )
             return
         self._adopt(record, params)
 
     @torch.no_grad()
     def _adopt(self, record: Version, params: dict[str, torch.Tensor]) -> None:
-        """Take ``params``, global version ``record``'s, as this learner's parameters (with ``adopt = "keep"``,
-        plus its progress not sent yet, which its next contribution sends: ``sent_to`` becomes the global)."""
-        if set(params) != set(self.params):
+        """Take ``params``, global version ``record``'s (whole, on the lead; empty on the learner's other
+        ranks), as this learner's parameters (with ``adopt = "keep"``, plus its progress not sent yet, which
+        its next contribution sends: ``sent_to`` becomes the global). The lead scatters it: each rank keeps
+        its shards (the learner's link carries the version once, whatever its ranks)."""
+        node = self.node
+        if not node.all_true(not node.lead or set(params) == set(self.params)):
             raise ValueError(f"global version {record.version} does not hold this model's parameters")
         keep = self.config.diloco.decoupled.adopt == "keep" and self.sent_to
+        shards = {}
         for name, p in self.params.items():
+            shards[name] = shard_of(params.get(name), p).to("cpu")
             target = local(p)
             if keep:
                 progress = target - self.sent_to[name].to(target.device)
-                target.copy_(params[name]).add_(progress)
+                target.copy_(shards[name]).add_(progress)
             else:
-                target.copy_(params[name])
+                target.copy_(shards[name])
         was, self.version = self.version, record.version
-        self.base = self.sent_to = params
+        self.base = self.sent_to = shards
         self.nonfinite = 0
         if was < 0:
             return
@@ -248,13 +302,13 @@ class DecoupledLearner(Replica):
         # one, the last one's figures first, and the digest of the global now held.
         row: dict[str, Any] = {**(self.sent[-1] if self.sent else {}), "time": time.time()}
         row.update(version=record.version, contributions=[r["contribution"] for r in self.sent])
-        if self.config.diloco.verify_global:
+        if self.config.diloco.verify_global and node.lead:  # of the whole global: the same whatever G
             row["global_sha256"] = digest(params)
         # What the objective does between rounds, per version: the composer objective's completions table,
         # and its rollouts recorded under this version (composer.record_rollouts).
         row.update(
             self.objective.round_ended(
-                record.version, lambda: self._global_model(params), self._waiting(record.version)
+                record.version, lambda: self._global_model(shards), self._waiting(record.version)
             )
         )
         self.reporter.round(record.version, row)

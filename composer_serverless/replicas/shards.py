@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from composer_serverless.losses.logprobs import BACKBONE_FORWARD
 
@@ -65,6 +65,38 @@ def reshard(model: nn.Module) -> None:
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``tensor`` (the tensor itself when it is not a DTensor), sharing its storage."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def whole_of_shard(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole tensor whose shard on this rank is ``shard``, laid out as the parameter ``like``, on every
+    rank: an all-gather when ``like`` is a DTensor (every rank calls it with its own shard, one tensor at a
+    time, so a rank holds at most one whole parameter beyond its shards); ``shard`` itself when ``like`` is
+    not sharded."""
+    if not isinstance(like, DTensor):
+        return shard
+    device = like.to_local().device
+    spread = DTensor.from_local(
+        shard.to(device),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+    return spread.full_tensor()
+
+
+def shard_of(tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard, laid out as the parameter ``like``, of the whole ``tensor`` that local rank 0 holds
+    (None on the other ranks): scattered from rank 0, so only it needs the whole (a collective when ``like`` is
+    a DTensor: every rank calls it); ``tensor`` itself when ``like`` is not sharded."""
+    if not isinstance(like, DTensor):
+        if tensor is None:
+            raise ValueError("an unsharded parameter's whole tensor must be given")
+        return tensor
+    device = like.to_local().device
+    source = torch.empty(like.shape, dtype=like.dtype, device=device) if tensor is None else tensor.to(device)
+    return distribute_tensor(source, like.device_mesh, like.placements, src_data_rank=0).to_local()
 
 
 def local_tree(tree: Any) -> Any:

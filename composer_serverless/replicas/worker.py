@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from composer_serverless.accelerator import SIMULATED_ENV
 from composer_serverless.config import RunConfig
@@ -33,6 +34,9 @@ from composer_serverless.config.code import CODE_DIR_ENV
 from composer_serverless.rendezvous import layout, shipped
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
+
+if TYPE_CHECKING:
+    from composer_serverless.replicas.trainer import Replica
 
 logger = logging.getLogger(__name__)
 
@@ -93,15 +97,11 @@ def _run_ranks(
 
         run_syncer(store)
         return 0
+    decoupled = config.diloco.mode == "decoupled"
     if ranks == 1:
         from composer_serverless.replicas.trainer import run_replica
 
-        if config.diloco.mode == "decoupled":
-            from composer_serverless.replicas.decoupled import DecoupledLearner
-
-            run_replica(store, rank, kind=DecoupledLearner)
-        else:
-            run_replica(store, rank)
+        run_replica(store, rank, kind=_replica_kind(decoupled))
         return 0
     import torch.multiprocessing as mp
 
@@ -110,7 +110,16 @@ def _run_ranks(
         try:
             mp.start_processes(
                 _rank_main,
-                args=(run_url, rank, ranks, open_store, f"{rendezvous}/store", timeout_s, os.getpid()),
+                args=(
+                    run_url,
+                    rank,
+                    ranks,
+                    open_store,
+                    f"{rendezvous}/store",
+                    timeout_s,
+                    os.getpid(),
+                    decoupled,
+                ),
                 nprocs=ranks,
                 join=True,
                 start_method="spawn",
@@ -143,8 +152,9 @@ def _rank_main(
     rendezvous: str,
     timeout_s: float,
     parent: int,
+    decoupled: bool,
 ) -> None:
-    """One rank of a replica, in a process of its own."""
+    """One rank of a replica (of a decoupled run's learner when ``decoupled``), in a process of its own."""
     import torch
     import torch.distributed as dist
 
@@ -168,9 +178,20 @@ def _rank_main(
     )
     try:
         node = Node(local_rank, ranks, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
-        run_replica(open_store(run_url), rank, node)
+        run_replica(open_store(run_url), rank, node, kind=_replica_kind(decoupled))
     finally:
         dist.destroy_process_group()
+
+
+def _replica_kind(decoupled: bool) -> type[Replica]:
+    """What a replica runs: a decoupled run's learner, or lock-step's replica."""
+    from composer_serverless.replicas.trainer import Replica
+
+    if not decoupled:
+        return Replica
+    from composer_serverless.replicas.decoupled import DecoupledLearner
+
+    return DecoupledLearner
 
 
 def _exit_with(parent: int) -> None:
