@@ -413,6 +413,7 @@ def run_config(base: RunConfig, sizes: Sizes, mode: str, seed: int, run_id: str,
                 "min_quorum": MIN_QUORUM,
                 "grace_s": GRACE_S,
                 "max_lag": MAX_LAG,
+                "keep_versions": None,  # nothing pruned: the accounting reads every contribution's header
             },
         )
     raw["eval"].update(every_rounds=1, sequences=sizes.eval_sequences)

@@ -13,6 +13,8 @@
   dropped. Whoever loses the creation of a record wrote its snapshots under its own name and discards them.
 
 Version 0 is the initial weights, written by the first learner to start (all start from the same ones).
+After each commit the syncer deletes old versions' snapshots and consumed contributions
+(``syncer/prune.py``); a reader whose version went meanwhile takes the newest (``read_or_newer``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +34,8 @@ from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _FIELDS = ("base", "tokens", "steps")
 
@@ -152,6 +157,26 @@ def newest_version(store: ObjectStore) -> int:
 
 def read_version(store: ObjectStore, v: int) -> Version:
     return Version.from_json(store.get(layout.version(v)))
+
+
+def read_or_newer(store: ObjectStore, record: Version, read: Callable[[Version], T]) -> tuple[Version, T]:
+    """``read(record)``, or, when version ``record`` was pruned before or while it was read (the syncer keeps
+    the newest ``diloco.decoupled.keep_versions``), the newest version's record and ``read`` of it; as
+    lock-step's replicas move to the newer state when theirs was pruned meanwhile.
+
+    Raises:
+        FileNotFoundError, CheckpointError: ``record``'s snapshots cannot be read and no newer version exists
+            (a damaged version, not a pruned one).
+    """
+    while True:
+        try:
+            return record, read(record)
+        except (FileNotFoundError, checkpoint.CheckpointError) as e:
+            newest = newest_version(store)
+            if newest <= record.version:
+                raise
+            logger.info("global version %d is gone (%s): taking the newest, %d", record.version, e, newest)
+            record = read_version(store, newest)
 
 
 def load_params(store: ObjectStore, record: Version, key: RunKey | None) -> dict[str, torch.Tensor]:

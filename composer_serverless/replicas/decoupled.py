@@ -65,12 +65,16 @@ class DecoupledLearner(Replica):
             self._publish()
             record = self._wait_for_syncer()
             if record.version > self.version:
-                self._adopt(record)
+                record = self._adopt(record)
         self._finish(record)
 
     def _start(self) -> Version:
         """Hold the newest global version (creating version 0 from the initial weights if there is none)."""
         store = self.run_store
+        own = self.rank
+        # Listed before the newest record is read: a contribution the syncer pruned meanwhile was consumed
+        # by a version no newer than the one adopted below, whose mark then counts it.
+        listed = [int(n) for n in store.list(layout.contributions(own)) if n.isdigit()]
         newest = store_versions.newest_version(store)
         if newest < 0:
             check_initial_weights(store, self.model, self.rank, self.node)
@@ -79,11 +83,8 @@ class DecoupledLearner(Replica):
             if store_versions.commit(store, record, initial, None, self.key):
                 self.log.info("wrote global version 0 (the initial weights)")
             newest = 0
-        record = store_versions.read_version(store, newest)
-        own = self.rank
-        listed = [int(n) for n in store.list(layout.contributions(own)) if n.isdigit()]
+        record = self._adopt(store_versions.read_version(store, newest))
         self.seq = max(record.consumed.get(own, 0), max(listed, default=-1) + 1)
-        self._adopt(record)
         self.schedule = self._schedule_at(record.version)
         if record.version:
             self.log.warning(
@@ -138,10 +139,13 @@ class DecoupledLearner(Replica):
             time.sleep(dl.decoupled.poll_s)
 
     @torch.no_grad()
-    def _adopt(self, record: Version) -> None:
-        """Take global version ``record`` as this learner's parameters (with ``adopt = "keep"``, plus its
-        inner steps since its last contribution)."""
-        params = store_versions.load_params(self.run_store, record, self.key)
+    def _adopt(self, record: Version) -> Version:
+        """Take global version ``record`` (or the newest, if it was pruned meanwhile) as this learner's
+        parameters (with ``adopt = "keep"``, plus its inner steps since its last contribution); the version
+        taken."""
+        record, params = store_versions.read_or_newer(
+            self.run_store, record, lambda r: store_versions.load_params(self.run_store, r, self.key)
+        )
         if set(params) != set(self.params):
             raise ValueError(f"global version {record.version} does not hold this model's parameters")
         for name, p in self.params.items():
@@ -156,7 +160,7 @@ class DecoupledLearner(Replica):
         self.published = None
         self.nonfinite = 0
         if was < 0:
-            return
+            return record
         # A row per version adopted (the trackers' rounds are versions): the rounds trained since the last
         # one, the last one's figures first, and the digest of the global now held.
         row: dict[str, Any] = {**(self.sent[-1] if self.sent else {}), "time": time.time()}
@@ -166,6 +170,7 @@ class DecoupledLearner(Replica):
         self.reporter.round(record.version, row)
         self.sent = []
         self.log.info("adopted global version %d (held %d)", record.version, was)
+        return record
 
     def _finish(self, record: Version) -> None:
         """The run's last version is held: the lowest-rank learner merged into it scores it and uploads it."""

@@ -12,7 +12,9 @@ the new version (``rendezvous/decoupled.py``): parameters, outer state, and the 
 Nothing lost, nothing merged twice, whatever kills it: a syncer starts from the newest committed version and
 its recorded ``consumed`` marks; contributions are immutable; a version is committed by creating its record,
 once. Two syncers at once (a restart while the old one still runs) cannot both commit a version: the loser
-of the creation reloads the winner's and goes on from there.
+of the creation reloads the winner's and goes on from there. After each commit it deletes what no one needs
+any more (``prune.py``: old versions' snapshots, consumed contributions), never what a redo of an
+uncommitted merge takes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.syncer.merge import contribution_weight, merge_tensors
 from composer_serverless.syncer.outer import outer_optimizer
+from composer_serverless.syncer.prune import prune
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,7 @@ class Syncer:
 
     def run(self) -> None:
         self._load(self._first_version())
+        self._prune()  # what a predecessor killed between its commit and its pruning left
         while self.record.version < self.config.diloco.rounds:
             taken = self._gather()
             self._merge(taken)
@@ -88,6 +92,9 @@ class Syncer:
     def _beat(self, state: str) -> None:
         rounds = self.config.diloco.rounds
         self.reporter.beat(state=state, round=max(self.record.version, 0), rounds=rounds, step=0, steps=1)
+
+    def _prune(self) -> None:
+        prune(self.run_store, self.record, self.learners, self.config.diloco.decoupled.keep_versions)
 
     def _first_version(self) -> int:
         """The newest committed version, once version 0 (the learners' initial weights) exists."""
@@ -101,10 +108,12 @@ class Syncer:
         return newest
 
     def _load(self, v: int) -> None:
-        """Continue from committed version ``v``: its parameters, the outer state after it, its marks."""
+        """Continue from committed version ``v`` (or the newest, if ``v`` was pruned meanwhile): its
+        parameters, the outer state after it, its marks."""
         dl = self.config.diloco
-        record = versions.read_version(self.run_store, v)
-        self.params = versions.load_params(self.run_store, record, self.key)
+        record, (self.params, outer) = versions.read_or_newer(
+            self.run_store, versions.read_version(self.run_store, v), self._read_state
+        )
         self.outer = outer_optimizer(
             list(self.params.values()),
             lr=dl.outer_lr,
@@ -112,10 +121,16 @@ class Syncer:
             nesterov=dl.nesterov,
             delay=dl.replicas if dl.decoupled.outer == "delayed_nesterov" else 1,
         )
-        if v > 0:
-            self.outer.load_state_dict(versions.load_outer(self.run_store, record, self.key))
+        if outer is not None:
+            self.outer.load_state_dict(outer)
         self.record = record
-        logger.info("holding global version %d (consumed %s)", v, record.consumed)
+        logger.info("holding global version %d (consumed %s)", record.version, record.consumed)
+
+    def _read_state(self, record: Version) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """Version ``record``'s parameters and the outer state after it (none after version 0)."""
+        params = versions.load_params(self.run_store, record, self.key)
+        outer = versions.load_outer(self.run_store, record, self.key) if record.version > 0 else None
+        return params, outer
 
     def _gather(self) -> dict[int, list[int]]:
         """Per learner, its unconsumed contributions, once the quorum and the grace window allow a merge."""
@@ -185,6 +200,7 @@ class Syncer:
         outer = self.outer.state_dict() if self.outer is not None else None
         if versions.commit(self.run_store, record, self.params, outer, self.key):
             self.record = record
+            self._prune()
             logger.info(
                 "merged version %d: %d contributions %s, staleness %s, dropped %d",
                 v + 1,

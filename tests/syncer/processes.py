@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from composer_serverless.rendezvous import decoupled as versions
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
 from tests.rendezvous.harness import start_replica, wait_all
 
@@ -27,3 +28,25 @@ def killed_on(key: str) -> str:
 def merges(run: ObjectStore) -> dict[int, versions.Version]:
     """Every committed version's record."""
     return {v: versions.read_version(run, v) for v in range(versions.newest_version(run) + 1)}
+
+
+def snapshots_and_contributions(run: ObjectStore) -> dict[str, list[str]]:
+    """What the store holds besides the versions' records: the snapshots of parameters and of outer states
+    (``{version:08d}-{writer}``) and every contribution's key."""
+    return {
+        "globals": run.list(layout.GLOBALS),
+        "outer": run.list(layout.SYNCER_STATES),
+        "contributions": run.list_tree(layout.CONTRIBUTIONS),
+    }
+
+
+def pruned_to(records: dict[int, versions.Version], keep: int) -> dict[str, list[str]]:
+    """``snapshots_and_contributions`` of a finished run pruned to its ``keep`` newest versions: their own
+    snapshots only (no orphan of a lost or killed merge), and no contribution (the last version consumed
+    them all)."""
+    kept = [f"{v:08d}-{records[v].writer}" for v in sorted(records)[-keep:]]
+    return {
+        "globals": kept,
+        "outer": [name for name in kept if not name.startswith("00000000-")],
+        "contributions": [],
+    }
