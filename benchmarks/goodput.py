@@ -479,6 +479,7 @@ def run_config(
                 "min_quorum": MIN_QUORUM,
                 "grace_s": GRACE_S,
                 "max_lag": max_lag,
+                "keep_versions": None,  # nothing pruned: the accounting reads every contribution's header
             },
         )
     raw["eval"].update(every_rounds=1, sequences=sizes.eval_sequences)

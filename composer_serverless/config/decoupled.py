@@ -72,6 +72,16 @@ class DecoupledConfig(StrictModel):
         "nesterov, as lock-step's; 'delayed_nesterov' (Async Local-SGD) updates the momentum only every "
         "diloco.replicas-th merge",
     )
+    keep_versions: int | None = Field(
+        2,
+        ge=1,
+        description="global versions whose parameters and outer state the syncer keeps in the store after "
+        "each merge (every version's small record is kept); contributions are deleted once a committed "
+        "version has consumed them. 2: the newest, which learners, a restart, resume and the final's eval "
+        "read, and the one before, for a reader that listed it just before a merge and for a fall-back when "
+        "the newest is damaged (lock-step keeps two states for the same reasons). Unset: nothing is deleted, "
+        "every version and contribution stays (benchmarks/goodput.py evaluates every version)",
+    )
     poll_s: float = Field(
         0.5, gt=0, le=60, description="seconds between the syncer's (and a waiting learner's) store listings"
     )

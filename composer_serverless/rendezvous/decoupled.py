@@ -16,6 +16,8 @@
   a rollback (``newest_intact``) the newest intact one.
 
 Version 0 is the initial weights, written by the first learner to start (all start from the same ones).
+After each commit the syncer deletes old versions' snapshots and consumed contributions
+(``syncer/prune.py``); a reader whose version went meanwhile takes the newest (``read_or_newer``).
 """
 
 from __future__ import annotations
@@ -23,17 +25,21 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous.codec import Codec, decode, encode_parts, read_header
+from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _FIELDS = ("base", "tokens", "steps")
 
@@ -156,6 +162,26 @@ def read_version(store: ObjectStore, v: int) -> Version:
     return Version.from_json(store.get(layout.version(v)))
 
 
+def read_or_newer(store: ObjectStore, record: Version, read: Callable[[Version], T]) -> tuple[Version, T]:
+    """``read(record)``, or, when version ``record`` was pruned before or while it was read (the syncer keeps
+    the newest ``diloco.decoupled.keep_versions``), the newest version's record and ``read`` of it; as
+    lock-step's replicas move to the newer state when theirs was pruned meanwhile.
+
+    Raises:
+        FileNotFoundError, CheckpointError: ``record``'s snapshots cannot be read and no newer version exists
+            (a damaged version, not a pruned one).
+    """
+    while True:
+        try:
+            return record, read(record)
+        except (FileNotFoundError, checkpoint.CheckpointError) as e:
+            newest = newest_version(store)
+            if newest <= record.version:
+                raise
+            logger.info("global version %d is gone (%s): taking the newest, %d", record.version, e, newest)
+            record = read_version(store, newest)
+
+
 def load_params(store: ObjectStore, record: Version, key: RunKey | None) -> dict[str, torch.Tensor]:
     """Version ``record``'s global parameters by model name, checked against their manifest."""
     return checkpoint.read_snapshot(store, layout.global_params(record.version, record.writer), key)
@@ -175,20 +201,30 @@ def newest_intact(
     ``commit`` creates a record only after its snapshots are whole, so a version that does not read was
     damaged afterwards (an object corrupted, replaced, or written without the run's key): as lock-step's
     rollback passes over a damaged checkpoint for the one before it, each damaged version is passed over,
-    with a warning, for the one before it.
+    with a warning, for the one before it. The syncer prunes all but the newest
+    ``diloco.decoupled.keep_versions`` (``syncer/prune.py``), so the walk reaches back that far at most, and
+    a version that does not read while a newer one has been committed meanwhile may just have been pruned:
+    the walk starts again from the newest.
 
     Raises:
         CheckpointError: no version at or below ``newest`` reads whole, each named with why.
     """
     problems = []
-    for v in range(newest, -1, -1):
+    v = newest
+    while v >= 0:
         try:
             record = read_version(store, v)
             params = load_params(store, record, key)
             state = load_outer(store, record, key) if outer and v > 0 else None
         except (checkpoint.CheckpointError, FileNotFoundError, ValueError, KeyError, TypeError) as e:
+            now = newest_version(store)
+            if now > newest:  # committed meanwhile: version v may have been pruned while it was read
+                logger.info("global version %d is gone (%s): taking the newest, %d", v, e, now)
+                v = newest = now
+                continue
             logger.warning("global version %d cannot be read, passing it over: %s", v, e)
             problems.append(f"version {v}: {e}")
+            v -= 1
             continue
         return record, params, state
     raise checkpoint.CheckpointError(f"no global version in {store.url} can be read: " + "; ".join(problems))

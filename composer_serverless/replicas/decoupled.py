@@ -95,15 +95,19 @@ class DecoupledLearner(Replica):
             self._publish()
             record = self._wait_for_syncer()
             if record.version > self.version:
-                self._adopt_newest(record)
+                record = self._adopt_newest(record)
         self._finish(record)
 
     def _start(self) -> Version:
         """Hold the newest global version (creating version 0 from the initial weights if there is none)."""
         store, node = self.run_store, self.node
+        own = self.rank
         # Every learner, fresh or restarted (it loaded the model afresh): a version holds the trainable
         # parameters only, so with LoRA the frozen base each learner adapts must be the others'.
         check_initial_weights(store, self.model, self.rank, node)
+        # Listed before the newest record is read: a contribution the syncer pruned meanwhile was consumed
+        # by a version no newer than the one adopted below, whose mark then counts it.
+        listed = [int(n) for n in store.list(layout.contributions(own)) if n.isdigit()] if node.lead else []
         newest = node.broadcast(newest_version(store) if node.lead else -1)
         if newest < 0:
             initial = self._gathered({name: local(p).detach() for name, p in self.params.items()})
@@ -117,9 +121,7 @@ class DecoupledLearner(Replica):
             node.broadcast(record.version)
         else:
             record = store_versions.read_version(store, node.broadcast(-1))
-        own = self.rank
         if node.lead:
-            listed = [int(n) for n in store.list(layout.contributions(own)) if n.isdigit()]
             self.seq = max(record.consumed.get(own, 0), max(listed, default=-1) + 1)
         self.seq = node.broadcast(self.seq)
         self._adopt(record, params)
@@ -253,26 +255,34 @@ class DecoupledLearner(Replica):
                 told = True
             time.sleep(dl.decoupled.poll_s)
 
-    def _adopt_newest(self, record: Version) -> None:
-        """Adopt the newest version, ``record``; one that does not read whole (damaged after its commit) is
-        passed over: this learner trains on from the global it holds, and adopts the syncer's next version,
-        which a restarted syncer merges from the newest intact one (``Syncer._load``)."""
+    def _adopt_newest(self, record: Version) -> Version:
+        """Adopt the newest version, ``record``, or a newer one if it was pruned meanwhile
+        (``read_or_newer``); the version held after. One that does not read whole and has no newer (damaged
+        after its commit) is passed over: this learner trains on from the global it holds, and adopts the
+        syncer's next version, which a restarted syncer merges from the newest intact one (``Syncer._load``)."""
+        node, store = self.node, self.run_store
         params: dict[str, torch.Tensor] = {}
         damaged = None
-        if self.node.lead:  # it reads the version for the learner's ranks (see _adopt)
+        if node.lead:  # it reads the version for the learner's ranks (see _adopt)
             try:
-                params = store_versions.load_params(self.run_store, record, self.key)
-            except CheckpointError as e:
+                record, params = store_versions.read_or_newer(
+                    store, record, lambda r: store_versions.load_params(store, r, self.key)
+                )
+            except (CheckpointError, FileNotFoundError) as e:
                 damaged = e
-        if not self.node.all_true(damaged is None):
+        if not node.all_true(damaged is None):
             self.log.warning(
                 "global version %d cannot be read, keeping version %d: %s",
                 record.version,
                 self.version,
                 damaged or "its learner's lead could not read it",
             )
-            return
+            return store_versions.read_version(store, self.version)
+        taken = node.broadcast(record.version)
+        if not node.lead:
+            record = store_versions.read_version(store, taken)
         self._adopt(record, params)
+        return record
 
     @torch.no_grad()
     def _adopt(self, record: Version, params: dict[str, torch.Tensor]) -> None:

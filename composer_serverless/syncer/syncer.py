@@ -15,7 +15,9 @@ once. Two syncers at once (a restart while the old one still runs) cannot both c
 of the creation reloads the winner's and goes on from there. A version damaged after its commit (it no longer
 reads whole) is passed over by a restarted syncer for the newest intact one, whose marks make the
 contributions the damaged ones took unconsumed again: the next version merges them, and names the intact
-one as its ``parent``.
+one as its ``parent``. After each commit it deletes what no one needs any more (``prune.py``: old versions'
+snapshots, contributions every kept version consumed), never what a redo of an uncommitted merge or a
+rollback to a kept version takes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.syncer.merge import contribution_weight, merge_tensors
 from composer_serverless.syncer.outer import outer_optimizer
+from composer_serverless.syncer.prune import prune
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class Syncer:
 
     def run(self) -> None:
         self._load(self._first_version())
+        self._prune()  # what a predecessor killed between its commit and its pruning left
         while self.newest < self.config.diloco.rounds:
             taken = self._gather()
             self._merge(taken)
@@ -93,6 +97,9 @@ class Syncer:
     def _beat(self, state: str) -> None:
         rounds = self.config.diloco.rounds
         self.reporter.beat(state=state, round=max(self.newest, 0), rounds=rounds, step=0, steps=1)
+
+    def _prune(self) -> None:
+        prune(self.run_store, self.record, self.learners, self.config.diloco.decoupled.keep_versions)
 
     def _first_version(self) -> int:
         """The newest committed version, once version 0 (the learners' initial weights) exists."""
@@ -107,8 +114,8 @@ class Syncer:
 
     def _load(self, v: int) -> None:
         """Continue after committed version ``v`` from the newest intact version at or below it
-        (``versions.newest_intact``): its parameters, the outer state after it, its marks. The next version
-        is ``v + 1`` either way; after a rollback past damaged versions, the contributions they took are
+        (``versions.newest_intact``, which takes a newer one if ``v`` was pruned meanwhile): its parameters,
+        the outer state after it, its marks. The next version is ``v + 1`` either way; after a rollback past damaged versions, the contributions they took are
         unconsumed again by the intact one's marks, so the next merge takes them again, once."""
         dl = self.config.diloco
         record, self.params, outer = versions.newest_intact(self.run_store, v, self.key, outer=True)
@@ -121,6 +128,7 @@ class Syncer:
         )
         if outer is not None:
             self.outer.load_state_dict(outer)
+        v = max(v, record.version)  # newer, if version v was pruned while it was read (another syncer's)
         self.record, self.newest = record, v
         if record.version < v:
             logger.warning(
@@ -205,6 +213,7 @@ class Syncer:
         outer = self.outer.state_dict() if self.outer is not None else None
         if versions.commit(self.run_store, record, self.params, outer, self.key):
             self.record, self.newest = record, record.version
+            self._prune()
             logger.info(
                 "merged version %d: %d contributions %s, staleness %s, dropped %d",
                 v + 1,

@@ -176,6 +176,7 @@ def test_the_configs_it_launches() -> None:
     dc = decoupled.diloco.decoupled
     assert decoupled.diloco.mode == "decoupled" and decoupled.diloco.rounds == 3 * 4 // 2
     assert (dc.min_quorum, dc.grace_s, dc.max_lag) == (2, 1.0, 1)  # a quorum below N; learners never wait
+    assert dc.keep_versions is None  # every version and contribution stays for the accounting
     waiting = bench.run_config(base, sizes, "decoupled", 1, "run", Path("/tmp/goodput-test"), max_lag=0)
     assert waiting.diloco.decoupled.max_lag == 0
 

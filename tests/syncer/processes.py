@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from composer_serverless.rendezvous import decoupled as versions
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.rendezvous.store import ObjectStore
 from tests.rendezvous.harness import start_replica, wait_all
@@ -28,3 +29,31 @@ def killed_on(key: str) -> str:
 def merges(run: ObjectStore) -> dict[int, versions.Version]:
     """Every committed version's record."""
     return {v: versions.read_version(run, v) for v in range(newest_version(run) + 1)}
+
+
+def snapshots_and_contributions(run: ObjectStore) -> dict[str, list[str]]:
+    """What the store holds besides the versions' records: the snapshots of parameters and of outer states
+    (``{version:08d}-{writer}``) and every contribution's key."""
+    return {
+        "globals": run.list(layout.GLOBALS),
+        "outer": run.list(layout.SYNCER_STATES),
+        "contributions": run.list_tree(layout.CONTRIBUTIONS),
+    }
+
+
+def pruned_to(records: dict[int, versions.Version], keep: int) -> dict[str, list[str]]:
+    """``snapshots_and_contributions`` of a finished run pruned to its ``keep`` newest versions: their own
+    snapshots only (no orphan of a lost or killed merge), and the contributions the oldest kept version had
+    not consumed (a rollback to it would merge them again; the newest consumed them all)."""
+    kept = [f"{v:08d}-{records[v].writer}" for v in sorted(records)[-keep:]]
+    oldest = records[sorted(records)[-keep]]
+    newest = records[max(records)]
+    return {
+        "globals": kept,
+        "outer": [name for name in kept if not name.startswith("00000000-")],
+        "contributions": sorted(
+            f"{learner}/{seq:08d}"
+            for learner, mark in newest.consumed.items()
+            for seq in range(oldest.consumed.get(learner, 0), mark)
+        ),
+    }

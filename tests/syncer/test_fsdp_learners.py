@@ -29,7 +29,13 @@ SETTINGS = {"replicas": LEARNERS, "rounds": ROUNDS, "mode": "decoupled", "embedd
 def _run(tmp_path: Path, tiny_model_dir: Path, run_id: str, ranks: int, max_lag: int) -> ObjectStore:
     """A decoupled run of ``LEARNERS`` learners of ``ranks`` ranks each and its syncer, to the end."""
     config = make_config(
-        str(tmp_path / "runs"), run_id, tiny_model_dir, ranks, decoupled={"max_lag": max_lag}, **SETTINGS
+        str(tmp_path / "runs"),
+        run_id,
+        tiny_model_dir,
+        ranks,
+        # every version and contribution kept: the test reads them all
+        decoupled={"max_lag": max_lag, "keep_versions": None},
+        **SETTINGS,
     )
     run = create(config)
     logs = tmp_path / f"{run_id}-logs"

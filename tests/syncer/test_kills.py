@@ -12,7 +12,7 @@ import pytest
 
 from composer_serverless.rendezvous import layout
 from tests.rendezvous.harness import create, make_config, start_replica, wait_all
-from tests.syncer.processes import killed_on, merges
+from tests.syncer.processes import killed_on, merges, pruned_to, snapshots_and_contributions
 
 LEARNERS = 3
 ROUNDS = 3
@@ -49,6 +49,41 @@ def test_a_syncer_killed_mid_merge_restarts_and_merges_each_contribution_once(
     assert sorted(merged) == [(learner, seq) for learner in range(LEARNERS) for seq in range(ROUNDS)]
     assert records[2].writer != records[1].writer  # version 2 is the restarted syncer's
     assert not any(name.startswith(f"00000002-{records[2].writer}") for name in orphans)
+    # Pruned to the newest two versions (the default keep_versions): the orphans went with the rest.
+    assert snapshots_and_contributions(run) == pruned_to(records, 2)
+
+
+@pytest.mark.slow
+def test_a_syncer_killed_while_pruning_leaves_nothing_behind_once_restarted(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Killed after committing version 2, in its pruning (version 0's snapshot half deleted: its manifest
+    gone, its files not; the contributions version 1 consumed still there): the restarted syncer prunes
+    first, merges version 3 from version 2, and the run ends holding only what keep_versions says."""
+    run = create(make_config(str(tmp_path / "runs"), "killed-pruning", tiny_model_dir, **SETTINGS))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    learners = [start_replica(run, r, logs / f"rank-{r}.log") for r in range(LEARNERS)]
+    half_deleted = f"{layout.GLOBALS}/00000000-[0-9a-f]+"  # the snapshot's prefix, after its manifest
+    dying = start_replica(run, LEARNERS, logs / "syncer-1.log", faults=killed_on(half_deleted))
+    assert wait_all([dying]) == [-signal.SIGKILL]
+    assert run.exists(layout.version(2)) and not run.exists(layout.version(3))
+    # (Learners that raced to write version 0 each left a snapshot of it: the first listed was being deleted.)
+    version0 = [name for name in run.list(layout.GLOBALS) if name.startswith("00000000-")][0]
+    assert run.list(f"{layout.GLOBALS}/{version0}") == [layout.SNAPSHOT_STATE, layout.SNAPSHOT_TENSORS]
+    # Contributions go once every kept version consumed them: 0 in version 2's pruning, which the kill cut
+    # short before it reached the contributions (snapshots first).
+    for learner in range(LEARNERS):
+        listed = run.list(layout.contributions(learner))
+        assert "00000000" in listed and "00000001" in listed
+    restarted = start_replica(run, LEARNERS, logs / "syncer-2.log")
+    assert wait_all([*learners, restarted]) == [0] * (LEARNERS + 1)
+
+    records = merges(run)
+    assert sorted(records) == list(range(ROUNDS + 1))
+    assert sorted(every_merge_once(records)) == [(r, s) for r in range(LEARNERS) for s in range(ROUNDS)]
+    assert records[3].writer != records[2].writer  # version 3 is the restarted syncer's
+    assert snapshots_and_contributions(run) == pruned_to(records, 2)
 
 
 @pytest.mark.slow

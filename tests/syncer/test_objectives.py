@@ -114,8 +114,9 @@ def assert_oracle(lockstep: ObjectStore, decoupled: ObjectStore) -> dict[str, to
     assert set(merged) == set(expected)
     unequal = [name for name in expected if not torch.equal(merged[name], expected[name])]
     assert unequal == [], f"differ from lock-step: {unequal}"
-    initial = versions.load_params(decoupled, versions.read_version(decoupled, 0), None)
-    assert any(not torch.equal(initial[name], merged[name]) for name in merged)  # it trained
+    # The last merge moved the global (the versions before the newest two are pruned: keep_versions 2).
+    before = versions.load_params(decoupled, versions.read_version(decoupled, ROUNDS - 1), None)
+    assert any(not torch.equal(before[name], merged[name]) for name in merged)
     beats = read_heartbeats(decoupled)
     assert [beats[rank]["state"] for rank in range(LEARNERS)] == ["done"] * LEARNERS
     return merged
@@ -154,7 +155,8 @@ def test_lora_decoupled_with_a_full_quorum_is_lockstep_bit_for_bit(
     # Only the adapters are versioned and merged: contributions carry their values and nothing else.
     assert merged and all("lora_" in name for name in merged)
     values = sum(t.numel() for t in merged.values())
-    header = read_header(decoupled.get(layout.contribution(0, 0)))[0]["__metadata__"]
+    # (the last contributions are kept: version ROUNDS - 1, kept, had not consumed them)
+    header = read_header(decoupled.get(layout.contribution(0, ROUNDS - 1)))[0]["__metadata__"]
     assert int(header["numel"]) == values
     ours, theirs = rows(decoupled), rows(lockstep)
     assert ours[0][ROUNDS]["eval"] == pytest.approx(theirs[0][ROUNDS]["eval"], rel=1e-6)

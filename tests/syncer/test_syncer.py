@@ -21,9 +21,11 @@ from tests.rendezvous.harness import make_config
 LR, MOMENTUM = 0.5, 0.25
 
 
-def run_of(tmp_path: Path, **decoupled: object) -> tuple[ObjectStore, Syncer]:
+def run_of(tmp_path: Path, store: str | None = None, **decoupled: object) -> tuple[ObjectStore, Syncer]:
+    """A run of 3 learners in ``store`` (``tmp_path`` unless given) holding version 0, and its syncer."""
+    store = store or str(tmp_path)
     config = make_config(
-        str(tmp_path),
+        store,
         "hand",
         tmp_path,
         replicas=3,
@@ -35,7 +37,7 @@ def run_of(tmp_path: Path, **decoupled: object) -> tuple[ObjectStore, Syncer]:
         outlier_norm_factor=None,
         decoupled={"poll_s": 0.01, **decoupled},
     )
-    run = ObjectStore(str(tmp_path)).child("hand")
+    run = ObjectStore(store).child("hand")
     run.put(layout.RUN_CONFIG, config.resolved_json().encode())
     initial = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
     assert versions.commit(run, Version(0, "initial"), initial, None, None)
@@ -132,6 +134,7 @@ def test_two_syncers_cannot_both_commit_a_version(tmp_path: Path) -> None:
         ({"embedding_average": "touched"}, "set it to 'all'"),
         ({"decoupled": {"min_quorum": 5}}, "cannot exceed diloco.replicas"),
         ({"decoupled": {"max_lag": 2, "max_age": 1}}, "must be at least max_lag"),
+        ({"decoupled": {"keep_versions": 0}}, "keep_versions"),
         ({"decoupled": {"outer": "delayed_nesterov"}, "nesterov": False}, "needs nesterov = true"),
     ],
 )
