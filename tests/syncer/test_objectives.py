@@ -18,7 +18,6 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from transformers import AutoModelForCausalLM
 
 from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.config import RunConfig, validate_config
@@ -33,6 +32,7 @@ from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 from tests.composer_tasks import TINY_CHARS, composer
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
+from tests.lora_export import assert_merged_export
 from tests.rendezvous.harness import create, rows, run_replicas, start_replica, wait_all
 from tests.syncer.processes import run_decoupled
 from tests.syncer.test_oracle import lockstep_final
@@ -215,8 +215,6 @@ def test_the_composer_objective_one_version_ahead_ends_with_its_eval_rollouts_an
 def test_lora_one_version_ahead_ends_with_its_eval_and_merged_export(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from peft import PeftModel
-
     run, summary = launched(
         lora_config(tmp_path, "lagged", tiny_model_dir, mode="decoupled", decoupled={"max_lag": 1})
     )
@@ -224,18 +222,7 @@ def test_lora_one_version_ahead_ends_with_its_eval_and_merged_export(
     out = tmp_path / "merged"
     with simulated():  # on a machine with a GPU, as lock-step's LoRA export
         export(run.url, out)
-    merged = AutoModelForCausalLM.from_pretrained(out)
-    assert not any("lora" in name for name, _ in merged.named_parameters())
-    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
-    adapted = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(out / "adapter")
-    )
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    ids = torch.randint(0, 300, (2, 12))
-    with torch.no_grad():
-        logits = merged(input_ids=ids).logits
-        torch.testing.assert_close(logits, adapted(input_ids=ids).logits, rtol=0, atol=1e-5)
-        assert not torch.allclose(logits, base(input_ids=ids).logits, atol=1e-4)  # the adapters trained
+    assert_merged_export(out, tiny_model_dir, 12)
     # The exported adapters are the final version's.
     final = versions.load_params(run, versions.read_version(run, ROUNDS), None)
     saved = load_file(out / "adapter" / "adapter_model.safetensors")
