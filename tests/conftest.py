@@ -136,19 +136,29 @@ def _starts_replicas(args: object) -> bool:
 @pytest.fixture(autouse=True)
 def _replica_processes_only_in_slow_tests(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> None:
+) -> Iterator[None]:
     """A test that starts replica processes must carry the ``slow`` marker (``make test`` runs them all;
-    ``pytest -m "not slow"`` is the quick loop): held by this check, not by memory."""
-    if request.node.get_closest_marker("slow") is not None:
-        return
+    ``pytest -m "not slow"`` is the quick loop): held by this check, not by memory. Those a slow test
+    started and left running (it failed before it waited for them: a syncer waiting for learners that were
+    never restarted runs forever) are killed when it ends."""
+    slow = request.node.get_closest_marker("slow") is not None
     popen_init = subprocess.Popen.__init__
+    started: list[subprocess.Popen] = []
 
     def checked(self: subprocess.Popen, args: object, *rest: object, **options: object) -> None:
-        if _starts_replicas(args):
+        replica = _starts_replicas(args)
+        if replica and not slow:
             raise AssertionError(f"{request.node.nodeid} starts replica processes ({args!r}); mark it slow")
         popen_init(self, args, *rest, **options)  # type: ignore[arg-type]
+        if replica:
+            started.append(self)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", checked)
+    yield
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 # A ChatML template without {% generation %} markers (as most published ones), and one with them.
