@@ -188,6 +188,10 @@ def test_the_configs_it_launches() -> None:
         (["--modes", "async"], "--modes takes lock-step, decoupled"),
         (["--rounds", "0"], "must be >= 1"),
         (["--max-lag", "-1"], "--max-lag >= 0"),
+        (["--set", "diloco.decoupled.outer"], "expected dotted.key=value"),
+        (["--set", "diloco.decoupled.outer=adam"], "diloco.decoupled.outer"),
+        (["--set", "diloco.decoupled.adopt_whenn=arrival"], "did you mean diloco.decoupled.adopt_when?"),
+        (["--set", "diloco.decoupled.max_age=0"], "must be at least max_lag"),
     ],
 )
 def test_bad_arguments_exit_2(
@@ -197,6 +201,41 @@ def test_bad_arguments_exit_2(
         bench.parse_args(["--out", str(tmp_path / "out"), *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_set_overrides_the_decoupled_side_only(tmp_path: Path) -> None:
+    args = bench.parse_args(
+        [
+            "--out",
+            str(tmp_path / "out"),
+            "--set",
+            "diloco.decoupled.outer=delayed_nesterov",
+            "--set",
+            "diloco.decoupled.adopt = 'overwrite'",
+            "--set",
+            "diloco.decoupled.discount=1.0",
+        ]
+    )
+    assert args.set == [
+        "diloco.decoupled.outer=delayed_nesterov",
+        "diloco.decoupled.adopt = 'overwrite'",
+        "diloco.decoupled.discount=1.0",
+    ]
+    base = load_config("deploy/configs/local-demo.toml")
+    overrides = tuple(args.set)
+    dc = bench.run_config(base, args.sizes, "decoupled", 0, "run", tmp_path, overrides=overrides).diloco
+    assert (dc.decoupled.outer, dc.decoupled.adopt, dc.decoupled.discount) == (
+        "delayed_nesterov",
+        "overwrite",
+        1.0,
+    )
+    assert dc.decoupled.min_quorum == 2  # the benchmark's own settings stay, but those set
+    # applied last, over the benchmark's own
+    lag = bench.run_config(
+        base, args.sizes, "decoupled", 0, "run", tmp_path, overrides=("diloco.decoupled.max_lag=2",)
+    )
+    assert lag.diloco.decoupled.max_lag == 2
 
 
 def test_versions_are_scored_as_a_replica_scores_a_round(tmp_path: Path, tiny_model_dir: Path) -> None:
