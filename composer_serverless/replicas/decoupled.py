@@ -8,9 +8,11 @@ contribution or its last adoption left it at, whichever is later, minus its loca
 So each inner step's progress is sent exactly once: a learner ``max_lag`` ahead that finds no newer global
 after publishing trains on from where it published, and its next contribution holds only the steps since.
 It waits for no other learner; it waits for the syncer only as far as ``diloco.decoupled.max_lag`` says: it
-starts its next round once at most ``max_lag`` of its contributions are unmerged. At a round boundary it
-adopts the newest global version: with ``adopt = "keep"`` its progress not sent yet is carried onto it (and
-sent with its next contribution), with ``"overwrite"`` it is discarded. The global it holds (``base``: what it
+starts its next round once at most ``max_lag`` of its contributions are unmerged. It adopts the newest global
+version right after publishing (``adopt_when = "publish"``) or, with ``"arrival"``, at the first inner-step
+boundary after its background reader (``arrivals.py``) has read it, without waiting for the read: with
+``adopt = "keep"`` its progress not sent yet is carried onto it (and sent with its next contribution), with
+``"overwrite"`` it is discarded and those steps are not counted in its next contribution. The global it holds (``base``: what it
 scores, exports, and names in its contributions) and the point its contributions have accounted for
 (``sent_to``) are kept apart: after a publish with no newer global they differ. The inner optimizer's state is
 kept across adoptions, as lock-step's DiLoCo keeps it across syncs. Each adoption ends the objective's round
