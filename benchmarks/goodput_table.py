@@ -47,6 +47,8 @@ def table(root: Path) -> list[dict[str, Any]]:
                     "lock_step_goodput": theirs["goodput"],
                     "at_equal_tokens": compared,
                     "staleness": ours["staleness"],
+                    "merged_steps": ours["merged_steps"],
+                    "executed_steps": ours["executed_steps"],
                 }
             )
     return rows
@@ -59,9 +61,10 @@ def main(argv: list[str]) -> int:
     root = Path(argv[0])
     rows = table(root)
     print(
-        "| run | scenario, seed | goodput lock-step / decoupled | loss at equal tokens, lock-step / decoupled (gap) | staleness |"
+        "| run | scenario, seed | goodput lock-step / decoupled | loss at equal tokens, lock-step / decoupled "
+        "(gap) | decoupled to lock-step's final loss | steps merged / executed | staleness |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         c = row["at_equal_tokens"]
         dec = c["decoupled"]
@@ -70,9 +73,17 @@ def main(argv: list[str]) -> int:
             if dec
             else f"{c['lock-step']['loss']:.3f} / not reached"
         )
+        reached = c["to_lock_step_final_loss"]
+        to_final = (
+            f"{reached['s']:.1f} s vs {reached['lock_step_s']:.1f} s: {reached['ratio']:.2f}x"
+            if reached
+            else "not reached"
+        )
+        staleness = ", ".join(f"{age}: {n}" for age, n in row["staleness"].items())
         print(
             f"| {row['run']} | {row['scenario']}, {row['seed']} | {row['lock_step_goodput']:.3f} / "
-            f"{row['goodput']:.3f} | {loss} | {row['staleness']} |"
+            f"{row['goodput']:.3f} | {loss} | {to_final} | {row['merged_steps']} / {row['executed_steps']} | "
+            f"{staleness} |"
         )
     (root / "table.json").write_text(json.dumps(rows, indent=2))
     return 0

@@ -267,7 +267,7 @@ def test_the_table_compares_each_decoupled_run_with_its_seeds_lock_step(tmp_path
     scenario = "a: no faults, equal speeds"
 
     def write(name: str, seed: int, mode: str, evals: list[list[float]], **decoupled: object) -> None:
-        row = {"goodput": 0.5, "evals": evals, "staleness": {"1": 3}}
+        row = {"goodput": 0.5, "evals": evals, "staleness": {"1": 3}, "merged_steps": 8, "executed_steps": 9}
         result = {"seed": seed, "decoupled": {"max_lag": 1, **decoupled}, "results": {scenario: {mode: row}}}
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(result))
