@@ -54,11 +54,12 @@ class DecoupledConfig(StrictModel):
         "They differ only when a learner adopts in the middle of its inner steps (adopt_when = 'arrival')",
     )
     adopt_when: Literal["publish", "arrival"] = Field(
-        "publish",
-        description="when a learner adopts a newer global: 'publish', right after publishing each "
-        "contribution (nothing unsent then); 'arrival', at the first inner-step boundary after its lead has "
-        "read the version, on a background thread, while it trained (docs/decoupled.md). With max_lag = 0 "
-        "a learner waits for its own merge after each publish and adopts there either way",
+        "arrival",
+        description="when a learner adopts a newer global: 'arrival', at the first inner-step boundary after "
+        "its lead has read the version, on a background thread, while it trained; 'publish', right after "
+        "publishing each contribution (nothing unsent then). 'arrival' measured closer to lock-step's loss "
+        "at equal tokens with no faults (docs/decoupled.md). With max_lag = 0 a learner waits for its own "
+        "merge after each publish and adopts there either way",
     )
     weighting: Literal["tokens", "equal"] = Field(
         "tokens",
