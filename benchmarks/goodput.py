@@ -41,8 +41,12 @@ lifetimes (sampled every ``POLL_S``):
 
 The decoupled side launches ``diloco.mode = "decoupled"`` with a quorum of ``MIN_QUORUM`` of the 4 learners,
 a grace of ``GRACE_S`` and ``max_lag = MAX_LAG`` (learners never wait for the syncer; ``--max-lag 0`` makes
-each wait for the merge of its own last contribution, no staleness from the learners' side), written into
-results.json with the rest of its settings.
+each wait for the merge of its own last contribution, no staleness from the learners' side), and the other
+settings of ``diloco.decoupled`` at their defaults but those ``--set KEY=VALUE`` changes (repeatable, as the
+CLI's ``--set``, checked by the config's own validation before anything runs; e.g. ``--set
+diloco.decoupled.outer=delayed_nesterov``), written into results.json with the rest of its settings.
+Configurations measured in runs of their own (``--modes decoupled``) are compared with one lock-step run per
+seed by ``benchmarks/goodput_table.py``.
 
 Writes ``results.json`` and ``goodput.png`` (goodput per scenario and mode; held-out loss against wall time,
 and against merged tokens).
