@@ -6,18 +6,18 @@ optimizer and its schedule, the discarded non-finite steps), but no DiLoCo wraps
 contribution or its last adoption left it at, whichever is later, minus its local parameters
 (``rendezvous/decoupled.py``), with the version of the global it holds and its tokens and steps, and goes on.
 So each inner step's progress is sent exactly once: a learner ``max_lag`` ahead that finds no newer global
-after publishing trains on from where it published, and its next contribution holds only the steps since.
-It waits for no other learner; it waits for the syncer only as far as ``diloco.decoupled.max_lag`` says: it
+after publishing trains on from where it published, and its next contribution holds only the steps since. It
+waits for no other learner; it waits for the syncer only as far as ``diloco.decoupled.max_lag`` says: it
 starts its next round once at most ``max_lag`` of its contributions are unmerged. It adopts the newest global
 version right after publishing (``adopt_when = "publish"``) or, with ``"arrival"``, at the first inner-step
 boundary after its background reader (``arrivals.py``) has read it, without waiting for the read: with
 ``adopt = "keep"`` its progress not sent yet is carried onto it (and sent with its next contribution), with
-``"overwrite"`` it is discarded and those steps are not counted in its next contribution. The global it holds (``base``: what it
-scores, exports, and names in its contributions) and the point its contributions have accounted for
-(``sent_to``) are kept apart: after a publish with no newer global they differ. The inner optimizer's state is
-kept across adoptions, as lock-step's DiLoCo keeps it across syncs. Each adoption ends the objective's round
-(``Objective.round_ended``: the composer objective's completions and recorded rollouts go with the adopted
-version). Only trainable parameters travel: with LoRA, the adapters.
+``"overwrite"`` it is discarded and those steps are not counted in its next contribution. The global it holds
+(``base``: what it scores, exports, and names in its contributions) and the point its contributions have
+accounted for (``sent_to``) are kept apart: after a publish with no newer global they differ. The inner
+optimizer's state is kept across adoptions, as lock-step's DiLoCo keeps it across syncs. Each adoption ends
+the objective's round (``Objective.round_ended``: the composer objective's completions and recorded rollouts
+go with the adopted version). Only trainable parameters travel: with LoRA, the adapters.
 
 With ``max_lag = 0`` a learner's schedule is lock-step's: train H steps from global v, publish, adopt v + 1;
 with a syncer that merges every learner's contribution with lock-step's arithmetic, the run is lock-step's bit
