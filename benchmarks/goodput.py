@@ -41,8 +41,12 @@ lifetimes (sampled every ``POLL_S``):
 
 The decoupled side launches ``diloco.mode = "decoupled"`` with a quorum of ``MIN_QUORUM`` of the 4 learners,
 a grace of ``GRACE_S`` and ``max_lag = MAX_LAG`` (learners never wait for the syncer; ``--max-lag 0`` makes
-each wait for the merge of its own last contribution, no staleness from the learners' side), written into
-results.json with the rest of its settings.
+each wait for the merge of its own last contribution, no staleness from the learners' side), and the other
+settings of ``diloco.decoupled`` at their defaults but those ``--set KEY=VALUE`` changes (repeatable, as the
+CLI's ``--set``, checked by the config's own validation before anything runs; e.g. ``--set
+diloco.decoupled.outer=delayed_nesterov``), written into results.json with the rest of its settings.
+Configurations measured in runs of their own (``--modes decoupled``) are compared with one lock-step run per
+seed by ``benchmarks/goodput_table.py``.
 
 Writes ``results.json`` and ``goodput.png`` (goodput per scenario and mode; held-out loss against wall time,
 and against merged tokens).
@@ -69,7 +73,7 @@ import psutil
 import torch
 from rich.console import Console
 
-from composer_serverless.config import ConfigError, RunConfig, load_config, validate_config
+from composer_serverless.config import ConfigError, RunConfig, apply_override, load_config, validate_config
 from composer_serverless.executors.base import LaunchRecord
 from composer_serverless.launch.launcher import launch
 from composer_serverless.objectives.objective import evaluate, make_objective
@@ -153,8 +157,11 @@ class Accounting:
 
 
 def _inner_seconds(row: dict[str, Any]) -> float:
-    """A round's inner steps' own time: each step's time less the part it was held in a sync."""
-    return sum(s["time_s"]["step"] - s["time_s"].get("sync", 0.0) for s in row.get("step_rows", []))
+    """A round's inner steps' own time: each step's time less the part it was held in a sync. A decoupled
+    learner's round whose first steps an adoption discarded (``discarded_steps``, ``adopt = "overwrite"``)
+    counts only the steps its contribution carries."""
+    steps = row.get("step_rows", [])[row.get("discarded_steps", 0) :]
+    return sum(s["time_s"]["step"] - s["time_s"].get("sync", 0.0) for s in steps)
 
 
 def _tokens(row: dict[str, Any]) -> float:
@@ -213,7 +220,9 @@ def account_decoupled(
         seconds = sum(timed[ids] for ids in timed if ids[0] == rank)
         steps = sum(contributions[ids].steps for ids in timed if ids[0] == rank and ids in contributions)
         step_s[rank] = (seconds, steps)
-    acc = Accounting(executed_steps=sum(c.steps for c in contributions.values()))
+    # executed: the steps contributions carry, and those an overwriting adoption discarded (rows say how many)
+    discarded = sum(row.get("discarded_steps", 0) for rows in metrics.values() for row in rows)
+    acc = Accounting(executed_steps=sum(c.steps for c in contributions.values()) + discarded)
     tokens_total = 0.0
     for record in sorted(versions, key=lambda r: r.version):
         if not record.merged:
@@ -453,11 +462,23 @@ class Sizes:
 
 
 def run_config(
-    base: RunConfig, sizes: Sizes, mode: str, seed: int, run_id: str, out: Path, max_lag: int = MAX_LAG
+    base: RunConfig,
+    sizes: Sizes,
+    mode: str,
+    seed: int,
+    run_id: str,
+    out: Path,
+    max_lag: int = MAX_LAG,
+    overrides: tuple[str, ...] = (),
 ) -> RunConfig:
     """The demo's config at ``sizes`` in ``mode``. Lock-step waits for stragglers as the chaos soak does (a
     quorum of 2, a grace of 2 to 10 s); decoupled merges at a quorum of ``MIN_QUORUM``, its learners
-    ``max_lag`` contributions ahead of the merges."""
+    ``max_lag`` contributions ahead of the merges, with ``overrides`` (``--set KEY=VALUE``, as the CLI's)
+    applied last.
+
+    Raises:
+        ConfigError: an override's syntax, or the config it makes (the product's own validation).
+    """
     raw = base.model_dump()
     raw.update(run_id=run_id, store=f"file://{(out / 'runs').absolute()}", seed=seed)
     raw["data"].update(batch_size=sizes.batch_size)
@@ -482,6 +503,8 @@ def run_config(
                 "keep_versions": None,  # nothing pruned: the accounting reads every contribution's header
             },
         )
+        for override in overrides:
+            apply_override(raw, override)
     raw["eval"].update(every_rounds=1, sequences=sizes.eval_sequences)
     raw["train"].update(warmup_steps=min(raw["train"]["warmup_steps"], sizes.sync_every))
     raw["executor"] = {"type": "local", "max_restarts": MAX_RESTARTS}
@@ -634,6 +657,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--max-lag", type=int, default=MAX_LAG, help="decoupled learners' diloco.decoupled.max_lag"
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key of the decoupled side's config, as the CLI's --set (repeatable), e.g. "
+        "--set diloco.decoupled.outer=delayed_nesterov",
+    )
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a directory")
@@ -659,6 +690,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(str(e))
     if args.base.train.objective != "lm":
         parser.error(f"{args.config}: train.objective must be 'lm' (held-out loss is the measure here)")
+    args.sizes = Sizes(args.rounds, args.sync_every, args.batch_size, args.eval_sequences)
+    if "decoupled" in args.modes:  # the overrides' config, checked before anything runs or is written
+        try:
+            run_config(
+                args.base,
+                args.sizes,
+                "decoupled",
+                args.seed,
+                "set-check",
+                args.out,
+                args.max_lag,
+                tuple(args.set),
+            )
+        except ConfigError as e:
+            parser.error(f"--set: {e}")
     return args
 
 
@@ -667,14 +713,21 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    sizes = Sizes(args.rounds, args.sync_every, args.batch_size, args.eval_sequences)
+    sizes = args.sizes
     command = " ".join(["python", "benchmarks/goodput.py", *(sys.argv[1:] if argv is None else argv)])
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     # every config first: one this commit refuses stops the benchmark before anything launches
     configs = {
         (letter, mode): run_config(
-            args.base, sizes, mode, args.seed, f"{mode}-{letter}-s{args.seed}", args.out, args.max_lag
+            args.base,
+            sizes,
+            mode,
+            args.seed,
+            f"{mode}-{letter}-s{args.seed}",
+            args.out,
+            args.max_lag,
+            tuple(args.set) if mode == "decoupled" else (),
         )
         for letter in args.scenarios
         for mode in args.modes
@@ -715,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_lag": args.max_lag,
             "versions": sizes.rounds * LEARNERS // MIN_QUORUM,
             "embedding_average": "all (decoupled refuses 'touched', the demo's, which lock-step uses)",
-            "other settings": "the defaults of diloco.decoupled",
+            "set": args.set,
+            "other settings": "the defaults of diloco.decoupled, but those set",
         },
         "results": results,
         "wall_s": round(time.monotonic() - started, 1),

@@ -50,8 +50,16 @@ class DecoupledConfig(StrictModel):
         "keep",
         description="what a learner does with the inner steps it has not sent yet when it adopts a newer "
         "global: 'keep' carries them over (new global + local progress since its last contribution, sent "
-        "with its next one), 'overwrite' discards them. A learner adopts only right after publishing, when "
-        "nothing is unsent, so the two run alike today",
+        "with its next one), 'overwrite' discards them (its next contribution counts only the steps after). "
+        "They differ only when a learner adopts in the middle of its inner steps (adopt_when = 'arrival')",
+    )
+    adopt_when: Literal["publish", "arrival"] = Field(
+        "arrival",
+        description="when a learner adopts a newer global: 'arrival', at the first inner-step boundary after "
+        "its lead has read the version, on a background thread, while it trained; 'publish', right after "
+        "publishing each contribution (nothing unsent then). 'arrival' measured closer to lock-step's loss "
+        "at equal tokens with no faults (docs/decoupled.md). With max_lag = 0 a learner waits for its own "
+        "merge after each publish and adopts there either way",
     )
     weighting: Literal["tokens", "equal"] = Field(
         "tokens",

@@ -6,16 +6,18 @@ optimizer and its schedule, the discarded non-finite steps), but no DiLoCo wraps
 contribution or its last adoption left it at, whichever is later, minus its local parameters
 (``rendezvous/decoupled.py``), with the version of the global it holds and its tokens and steps, and goes on.
 So each inner step's progress is sent exactly once: a learner ``max_lag`` ahead that finds no newer global
-after publishing trains on from where it published, and its next contribution holds only the steps since.
-It waits for no other learner; it waits for the syncer only as far as ``diloco.decoupled.max_lag`` says: it
-starts its next round once at most ``max_lag`` of its contributions are unmerged. At a round boundary it
-adopts the newest global version: with ``adopt = "keep"`` its progress not sent yet is carried onto it (and
-sent with its next contribution), with ``"overwrite"`` it is discarded. The global it holds (``base``: what it
-scores, exports, and names in its contributions) and the point its contributions have accounted for
-(``sent_to``) are kept apart: after a publish with no newer global they differ. The inner optimizer's state is
-kept across adoptions, as lock-step's DiLoCo keeps it across syncs. Each adoption ends the objective's round
-(``Objective.round_ended``: the composer objective's completions and recorded rollouts go with the adopted
-version). Only trainable parameters travel: with LoRA, the adapters.
+after publishing trains on from where it published, and its next contribution holds only the steps since. It
+waits for no other learner; it waits for the syncer only as far as ``diloco.decoupled.max_lag`` says: it
+starts its next round once at most ``max_lag`` of its contributions are unmerged. It adopts the newest global
+version right after publishing (``adopt_when = "publish"``) or, with ``"arrival"``, at the first inner-step
+boundary after its background reader (``arrivals.py``) has read it, without waiting for the read: with
+``adopt = "keep"`` its progress not sent yet is carried onto it (and sent with its next contribution), with
+``"overwrite"`` it is discarded and those steps are not counted in its next contribution. The global it holds
+(``base``: what it scores, exports, and names in its contributions) and the point its contributions have
+accounted for (``sent_to``) are kept apart: after a publish with no newer global they differ. The inner
+optimizer's state is kept across adoptions, as lock-step's DiLoCo keeps it across syncs. Each adoption ends
+the objective's round (``Objective.round_ended``: the composer objective's completions and recorded rollouts
+go with the adopted version). Only trainable parameters travel: with LoRA, the adapters.
 
 With ``max_lag = 0`` a learner's schedule is lock-step's: train H steps from global v, publish, adopt v + 1;
 with a syncer that merges every learner's contribution with lock-step's arithmetic, the run is lock-step's bit
@@ -42,6 +44,7 @@ rank saves and restores its own shards of the learner's state, as a lock-step re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
@@ -54,6 +57,7 @@ from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.decoupled import Contribution, Version
 from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.replicas import state
+from composer_serverless.replicas.arrivals import Arrivals
 from composer_serverless.replicas.diloco import wire_codec
 from composer_serverless.replicas.meter import trained_tokens
 from composer_serverless.replicas.shards import local, shard_of, whole_of_shard
@@ -74,6 +78,9 @@ class DecoupledLearner(Replica):
         self.sent_to: dict[str, torch.Tensor] = {}
         self.seq = 0  # its next contribution's sequence number
         self.sent: list[dict[str, Any]] = []  # the rows of its contributions since its last adoption
+        # The inner steps of the round in progress whose progress an adoption with adopt = "overwrite"
+        # discarded (the first ones of the round): its contribution neither carries nor counts them.
+        self.discarded = 0
 
     @property
     def completed_rounds(self) -> int:
@@ -88,14 +95,33 @@ class DecoupledLearner(Replica):
     def run(self) -> None:
         dl = self.config.diloco
         record = self._start()
-        while record.version < dl.rounds:
-            self.meter.reset()
-            while self.meter.steps < dl.sync_every:
-                self._inner_step()
-            self._publish()
-            record = self._wait_for_syncer()
-            if record.version > self.version:
-                record = self._adopt_newest(record)
+        # With max_lag = 0 a learner waits for its own merge after each publish (lock-step's schedule), so it
+        # adopts there whatever adopt_when says.
+        arrival = dl.decoupled.adopt_when == "arrival" and dl.decoupled.max_lag > 0
+        reader = (  # the lead reads for the learner's ranks
+            Arrivals(self.run_store, self.key, self.version, dl.decoupled.poll_s)
+            if arrival and self.node.lead
+            else None
+        )
+        with reader or contextlib.nullcontext():
+            while record.version < dl.rounds:
+                self.meter.reset()
+                self.discarded = 0
+                while self.meter.steps < dl.sync_every and self.version < dl.rounds:
+                    self._inner_step()
+                    # not after the round's last step: its publish follows, then the look below (an
+                    # overwrite there would leave the contribution no step)
+                    if arrival and self.meter.steps < dl.sync_every:
+                        self._adopt_arrived(reader, at_step=self.meter.steps)
+                if self.version >= dl.rounds:  # the last version arrived mid-round: nothing to train for
+                    record = store_versions.read_version(self.run_store, self.version)
+                    break
+                self._publish()
+                record = self._wait_for_syncer()
+                if arrival and record.version < dl.rounds:
+                    self._adopt_arrived(reader, at_step=0)  # what was read; the rest at a later step
+                elif record.version > self.version:
+                    record = self._adopt_newest(record)
         self._finish(record)
 
     def _start(self) -> Version:
@@ -206,7 +232,9 @@ class DecoupledLearner(Replica):
         dl, node = self.config.diloco, self.node
         lr = self.schedule.get_last_lr()[0]
         row = self.meter.row(lr)
-        tokens = sum(int(trained_tokens(m) or 0) for m in self.meter.metrics)
+        # the steps whose progress it carries: not those an overwriting adoption discarded
+        steps = row["steps"] - self.discarded
+        tokens = sum(int(trained_tokens(m) or 0) for m in self.meter.metrics[self.discarded :])
         if node.size > 1:  # each rank trained on its share of the learner's batch
             loss = row["train_loss"]
             row["train_loss"] = None if loss is None else node.sum([loss])[0] / node.size
@@ -217,7 +245,7 @@ class DecoupledLearner(Replica):
         sent = 0
         if node.lead:
             values = torch.cat([deltas[name].reshape(-1).to(torch.float32) for name in self.params])
-            contribution = Contribution(self.rank, self.seq, self.version, tokens, row["steps"])
+            contribution = Contribution(self.rank, self.seq, self.version, tokens, steps)
             codec = wire_codec(dl.codec, dl)
             sent = store_versions.publish(
                 self.run_store, self.config.run_id or "", contribution, values, codec, self.key
@@ -229,6 +257,7 @@ class DecoupledLearner(Replica):
             "contribution": self.seq,
             "base_version": self.version,
             "tokens": tokens,
+            "discarded_steps": self.discarded,  # the round's first ones (its step_rows), not sent
         }
         self.sent.append({**row, **own})
         self.seq += 1
@@ -284,16 +313,46 @@ class DecoupledLearner(Replica):
         self._adopt(record, params)
         return record
 
+    def _adopt_arrived(self, reader: Arrivals | None, at_step: int) -> None:
+        """Adopt the newest version ``reader`` has read since the last look, if any, without waiting: at
+        inner step ``at_step`` of the round in progress (0: right after a publish). The lead looks and tells
+        its ranks (one integer broadcast per step, nothing with one rank); its reader's failure, told as -2,
+        stops every rank."""
+        node = self.node
+        arrived, failure, found = None, None, -1
+        if node.lead:
+            assert reader is not None
+            try:
+                arrived = reader.take(self.version)
+            except Exception as e:
+                failure, found = e, -2
+            else:
+                found = -1 if arrived is None else arrived[0].version
+        found = node.broadcast(found)
+        if found == -2:
+            raise failure or RuntimeError("this learner's lead failed reading a newer global version")
+        if found < 0:
+            return
+        record, params = (
+            arrived if arrived is not None else (store_versions.read_version(self.run_store, found), {})
+        )
+        self._adopt(record, params, at_step)
+
     @torch.no_grad()
-    def _adopt(self, record: Version, params: dict[str, torch.Tensor]) -> None:
+    def _adopt(self, record: Version, params: dict[str, torch.Tensor], at_step: int = 0) -> None:
         """Take ``params``, global version ``record``'s (whole, on the lead; empty on the learner's other
-        ranks), as this learner's parameters (with ``adopt = "keep"``, plus its progress not sent yet, which
-        its next contribution sends: ``sent_to`` becomes the global). The lead scatters it: each rank keeps
-        its shards (the learner's link carries the version once, whatever its ranks)."""
+        ranks), as this learner's parameters, at inner step ``at_step`` of the round in progress (0: at a
+        publish, when nothing is unsent). With ``adopt = "keep"`` its progress not sent yet is carried onto
+        it (its next contribution sends it: ``sent_to`` becomes the global); with ``"overwrite"`` that
+        progress is discarded and those steps are not counted in its next contribution (``discarded``). The
+        lead scatters it: each rank keeps its shards (the learner's link carries the version once, whatever
+        its ranks)."""
         node = self.node
         if not node.all_true(not node.lead or set(params) == set(self.params)):
             raise ValueError(f"global version {record.version} does not hold this model's parameters")
         keep = self.config.diloco.decoupled.adopt == "keep" and self.sent_to
+        overwritten = 0 if keep or not at_step else at_step - self.discarded
+        self.discarded += overwritten
         shards = {}
         for name, p in self.params.items():
             shards[name] = shard_of(params.get(name), p).to("cpu")
@@ -311,7 +370,12 @@ class DecoupledLearner(Replica):
         # A row per version adopted (the trackers' rounds are versions): the rounds trained since the last
         # one, the last one's figures first, and the digest of the global now held.
         row: dict[str, Any] = {**(self.sent[-1] if self.sent else {}), "time": time.time()}
-        row.update(version=record.version, contributions=[r["contribution"] for r in self.sent])
+        row.update(
+            version=record.version,
+            contributions=[r["contribution"] for r in self.sent],
+            adopted_at_step=at_step,
+            overwritten_steps=overwritten,
+        )
         if self.config.diloco.verify_global and node.lead:  # of the whole global: the same whatever G
             row["global_sha256"] = digest(params)
         # What the objective does between rounds, per version: the composer objective's completions table,

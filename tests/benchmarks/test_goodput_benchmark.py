@@ -4,6 +4,7 @@ decoupled versions, lifetimes, the configs it launches and its argument checks."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,10 @@ def test_the_configs_it_launches() -> None:
         (["--modes", "async"], "--modes takes lock-step, decoupled"),
         (["--rounds", "0"], "must be >= 1"),
         (["--max-lag", "-1"], "--max-lag >= 0"),
+        (["--set", "diloco.decoupled.outer"], "expected dotted.key=value"),
+        (["--set", "diloco.decoupled.outer=adam"], "diloco.decoupled.outer"),
+        (["--set", "diloco.decoupled.adopt_whenn=arrival"], "did you mean diloco.decoupled.adopt_when?"),
+        (["--set", "diloco.decoupled.max_age=0"], "must be at least max_lag"),
     ],
 )
 def test_bad_arguments_exit_2(
@@ -197,6 +202,41 @@ def test_bad_arguments_exit_2(
         bench.parse_args(["--out", str(tmp_path / "out"), *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_set_overrides_the_decoupled_side_only(tmp_path: Path) -> None:
+    args = bench.parse_args(
+        [
+            "--out",
+            str(tmp_path / "out"),
+            "--set",
+            "diloco.decoupled.outer=delayed_nesterov",
+            "--set",
+            "diloco.decoupled.adopt = 'overwrite'",
+            "--set",
+            "diloco.decoupled.discount=1.0",
+        ]
+    )
+    assert args.set == [
+        "diloco.decoupled.outer=delayed_nesterov",
+        "diloco.decoupled.adopt = 'overwrite'",
+        "diloco.decoupled.discount=1.0",
+    ]
+    base = load_config("deploy/configs/local-demo.toml")
+    overrides = tuple(args.set)
+    dc = bench.run_config(base, args.sizes, "decoupled", 0, "run", tmp_path, overrides=overrides).diloco
+    assert (dc.decoupled.outer, dc.decoupled.adopt, dc.decoupled.discount) == (
+        "delayed_nesterov",
+        "overwrite",
+        1.0,
+    )
+    assert dc.decoupled.min_quorum == 2  # the benchmark's own settings stay, but those set
+    # applied last, over the benchmark's own
+    lag = bench.run_config(
+        base, args.sizes, "decoupled", 0, "run", tmp_path, overrides=("diloco.decoupled.max_lag=2",)
+    )
+    assert lag.diloco.decoupled.max_lag == 2
 
 
 def test_versions_are_scored_as_a_replica_scores_a_round(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -217,3 +257,28 @@ def test_versions_are_scored_as_a_replica_scores_a_round(tmp_path: Path, tiny_mo
     scored = bench.score_versions(run, config, records)
     assert scored == pytest.approx(by_replica, rel=1e-6) and set(scored) == {1, 2}
     assert abs(scored[1] - scored[2]) > 1e-3  # each version's own parameters were scored
+
+
+def test_the_table_compares_each_decoupled_run_with_its_seeds_lock_step(tmp_path: Path) -> None:
+    """Runs made apart (benchmarks/goodput_table.py): lock-step of seed 0 ends at 1200 tokens, loss 4.5; the
+    decoupled run of seed 0 first holds 1200 tokens at version 2, loss 4.59 (+2 %); the decoupled run of seed 1
+    has no lock-step run to compare with and is left out."""
+    table = load_script("goodput_table")
+    scenario = "a: no faults, equal speeds"
+
+    def write(name: str, seed: int, mode: str, evals: list[list[float]], **decoupled: object) -> None:
+        row = {"goodput": 0.5, "evals": evals, "staleness": {"1": 3}, "merged_steps": 8, "executed_steps": 9}
+        result = {"seed": seed, "decoupled": {"max_lag": 1, **decoupled}, "results": {scenario: {mode: row}}}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(result))
+
+    write("lock-step-s0", 0, "lock-step", [[1, 600.0, 10.0, 5.0], [2, 1200.0, 20.0, 4.5]])
+    write("keep-s0", 0, "decoupled", [[1, 700.0, 5.0, 4.8], [2, 1300.0, 9.0, 4.59]], set=["x=1"])
+    write("keep-s1", 1, "decoupled", [[1, 1300.0, 9.0, 4.0]])
+    rows = table.table(tmp_path)
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["run"], row["scenario"], row["seed"], row["set"]) == ("keep-s0", "a", 0, ["x=1"])
+    assert row["at_equal_tokens"]["decoupled"]["version"] == 2
+    assert row["at_equal_tokens"]["relative_gap"] == pytest.approx(0.02)
+    assert row["staleness"] == {"1": 3} and row["goodput"] == row["lock_step_goodput"] == 0.5

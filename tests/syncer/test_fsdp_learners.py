@@ -26,7 +26,9 @@ ROUNDS = 2
 SETTINGS = {"replicas": LEARNERS, "rounds": ROUNDS, "mode": "decoupled", "embedding_average": "all"}
 
 
-def _run(tmp_path: Path, tiny_model_dir: Path, run_id: str, ranks: int, max_lag: int) -> ObjectStore:
+def _run(
+    tmp_path: Path, tiny_model_dir: Path, run_id: str, ranks: int, max_lag: int, adopt_when: str = "publish"
+) -> ObjectStore:
     """A decoupled run of ``LEARNERS`` learners of ``ranks`` ranks each and its syncer, to the end."""
     config = make_config(
         str(tmp_path / "runs"),
@@ -34,7 +36,7 @@ def _run(tmp_path: Path, tiny_model_dir: Path, run_id: str, ranks: int, max_lag:
         tiny_model_dir,
         ranks,
         # every version and contribution kept: the test reads them all
-        decoupled={"max_lag": max_lag, "keep_versions": None},
+        decoupled={"max_lag": max_lag, "keep_versions": None, "adopt_when": adopt_when},
         **SETTINGS,
     )
     run = create(config)
@@ -91,11 +93,15 @@ def test_two_ranks_per_learner_end_where_one_rank_does(tmp_path: Path, tiny_mode
 
 
 @pytest.mark.slow
-def test_two_ranks_per_learner_running_ahead_of_the_syncer_end(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("adopt_when", ["publish", "arrival"])
+def test_two_ranks_per_learner_running_ahead_of_the_syncer_end(
+    tmp_path: Path, tiny_model_dir: Path, adopt_when: str
+) -> None:
     """max_lag = 1: a learner of 2 ranks publishes and trains on without waiting for its contribution to be
     merged, and the run ends: every version committed, every learner holding the last one, and the final
-    model uploaded whole by the lowest learner merged into it."""
-    run = _run(tmp_path, tiny_model_dir, "lag", 2, max_lag=1)
+    model uploaded whole by the lowest learner merged into it. With ``adopt_when = "arrival"`` its lead's
+    reader reads each version and tells its ranks at a step boundary, so both ranks adopt at the same step."""
+    run = _run(tmp_path, tiny_model_dir, "lag", 2, max_lag=1, adopt_when=adopt_when)
     final = _final(run)
     assert _held(run) == {digest(final)}
     merged = [tuple(pair) for v in range(1, ROUNDS + 1) for pair in versions.read_version(run, v).merged]

@@ -8,6 +8,8 @@ its real contributions, read back from the store through the fp32 codec."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +20,14 @@ from composer_serverless.accelerator.simulated import simulated
 from composer_serverless.models.loading import load_pretrained
 from composer_serverless.objectives import lm as objective
 from composer_serverless.rendezvous import decoupled as versions
+from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.decoupled import Version
+from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
+from composer_serverless.replicas import arrivals
+from composer_serverless.replicas.arrivals import Arrivals
 from composer_serverless.replicas.decoupled import DecoupledLearner
+from composer_serverless.replicas.meter import trained_tokens
 from tests.rendezvous.harness import create, make_config
 
 H = 2
@@ -153,3 +160,95 @@ def test_an_adoption_between_contributions_carries_only_the_unsent_progress(
     since = flat(adopted) - flat(final)  # the round after the adoption
     torch.testing.assert_close(second, (unsent if keep else 0) + since, rtol=0, atol=1e-6)
     assert versions.read_contribution(run, "progress", 0, 1, "fp32", second.numel(), None)[0].base == 1
+
+
+def adopted_from_the_reader(learner: DecoupledLearner, reader: Arrivals, at_step: int) -> None:
+    """Look at every step boundary, as the learner's loop does, until its reader has read the newer version
+    (bounded: a reader that never delivers fails the test)."""
+    for _ in range(3000):
+        learner._adopt_arrived(reader, at_step)
+        if learner.version > 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the reader never handed over version 1")
+
+
+@pytest.mark.parametrize("learner", ["keep", "overwrite"], indirect=True)
+def test_a_mid_round_adoption_keeps_or_discards_the_steps_since_publishing(learner: DecoupledLearner) -> None:
+    """Version 1 (hand-made: version 0 plus 0.01) arrives after the round's first inner step, read by the
+    learner's background reader: with ``keep`` the learner holds version 1 plus that step, and its next
+    contribution sends both steps, counted; with ``overwrite`` it holds version 1 and its contribution sends
+    and counts the second step only. Its row of version 1 says at which step it adopted and what it dropped."""
+    start = local_params(learner)
+    run = learner.run_store
+    learner.meter.reset()
+    learner._inner_step()
+    after_one = local_params(learner)
+    g1 = {name: t + 0.01 for name, t in learner.base.items()}
+    assert versions.commit(run, Version(1, "hand-made"), g1, None, None)
+    with Arrivals(run, None, learner.version, poll_s=0.01) as reader:
+        adopted_from_the_reader(learner, reader, at_step=1)
+    keep = learner.config.diloco.decoupled.adopt == "keep"
+    adopted = local_params(learner)
+    for name in g1:
+        expected = g1[name] + (after_one[name] - start[name]) if keep else g1[name]
+        assert torch.equal(adopted[name], expected), name
+    assert learner.discarded == (0 if keep else 1)
+    row = json.loads(run.get(layout.metrics(0, 1)))
+    assert (row["version"], row["adopted_at_step"], row["overwritten_steps"]) == (1, 1, 0 if keep else 1)
+
+    learner._inner_step()  # the round's second (last) step
+    final = local_params(learner)
+    step_tokens = [int(trained_tokens(m)) for m in learner.meter.metrics]
+    learner._publish()
+    header, values = versions.read_contribution(run, "progress", 0, 0, "fp32", flat(g1).numel(), None)
+    assert torch.equal(values, flat(g1) - flat(final))
+    assert header.base == 1
+    assert (header.steps, header.tokens) == ((2, sum(step_tokens)) if keep else (1, step_tokens[1]))
+    assert learner.sent[-1]["discarded_steps"] == (0 if keep else 1)
+    if keep:  # both steps' progress, each once: the first carried onto version 1, the second since
+        torch.testing.assert_close(
+            values, (flat(start) - flat(after_one)) + (flat(adopted) - flat(final)), rtol=0, atol=1e-6
+        )
+
+
+def test_the_reader_raises_its_failure_in_the_learner_and_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure of the background reader (here its store listing) is raised by the learner's next look,
+    never lost; the reader's thread has stopped and is gone once closed."""
+
+    def broken(store):
+        raise OSError("the store went away")
+
+    monkeypatch.setattr(arrivals, "newest_version", broken)
+    reader = Arrivals(ObjectStore(str(tmp_path)), None, 0, poll_s=0.01)
+    with pytest.raises(OSError, match="the store went away"), reader:
+        for _ in range(3000):
+            reader.take(0)
+            time.sleep(0.01)
+    assert not reader._thread.is_alive()
+
+
+def test_the_reader_passes_over_a_damaged_version_for_the_next(tmp_path: Path) -> None:
+    """A version whose snapshot does not read whole is passed over (as the learner's own reading does); the
+    next version the syncer commits is handed over."""
+    run = ObjectStore(str(tmp_path))
+    weights = {"w": torch.tensor([1.0, 2.0])}
+    assert versions.commit(run, Version(0, "a"), weights, None, None)
+    assert versions.commit(run, Version(1, "b"), {"w": torch.tensor([3.0, 4.0])}, None, None)
+    damaged = next(
+        k for k in run.list_tree(layout.GLOBALS) if k.startswith("00000001-") and "manifest" not in k
+    )
+    run.put(f"{layout.GLOBALS}/{damaged}", b"not what the manifest says")
+    with Arrivals(run, None, 0, poll_s=0.01) as reader:
+        for _ in range(200):  # it tries version 1 and passes it over: nothing to hand over
+            assert reader.take(0) is None
+            time.sleep(0.01)
+        assert versions.commit(run, Version(2, "c"), {"w": torch.tensor([5.0, 6.0])}, None, None)
+        for _ in range(3000):
+            got = reader.take(0)
+            if got is not None:
+                break
+            time.sleep(0.01)
+    assert got is not None and got[0].version == 2 and torch.equal(got[1]["w"], torch.tensor([5.0, 6.0]))

@@ -184,18 +184,21 @@ def test_the_composer_objective_one_version_ahead_ends_with_its_eval_rollouts_an
     assert summary["rounds_committed"] == ROUNDS and summary["final_eval_reward"] is not None
     assert set(summary["eval_reward_by_task"]) == {"digit", "first", "last", "max"}
     by_rank = rows(run)
-    per_round = (
-        COMPOSER["rollout"]["prompts_per_step"] * COMPOSER["rollout"]["group_size"] * DILOCO["sync_every"]
-    )
+    per_step = COMPOSER["rollout"]["prompts_per_step"] * COMPOSER["rollout"]["group_size"]
     for rank in range(LEARNERS):
         assert max(by_rank[rank]) == ROUNDS
         for version, row in by_rank[rank].items():
-            # A row per version adopted, with the rollout figures of the rounds trained since the last one,
-            # and those rounds' rollouts recorded under the version.
-            assert row["version"] == version and row["train"]["rollout/tokens"] > 0 and row["completions"]
-            # (a completion drawn twice for one prompt is recorded once)
+            # A row per version adopted (on arrival, between inner steps: adopt_when's default), with the
+            # rollout figures of the contributions sent since the last one, and the rollouts of the steps
+            # trained since the last one recorded under the version: at most the rounds of those
+            # contributions and the steps of the round in progress (a completion drawn twice for one prompt
+            # is recorded once).
+            assert row["version"] == version and row["completions"]
+            if row["contributions"]:
+                assert row["train"]["rollout/tokens"] > 0
             recorded = [json.loads(line) for line in run.get(layout.rollouts(version, rank)).splitlines()]
-            assert 0 < len(recorded) <= per_round * len(row["contributions"])
+            steps = DILOCO["sync_every"] * len(row["contributions"]) + row["adopted_at_step"]
+            assert 0 < len(recorded) <= per_step * steps
             assert all(r["id"].startswith(f"r{rank}-k{version}-") and "reward" in r for r in recorded)
     evaluated = [rank for rank in range(LEARNERS) if "eval" in by_rank[rank][ROUNDS]]
     assert len(evaluated) == 1 and "eval/reward" in by_rank[evaluated[0]][ROUNDS]["eval"]

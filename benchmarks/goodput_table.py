@@ -1,0 +1,93 @@
+"""A table of decoupled configurations against lock-step at equal tokens, from ``benchmarks/goodput.py`` runs
+made apart (``--modes lock-step`` once per seed, ``--modes decoupled --set ...`` per configuration), so that a
+comparison of many configurations runs lock-step once:
+
+    python benchmarks/goodput_table.py docs/results/goodput/adopt
+
+reads every ``<dir>/*/results.json`` below it; per scenario and seed, each decoupled run is compared with the
+lock-step run of that scenario and seed by ``goodput.at_equal_tokens`` (the benchmark's own comparison), and
+the table is printed as markdown and written to ``<dir>/table.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from goodput import at_equal_tokens  # noqa: E402
+
+
+def table(root: Path) -> list[dict[str, Any]]:
+    """One row per decoupled run below ``root``, with its lock-step counterpart's figures."""
+    runs = {path.parent.name: json.loads(path.read_text()) for path in sorted(root.glob("*/results.json"))}
+    lock_step = {
+        (scenario, r["seed"]): row["lock-step"]
+        for r in runs.values()
+        for scenario, row in r["results"].items()
+        if "lock-step" in row
+    }
+    rows = []
+    for name, r in runs.items():
+        for scenario, row in r["results"].items():
+            if "decoupled" not in row or (scenario, r["seed"]) not in lock_step:
+                continue
+            ours, theirs = row["decoupled"], lock_step[(scenario, r["seed"])]
+            compared = at_equal_tokens(theirs["evals"], ours["evals"])
+            rows.append(
+                {
+                    "run": name,
+                    "scenario": scenario.split(":")[0],
+                    "seed": r["seed"],
+                    "set": r["decoupled"].get("set", []),
+                    "max_lag": r["decoupled"]["max_lag"],
+                    "goodput": ours["goodput"],
+                    "lock_step_goodput": theirs["goodput"],
+                    "at_equal_tokens": compared,
+                    "staleness": ours["staleness"],
+                    "merged_steps": ours["merged_steps"],
+                    "executed_steps": ours["executed_steps"],
+                }
+            )
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not Path(argv[0]).is_dir():
+        print(f"usage: python {sys.argv[0]} DIR (holding <run>/results.json)", file=sys.stderr)
+        return 2
+    root = Path(argv[0])
+    rows = table(root)
+    print(
+        "| run | scenario, seed | goodput lock-step / decoupled | loss at equal tokens, lock-step / decoupled "
+        "(gap) | decoupled to lock-step's final loss | steps merged / executed | staleness |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        c = row["at_equal_tokens"]
+        dec = c["decoupled"]
+        loss = (
+            f"{c['lock-step']['loss']:.3f} / {dec['loss']:.3f} ({100 * c['relative_gap']:+.1f} %)"
+            if dec
+            else f"{c['lock-step']['loss']:.3f} / not reached"
+        )
+        reached = c["to_lock_step_final_loss"]
+        to_final = (
+            f"{reached['s']:.1f} s vs {reached['lock_step_s']:.1f} s: {reached['ratio']:.2f}x"
+            if reached
+            else "not reached"
+        )
+        staleness = ", ".join(f"{age}: {n}" for age, n in row["staleness"].items())
+        print(
+            f"| {row['run']} | {row['scenario']}, {row['seed']} | {row['lock_step_goodput']:.3f} / "
+            f"{row['goodput']:.3f} | {loss} | {to_final} | {row['merged_steps']} / {row['executed_steps']} | "
+            f"{staleness} |"
+        )
+    (root / "table.json").write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
