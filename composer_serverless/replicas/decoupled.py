@@ -235,6 +235,8 @@ class DecoupledLearner(Replica):
         # the steps whose progress it carries: not those an overwriting adoption discarded
         steps = row["steps"] - self.discarded
         tokens = sum(int(trained_tokens(m) or 0) for m in self.meter.metrics[self.discarded :])
+        # the time those steps took, for the syncer's grace window (the lead's clock: its ranks step together)
+        seconds = sum(s["time_s"]["step"] for s in row["step_rows"][self.discarded :])
         if node.size > 1:  # each rank trained on its share of the learner's batch
             loss = row["train_loss"]
             row["train_loss"] = None if loss is None else node.sum([loss])[0] / node.size
@@ -245,7 +247,7 @@ class DecoupledLearner(Replica):
         sent = 0
         if node.lead:
             values = torch.cat([deltas[name].reshape(-1).to(torch.float32) for name in self.params])
-            contribution = Contribution(self.rank, self.seq, self.version, tokens, steps)
+            contribution = Contribution(self.rank, self.seq, self.version, tokens, steps, seconds)
             codec = wire_codec(dl.codec, dl)
             sent = store_versions.publish(
                 self.run_store, self.config.run_id or "", contribution, values, codec, self.key
