@@ -145,6 +145,7 @@ def test_two_syncers_cannot_both_commit_a_version(tmp_path: Path) -> None:
         ({"decoupled": {"min_quorum": 5}}, "cannot exceed diloco.replicas"),
         ({"decoupled": {"max_lag": 2, "max_age": 1}}, "must be at least max_lag"),
         ({"decoupled": {"keep_versions": 0}}, "keep_versions"),
+        ({"decoupled": {"grace_gamma": 1.0}}, "grace_gamma"),
         ({"decoupled": {"outer": "delayed_nesterov"}, "nesterov": False}, "needs nesterov = true"),
     ],
 )
