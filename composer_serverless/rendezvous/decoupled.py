@@ -13,7 +13,8 @@
   says what the merge took: ``consumed`` (per learner, the next sequence number not yet taken, so a
   contribution is merged at most once whichever syncer resumes), which contributions it merged or
   dropped, and the grace window the syncer gave the learners missing from its quorum (``grace_s``; a
-  record written before the field existed has none, and a reader of that time ignores it). Whoever loses the creation of a record wrote its snapshots under its own name and discards them.
+  record written before the field existed has none, and a reader of that time ignores it). Whoever loses
+  the creation of a record wrote its snapshots under its own name and discards them.
   It also names its ``parent``, the version whose global the merge stepped from: the one before it, but after
   a rollback (``newest_intact``) the newest intact one.
 
@@ -67,8 +68,10 @@ class Contribution:
     def step_s(self) -> float | None:
         """Seconds per inner step, when known (a header's time that is not a finite non-negative number counts
         as unknown: it cannot be a measure)."""
-        known = self.seconds is not None and math.isfinite(self.seconds) and self.seconds >= 0
-        return self.seconds / self.steps if known and self.steps > 0 else None  # type: ignore[operator]
+        seconds = self.seconds
+        if seconds is None or not math.isfinite(seconds) or seconds < 0 or self.steps <= 0:
+            return None
+        return seconds / self.steps
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,8 @@ class Version:
     # The version whose global this one's merge stepped from (-1: none, version 0): ``version - 1``, or after
     # a rollback past damaged versions the newest intact one (what those took is taken again, by this one).
     parent: int = -1
-    # Seconds the syncer waited, once its quorum was in, for the learners missing from it (None: it did not
-    # wait for a grace: every learner's contribution was in when it had the quorum, or it waited for all).
+    # The grace window, in seconds, the syncer gave the learners missing from its quorum once that was in (it
+    # merged sooner if they all came; None: it gave none, every learner's was in at once, or it waited for all).
     grace_s: float | None = None
 
     def to_json(self) -> bytes:

@@ -73,7 +73,8 @@ def run_syncer(run: ObjectStore) -> None:
 
 class Gathered(NamedTuple):
     """What a merge takes: per learner, its unconsumed contributions' sequence numbers; and the grace window
-    the syncer gave the learners missing from its quorum (None: it gave none, every learner's was in)."""
+    the syncer gave the learners missing from its quorum (None: it gave none: every learner's was in at
+    once, or it waited for every learner)."""
 
     taken: dict[int, list[int]]
     grace_s: float | None = None
