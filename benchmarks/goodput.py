@@ -40,8 +40,10 @@ lifetimes (sampled every ``POLL_S``):
   entered (lock-step: always 0, every round starts from the last global).
 
 The decoupled side launches ``diloco.mode = "decoupled"`` with a quorum of ``MIN_QUORUM`` of the 4 learners,
-a grace of ``GRACE_S`` and ``max_lag = MAX_LAG`` (learners never wait for the syncer; ``--max-lag 0`` makes
-each wait for the merge of its own last contribution, no staleness from the learners' side), and the other
+a grace of at most ``GRACE_S`` (the adaptive window of ``grace_gamma``'s default: runs recorded before it
+existed waited ``GRACE_S`` itself) and ``max_lag = MAX_LAG`` (learners never wait for the syncer;
+``--max-lag 0`` makes each wait for the merge of its own last contribution, no staleness from the learners'
+side), and the other
 settings of ``diloco.decoupled`` at their defaults but those ``--set KEY=VALUE`` changes (repeatable, as the
 CLI's ``--set``, checked by the config's own validation before anything runs; e.g. ``--set
 diloco.decoupled.outer=delayed_nesterov``), written into results.json with the rest of its settings.
@@ -97,7 +99,7 @@ POLL_S = 0.05
 MAX_RESTARTS = 10  # per learner: the executor's limit
 MODES = ("lock-step", "decoupled")
 # The decoupled side: a syncer that merges once 2 of the 4 learners' contributions are in, plus a short grace
-# for more, and learners that never wait for it (a contribution may be 1 unmerged when the next round
+# for more (the adaptive window, at most GRACE_S), and learners that never wait for it (a contribution may be 1 unmerged when the next round
 # starts). It may commit up to LEARNERS / MIN_QUORUM times as many versions as lock-step has rounds, so the
 # work it may merge is at least lock-step's; both stop as soon as their last global is committed.
 MIN_QUORUM = 2

@@ -20,11 +20,24 @@ class DecoupledConfig(StrictModel):
         "unset: every learner (diloco.replicas), the lock-step schedule",
     )
     grace_s: float | None = Field(
-        0.0,
+        None,
         ge=0,
-        description="once min_quorum contributions are in, seconds the syncer waits for more learners' "
-        "before it merges (a bound: it merges at once when every learner's is in); unset: no bound, it "
-        "waits for every learner",
+        description="once min_quorum contributions are in, the longest the syncer waits for more learners' "
+        "before it merges (it merges at once when every learner's is in). With grace_gamma set, a bound on "
+        "the adaptive window (unset: the window alone); with grace_gamma unset, the window itself (unset: "
+        "no bound, it waits for every learner)",
+    )
+    grace_gamma: float | None = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="the adaptive grace window (Decoupled DiLoCo): once min_quorum contributions are in, "
+        "wait grace_gamma * slack, slack = tau * t_step - (t_quorum + t_sync), the time the learners' next "
+        "inner steps hide beyond the quorum's wait and the syncer's last merge and commit (tau = sync_every "
+        "with max_lag >= 1; with max_lag 0 the learners wait for the merge, nothing is hidden, the window is "
+        "0), bounded by grace_s. Below 1 so the wait stays inside the overlap; 0.5 keeps half of it as a "
+        "margin for the estimates (t_step is the median of the quorum's contributions' seconds per step, "
+        "t_sync the syncer's previous merge). Unset: the fixed window grace_s",
     )
     max_lag: int = Field(
         0,

@@ -3,15 +3,18 @@
 * A **contribution** is one learner's pseudo-gradient (its progress not sent yet: the parameters of its
   last contribution or adoption minus its local parameters, one flat tensor in the global's parameter
   order) through the run's codec, with its checksum or, with a run key, its MAC. Its header names the run,
-  the learner, its sequence number, the global version it holds (``base``) and the tokens and inner steps
-  it covers. Created once under
+  the learner, its sequence number, the global version it holds (``base``), the tokens and inner steps
+  it covers and the seconds those steps took (``seconds``, which the syncer's grace window reads; a header
+  written before the field existed has none: unknown). Created once under
   ``layout.contribution(learner, seq)``: an input is immutable once written, as in lock-step's exchange.
 * A **global version** ``v`` is two snapshots (``checkpoint.write_snapshot``: manifest last, checksums or
   MACs): the parameters, which learners load, and the syncer's outer optimizer state, which only a syncer
   loads; then the record ``layout.version(v)``, created once. The record names the snapshots' writer and
   says what the merge took: ``consumed`` (per learner, the next sequence number not yet taken, so a
-  contribution is merged at most once whichever syncer resumes) and which contributions it merged or
-  dropped. Whoever loses the creation of a record wrote its snapshots under its own name and discards them.
+  contribution is merged at most once whichever syncer resumes), which contributions it merged or
+  dropped, and the grace window the syncer gave the learners missing from its quorum (``grace_s``; a
+  record written before the field existed has none, and a reader of that time ignores it). Whoever loses
+  the creation of a record wrote its snapshots under its own name and discards them.
   It also names its ``parent``, the version whose global the merge stepped from: the one before it, but after
   a rollback (``newest_intact``) the newest intact one.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +62,16 @@ class Contribution:
     base: int  # the global version the learner started from
     tokens: int
     steps: int
+    seconds: float | None = None  # the time its inner steps took (None: a header written before the field)
+
+    @property
+    def step_s(self) -> float | None:
+        """Seconds per inner step, when known (a header's time that is not a finite non-negative number counts
+        as unknown: it cannot be a measure)."""
+        seconds = self.seconds
+        if seconds is None or not math.isfinite(seconds) or seconds < 0 or self.steps <= 0:
+            return None
+        return seconds / self.steps
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,9 @@ class Version:
     # The version whose global this one's merge stepped from (-1: none, version 0): ``version - 1``, or after
     # a rollback past damaged versions the newest intact one (what those took is taken again, by this one).
     parent: int = -1
+    # The grace window, in seconds, the syncer gave the learners missing from its quorum once that was in (it
+    # merged sooner if they all came; None: it gave none, every learner's was in at once, or it waited for all).
+    grace_s: float | None = None
 
     def to_json(self) -> bytes:
         record = {
@@ -85,6 +102,7 @@ class Version:
             "dropped": self.dropped,
             "embeddings": self.embeddings,
             "parent": self.parent,
+            "grace_s": self.grace_s,
         }
         return json.dumps(record).encode()
 
@@ -99,6 +117,7 @@ class Version:
             dropped=list(data["dropped"]),
             embeddings=[str(name) for name in data["embeddings"]],
             parent=int(data.get("parent", int(data["version"]) - 1)),
+            grace_s=None if data.get("grace_s") is None else float(data["grace_s"]),
         )
 
 
@@ -118,6 +137,8 @@ def publish(
     already wrote it: inputs are immutable, the stored one counts)."""
     c = contribution
     identity = {**_identity(run_id, c.learner, c.seq), **{f: str(getattr(c, f)) for f in _FIELDS}}
+    if c.seconds is not None:
+        identity["seconds"] = repr(float(c.seconds))
     parts = encode_parts(values, identity, codec, key)
     if store.create(layout.contribution(c.learner, c.seq), parts):
         return sum(len(p) for p in parts)
@@ -155,7 +176,8 @@ def read_contribution(
     metadata = read_header(data)[0]["__metadata__"]
     assert isinstance(metadata, dict)
     fields = {f: int(metadata[f]) for f in _FIELDS}
-    return Contribution(learner, seq, **fields), values
+    seconds = float(metadata["seconds"]) if "seconds" in metadata else None
+    return Contribution(learner, seq, **fields, seconds=seconds), values
 
 
 def read_version(store: ObjectStore, v: int) -> Version:

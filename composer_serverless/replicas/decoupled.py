@@ -141,6 +141,7 @@ class DecoupledLearner(Replica):
             if node.lead and store_versions.commit(store, record, initial, None, self.key):
                 self.log.info("wrote global version 0 (the initial weights)")
             newest = node.broadcast(0)  # once the lead's commit returned: its ranks read what it wrote
+        self._evaluate_initial()
         params: dict[str, torch.Tensor] = {}  # read by the lead, scattered by _adopt
         if node.lead:
             record, params, _ = store_versions.newest_intact(store, newest, self.key, outer=False)
@@ -153,6 +154,22 @@ class DecoupledLearner(Replica):
         self._adopt(record, params)
         self._restore_own(record.version)
         return record
+
+    def _evaluate_initial(self) -> None:
+        """The lowest-rank learner scores version 0, the initial model, as lock-step's replicas score round 0
+        (the row of round 0 with its ``eval``, which status, the report and the trackers read as the initial
+        evaluation). It scores its own weights, freshly loaded and checked against the run's initial digest
+        (``check_initial_weights``: what version 0 holds, whichever learner wrote it), before it adopts any
+        version: so however late it starts, and even if the syncer has pruned version 0, it scores the initial
+        model. The other learners train on meanwhile; a restart that finds the row written does not score again."""
+        if self.rank != 0:
+            return
+        lead = self.node.lead
+        if self.node.broadcast(int(self.run_store.exists(layout.metrics(self.rank, 0))) if lead else 0):
+            return
+        initial = self._evaluate(0, [self.rank])
+        if initial is not None:
+            self.reporter.round(0, {"eval": initial, "time": time.time()})
 
     def _restore_own(self, version: int) -> None:
         """Continue this learner's inner loop from its newest own state whose contribution is in the store
@@ -235,6 +252,8 @@ class DecoupledLearner(Replica):
         # the steps whose progress it carries: not those an overwriting adoption discarded
         steps = row["steps"] - self.discarded
         tokens = sum(int(trained_tokens(m) or 0) for m in self.meter.metrics[self.discarded :])
+        # the time those steps took, for the syncer's grace window (the lead's clock: its ranks step together)
+        seconds = sum(s["time_s"]["step"] for s in row["step_rows"][self.discarded :])
         if node.size > 1:  # each rank trained on its share of the learner's batch
             loss = row["train_loss"]
             row["train_loss"] = None if loss is None else node.sum([loss])[0] / node.size
@@ -245,7 +264,7 @@ class DecoupledLearner(Replica):
         sent = 0
         if node.lead:
             values = torch.cat([deltas[name].reshape(-1).to(torch.float32) for name in self.params])
-            contribution = Contribution(self.rank, self.seq, self.version, tokens, steps)
+            contribution = Contribution(self.rank, self.seq, self.version, tokens, steps, seconds)
             codec = wire_codec(dl.codec, dl)
             sent = store_versions.publish(
                 self.run_store, self.config.run_id or "", contribution, values, codec, self.key

@@ -1,7 +1,9 @@
 """The syncer: a CPU process that turns the learners' contributions into global versions, one merge at a time.
 
 Each merge: wait until contributions from ``diloco.decoupled.min_quorum`` learners are in the store (every
-learner by default), then at most ``grace_s`` more for the others (at once when every learner's is in); take
+learner by default), then a grace window for the others (at once when every learner's is in): with
+``grace_gamma``, the share of the slack the learners' overlap hides (``merge.grace_window``: wait only as long
+as the learners' next inner steps hide), bounded by ``grace_s``; without, ``grace_s`` itself; take
 every contribution not yet consumed; drop those that fail their checks (checksum, MAC, identity, finite), whose
 base version is more than ``max_age`` behind, or whose norm is an outlier (``robust.outliers``, as lock-step's
 exchange); weigh the rest (``merge.contribution_weight``) and merge them tensor by tensor (``merge.py``: with
@@ -23,8 +25,11 @@ rollback to a kept version takes.
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,7 +43,7 @@ from composer_serverless.rendezvous.robust import outliers
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
-from composer_serverless.syncer.merge import contribution_weight, merge_tensors
+from composer_serverless.syncer.merge import contribution_weight, grace_window, merge_tensors
 from composer_serverless.syncer.outer import outer_optimizer
 from composer_serverless.syncer.prune import prune
 
@@ -66,11 +71,30 @@ def run_syncer(run: ObjectStore) -> None:
         raise
 
 
-class Syncer:
-    """One syncer process's merges (see the module)."""
+class Gathered(NamedTuple):
+    """What a merge takes: per learner, its unconsumed contributions' sequence numbers; and the grace window
+    the syncer gave the learners missing from its quorum (None: it gave none: every learner's was in at
+    once, or it waited for every learner)."""
 
-    def __init__(self, run: ObjectStore, config: RunConfig, key: RunKey | None, reporter: Reporter) -> None:
+    taken: dict[int, list[int]]
+    grace_s: float | None = None
+
+
+class Syncer:
+    """One syncer process's merges (see the module). ``clock`` and ``sleep`` are its time: the grace window
+    is measured and waited with them (a test drives them instead of the wall clock)."""
+
+    def __init__(
+        self,
+        run: ObjectStore,
+        config: RunConfig,
+        key: RunKey | None,
+        reporter: Reporter,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         dl = config.diloco
+        self.clock, self.sleep = clock, sleep
         self.reporter = reporter
         self.run_store = run
         self.config = config
@@ -84,13 +108,15 @@ class Syncer:
         self.outer: torch.optim.Optimizer | None = None
         self.record = Version(-1, "")  # the version whose global it holds, and what that one's merge took
         self.newest = -1  # the newest version committed: the record's, unless damaged ones were passed over
+        self.sync_s = 0.0  # its last merge's time, from reading the contributions to the commit (0: none yet)
+        # Contributions the grace window's estimate read, kept for the merge that takes them (read once)
+        self.read: dict[tuple[int, int], tuple[Contribution, torch.Tensor]] = {}
 
     def run(self) -> None:
         self._load(self._first_version())
         self._prune()  # what a predecessor killed between its commit and its pruning left
         while self.newest < self.config.diloco.rounds:
-            taken = self._gather()
-            self._merge(taken)
+            self._merge(self._gather())
         logger.info("committed the run's last global version (%d): done", self.newest)
         self._beat("done")
 
@@ -109,7 +135,7 @@ class Syncer:
             if not told:
                 logger.info("waiting for a learner to write global version 0 (the initial weights)")
                 told = True
-            time.sleep(self.config.diloco.decoupled.poll_s)
+            self.sleep(self.config.diloco.decoupled.poll_s)
         return newest
 
     def _load(self, v: int) -> None:
@@ -143,23 +169,79 @@ class Syncer:
         else:
             logger.info("holding global version %d (consumed %s)", v, record.consumed)
 
-    def _gather(self) -> dict[int, list[int]]:
+    def _gather(self) -> Gathered:
         """Per learner, its unconsumed contributions, once the quorum and the grace window allow a merge."""
-        dc = self.config.diloco.decoupled
-        deadline: float | None = None
+        started = self.clock()
+        grace: float | None = None  # once the quorum is in (math.inf: wait for every learner)
+        deadline = math.inf
         self._beat("waiting")
         while True:
             waiting = versions.waiting(self.run_store, self.learners, self.record.consumed)
             if len(waiting) == self.learners:
-                return waiting
-            if len(waiting) >= self.quorum and dc.grace_s is not None:
-                now = time.monotonic()
-                deadline = now + dc.grace_s if deadline is None else deadline
+                return Gathered(waiting, grace if grace is not None and math.isfinite(grace) else None)
+            now = self.clock()
+            if len(waiting) >= self.quorum:
+                if grace is None:  # the quorum is in: the window starts
+                    grace = self._grace(waiting, quorum_s=now - started)
+                    deadline = now + grace
                 if now >= deadline:
-                    return waiting
-            time.sleep(dc.poll_s)
+                    return Gathered(waiting, grace)
+            self.sleep(self.config.diloco.decoupled.poll_s)
 
-    def _merge(self, taken: dict[int, list[int]]) -> None:
+    def _grace(self, waiting: dict[int, list[int]], quorum_s: float) -> float:
+        """How long to wait for the learners missing from the quorum (``math.inf``: for every one of them):
+        ``grace_s``, or with ``grace_gamma`` the adaptive window (``merge.grace_window``) from the median seconds
+        per step of the contributions in hand, ``quorum_s`` (the wait for the quorum) and this syncer's last
+        merge's time. Without a known step time (headers written before they carried one) the fixed rule."""
+        dl = self.config.diloco
+        dc = dl.decoupled
+        bound = math.inf if dc.grace_s is None else dc.grace_s
+        missing = sorted(set(range(self.learners)) - set(waiting))
+        if dc.grace_gamma is None:
+            logger.info("quorum in after %.2fs: waiting up to %s s for learners %s", quorum_s, bound, missing)
+            return bound
+        step_s = self._step_s(waiting)
+        if step_s is None:
+            logger.info("no contribution in hand says its step time: waiting up to %s s (grace_s)", bound)
+            return bound
+        tau = dl.sync_every if dc.max_lag >= 1 else 0  # with max_lag 0 the learners wait: nothing hidden
+        grace = grace_window(
+            tau=tau, step_s=step_s, quorum_s=quorum_s, sync_s=self.sync_s, gamma=dc.grace_gamma, bound_s=bound
+        )
+        logger.info(
+            "quorum in after %.2fs: waiting %.2fs for learners %s (%s x (%d steps x %.3fs - %.2fs - last merge "
+            "%.2fs), at most %s s)",
+            quorum_s,
+            grace,
+            missing,
+            dc.grace_gamma,
+            tau,
+            step_s,
+            quorum_s,
+            self.sync_s,
+            bound,
+        )
+        return grace
+
+    def _step_s(self, waiting: dict[int, list[int]]) -> float | None:
+        """The median seconds per inner step of the contributions in hand (read here, kept for the merge),
+        None if none says."""
+        run_id, numel = self.config.run_id or "", sum(t.numel() for t in self.params.values())
+        for learner, seqs in waiting.items():
+            for seq in seqs:
+                if (learner, seq) not in self.read:
+                    try:
+                        self.read[(learner, seq)] = versions.read_contribution(
+                            self.run_store, run_id, learner, seq, self.codec, numel, self.key
+                        )
+                    except (PayloadError, FileNotFoundError, ValueError):
+                        continue  # the merge reads it again and drops it, saying why
+        known = [s for c, _ in self.read.values() if (s := c.step_s) is not None]
+        return statistics.median(known) if known else None
+
+    def _merge(self, gathered: Gathered) -> None:
+        started = self.clock()
+        taken, read, self.read = gathered.taken, self.read, {}
         dl = self.config.diloco
         v = self.newest
         numel = sum(t.numel() for t in self.params.values())
@@ -171,7 +253,7 @@ class Syncer:
         for learner, seqs in sorted(taken.items()):
             for seq in seqs:
                 try:
-                    c, values = versions.read_contribution(
+                    c, values = read.get((learner, seq)) or versions.read_contribution(
                         self.run_store, run_id, learner, seq, self.codec, numel, self.key
                     )
                     weight = contribution_weight(
@@ -208,19 +290,30 @@ class Syncer:
         if good:
             self._outer_step(self._merged([values for _, values in good.values()], weights))
         record = Version(
-            v + 1, self.writer, consumed, merged, dropped, self.record.embeddings, parent=self.record.version
+            v + 1,
+            self.writer,
+            consumed,
+            merged,
+            dropped,
+            self.record.embeddings,
+            parent=self.record.version,
+            grace_s=gathered.grace_s,
         )
         outer = self.outer.state_dict() if self.outer is not None else None
-        if versions.commit(self.run_store, record, self.params, outer, self.key):
+        committed = versions.commit(self.run_store, record, self.params, outer, self.key)
+        self.sync_s = self.clock() - started
+        if committed:
             self.record, self.newest = record, record.version
             self._prune()
             logger.info(
-                "merged version %d: %d contributions %s, staleness %s, dropped %d",
+                "merged version %d: %d contributions %s, staleness %s, dropped %d, grace %s s, in %.2fs",
                 v + 1,
                 len(merged),
                 merged,
                 [v - c.base for c, _ in good.values()],
                 len(dropped),
+                gathered.grace_s,
+                self.sync_s,
             )
         else:
             logger.warning("another syncer committed version %d first: continuing from its", v + 1)

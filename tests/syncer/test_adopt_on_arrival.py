@@ -73,10 +73,15 @@ def test_learners_adopt_mid_round_and_count_only_the_steps_they_send(
             assert header["steps"] == row["steps"] - dropped > 0
             assert header["tokens"] == sum(s["tokens"] for s in row["step_rows"][dropped:])
             assert header["base"] == row["base_version"]
+            # the time of the steps it carries, which the syncer's grace window reads
+            assert header["seconds"] == sum(s["time_s"]["step"] for s in row["step_rows"][dropped:]) > 0
 
 
-def contribution_header(run: ObjectStore, learner: int, seq: int) -> dict[str, int]:
+def contribution_header(run: ObjectStore, learner: int, seq: int) -> dict[str, float]:
     """A contribution's header (its safetensors metadata), no tensor decoded."""
     meta = read_header(run.get(layout.contribution(learner, seq)))[0]["__metadata__"]
     assert isinstance(meta, dict)
-    return {field: int(meta[field]) for field in ("base", "tokens", "steps")}
+    return {
+        **{field: int(meta[field]) for field in ("base", "tokens", "steps")},
+        "seconds": float(meta["seconds"]),
+    }

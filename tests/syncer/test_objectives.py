@@ -184,6 +184,13 @@ def test_the_composer_objective_one_version_ahead_ends_with_its_eval_rollouts_an
     assert summary["rounds_committed"] == ROUNDS and summary["final_eval_reward"] is not None
     assert set(summary["eval_reward_by_task"]) == {"digit", "first", "last", "max"}
     by_rank = rows(run)
+    # The initial model's evaluation, scored by learner 0 as version 0's (round 0's row, as lock-step's).
+    assert summary["initial_eval_reward"] is not None and set(by_rank[0].pop(0)) == {
+        "rank",
+        "round",
+        "eval",
+        "time",
+    }
     per_step = COMPOSER["rollout"]["prompts_per_step"] * COMPOSER["rollout"]["group_size"]
     for rank in range(LEARNERS):
         assert max(by_rank[rank]) == ROUNDS
@@ -206,7 +213,7 @@ def test_the_composer_objective_one_version_ahead_ends_with_its_eval_rollouts_an
     events.Reload()
     steps = ROUNDS * DILOCO["sync_every"]
     assert [e.step for e in events.Scalars("rollout/reward_mean")] == list(range(1, steps + 1))
-    assert [e.step for e in events.Scalars("eval/reward")] == [steps]
+    assert [e.step for e in events.Scalars("eval/reward")] == [0, steps]
     # The export is the final version's global.
     export(run.url, tmp_path / "out")
     exported = load_file(tmp_path / "out" / "model.safetensors")

@@ -1,20 +1,27 @@
 """Decoupled mode's oracle: with a quorum of every learner, equal speeds, no faults and ``max_lag = 0``, its
 learners and syncer (real processes, on the simulated accelerator) end on lock-step DiLoCo's final global,
-bit for bit: the same inner steps, the same mean in the same order, the same outer Nesterov step."""
+bit for bit: the same inner steps, the same mean in the same order, the same outer Nesterov step. Its
+initial evaluation (version 0, scored by learner 0) is the initial weights' and lock-step's round 0's."""
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
+from composer_serverless.accelerator.simulated import simulated
+from composer_serverless.config import RunConfig
+from composer_serverless.objectives.objective import evaluate, make_objective
 from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous import decoupled as versions
+from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
-from composer_serverless.replicas.weights import digest
+from composer_serverless.replicas import precision
+from composer_serverless.replicas.weights import digest, load_run_model
 from tests.conftest import ran_on_the_simulated_accelerator, replicas_on_the_simulated_accelerator
 from tests.rendezvous.harness import create, make_config, run_replicas
 from tests.syncer.processes import run_decoupled
@@ -33,6 +40,18 @@ def lockstep_final(run, rounds: int = ROUNDS) -> dict[str, torch.Tensor]:
     return {name.replace("__", "."): tensor for name, tensor in originals.items()}
 
 
+def scored_initial(run: ObjectStore, config: RunConfig) -> dict[str, float]:
+    """The objective's evaluation of the run's initial weights (its model, loaded with its seed), scored
+    whole in this process, on the simulated accelerator as a replica scores."""
+    with tempfile.TemporaryDirectory() as cache, simulated():
+        torch.manual_seed(config.seed)
+        loaded = load_run_model(run, config, Path(cache))
+        model = loaded.model.to("cuda")
+        objective = make_objective(config, loaded.tokenizer, 0, model=model)
+        with precision.compute(config.model, torch.device("cuda")):
+            return evaluate(objective, model)
+
+
 @pytest.mark.slow
 def test_decoupled_with_a_full_quorum_ends_on_lockstep_bit_for_bit(
     tmp_path: Path, tiny_model_dir: Path
@@ -41,7 +60,8 @@ def test_decoupled_with_a_full_quorum_ends_on_lockstep_bit_for_bit(
     with replicas_on_the_simulated_accelerator():
         lockstep = create(make_config(store, "lockstep", tiny_model_dir, **SETTINGS))
         assert run_replicas(lockstep, tmp_path / "lockstep-logs", LEARNERS) == [0] * LEARNERS
-        decoupled = create(make_config(store, "decoupled", tiny_model_dir, mode="decoupled", **SETTINGS))
+        config = make_config(store, "decoupled", tiny_model_dir, mode="decoupled", **SETTINGS)
+        decoupled = create(config)
         assert run_decoupled(decoupled, tmp_path / "decoupled-logs", LEARNERS) == [0] * (LEARNERS + 1)
     assert ran_on_the_simulated_accelerator(tmp_path / "lockstep-logs")
     assert ran_on_the_simulated_accelerator(tmp_path / "decoupled-logs")
@@ -66,3 +86,17 @@ def test_decoupled_with_a_full_quorum_ends_on_lockstep_bit_for_bit(
         json.loads(decoupled.get(layout.metrics(r, ROUNDS))).get("global_sha256") for r in range(LEARNERS)
     }
     assert held == {digest(merged)}
+
+    # Version 0 scored by learner 0 alone, in round 0's row as lock-step's replicas score round 0: the
+    # initial weights' evaluation, and lock-step's (scored there in shares).
+    initial = json.loads(decoupled.get(layout.metrics(0, 0)))["eval"]
+    assert initial == pytest.approx(scored_initial(decoupled, config), rel=1e-6)
+    assert initial == pytest.approx(json.loads(lockstep.get(layout.metrics(0, 0)))["eval"], rel=1e-6)
+    assert [decoupled.exists(layout.metrics(r, 0)) for r in range(LEARNERS)] == [True, False, False]
+    # Each contribution says how long its inner steps took (the syncer's grace window reads it): here the
+    # last ones, which the kept version before the last had not consumed.
+    for learner in range(LEARNERS):
+        c, _ = versions.read_contribution(
+            decoupled, "decoupled", learner, ROUNDS - 1, "fp32", sum(t.numel() for t in merged.values()), None
+        )
+        assert c.steps == config.diloco.sync_every and c.step_s is not None and c.step_s > 0

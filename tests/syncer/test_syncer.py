@@ -3,6 +3,8 @@ drops and records, and its commit against a second syncer."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,8 +46,16 @@ def run_of(tmp_path: Path, store: str | None = None, **decoupled: object) -> tup
     return run, Syncer(run, config, None, Reporter(run, 3))
 
 
-def send(run: ObjectStore, learner: int, seq: int, values: list[float], base: int = 0) -> None:
-    c = Contribution(learner, seq, base, tokens=10, steps=4)
+def send(
+    run: ObjectStore,
+    learner: int,
+    seq: int,
+    values: list[float],
+    base: int = 0,
+    seconds: float | None = None,
+    steps: int = 4,
+) -> None:
+    c = Contribution(learner, seq, base, tokens=10, steps=steps, seconds=seconds)
     assert versions.publish(run, "hand", c, torch.tensor(values), "fp32", None) > 0
 
 
@@ -135,6 +145,7 @@ def test_two_syncers_cannot_both_commit_a_version(tmp_path: Path) -> None:
         ({"decoupled": {"min_quorum": 5}}, "cannot exceed diloco.replicas"),
         ({"decoupled": {"max_lag": 2, "max_age": 1}}, "must be at least max_lag"),
         ({"decoupled": {"keep_versions": 0}}, "keep_versions"),
+        ({"decoupled": {"grace_gamma": 1.0}}, "grace_gamma"),
         ({"decoupled": {"outer": "delayed_nesterov"}, "nesterov": False}, "needs nesterov = true"),
     ],
 )
@@ -219,3 +230,120 @@ def test_token_weights_and_delayed_nesterov_reach_the_merge(tmp_path: Path) -> N
     merged = (25 * 1.0 + 225 * 3.0 + 25 * 2.8) / 275
     after = versions.load_params(run, versions.read_version(run, 1), None)
     assert torch.allclose(after["w"], torch.tensor([1.0, 2.0]) - LR * merged / 3, rtol=0, atol=1e-6)
+
+
+class FakeTime:
+    """The syncer's clock and sleep, driven by the test: time passes only in ``sleep`` (and ``advance``), and
+    each event scheduled with ``at`` runs once the time reaches it, as a contribution arriving meanwhile."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.events: list[tuple[float, Callable[[], None]]] = []
+
+    def at(self, when: float, event: Callable[[], None]) -> None:
+        self.events.append((when, event))
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+        due = [e for e in self.events if e[0] <= self.now]
+        self.events = [e for e in self.events if e[0] > self.now]
+        for _, event in sorted(due, key=lambda e: e[0]):
+            event()
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def timed_syncer(tmp_path: Path, **decoupled: object) -> tuple[ObjectStore, Syncer, FakeTime]:
+    """``run_of``'s run and a syncer on a ``FakeTime`` polling every 0.5 s, holding version 0."""
+    run, syncer = run_of(tmp_path, poll_s=0.5, **decoupled)
+    time = FakeTime()
+    syncer = Syncer(run, syncer.config, None, syncer.reporter, clock=time.clock, sleep=time.sleep)
+    syncer._load(0)
+    return run, syncer, time
+
+
+def test_the_adaptive_grace_waits_gamma_times_the_slack_the_overlap_hides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tau = sync_every = 4 (max_lag 1), gamma 0.5, no grace_s bound. Version 1: learners 0 (8 s for 4 steps)
+    and 2 (12 s) arrive at 1 s and 2 s: the quorum took 2 s, no merge yet (t_sync 0), the median step 2.5 s:
+    grace = 0.5 * (4 * 2.5 - 2) = 4 s, so it merges at 6 s without learner 1, who comes at 7 s. Its commit
+    takes 1.5 s on the syncer's clock. Version 2: learner 1 (16 s) and learner 0's second (8 s) make the
+    quorum at 9 s, 1.5 s after the wait began: grace = 0.5 * (4 * median(4, 2) - 1.5 - 1.5) = 4.5 s, and
+    learner 2's second, at 12 s, is in time: every learner's is in, it merges at once."""
+    run, syncer, time = timed_syncer(tmp_path, min_quorum=2, max_lag=1, grace_gamma=0.5)
+    commit = versions.commit
+
+    def slow_commit(*args: object, **kwargs: object) -> bool:
+        time.advance(1.5)
+        return commit(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(versions, "commit", slow_commit)
+    time.at(1.0, lambda: send(run, 0, 0, [1.0, 1.0, 1.0], seconds=8.0))
+    time.at(2.0, lambda: send(run, 2, 0, [3.0, 3.0, 3.0], seconds=12.0))
+    time.at(7.0, lambda: send(run, 1, 0, [2.0, 2.0, 2.0], seconds=16.0))
+    time.at(9.0, lambda: send(run, 0, 1, [1.0, 1.0, 1.0], base=1, seconds=8.0))
+    time.at(12.0, lambda: send(run, 2, 1, [1.0, 1.0, 1.0], base=1, seconds=8.0))
+
+    gathered = syncer._gather()
+    assert (time.now, gathered.grace_s, gathered.taken) == (6.0, 4.0, {0: [0], 2: [0]})
+    syncer._merge(gathered)
+    assert (time.now, syncer.sync_s) == (7.5, 1.5)
+    first = versions.read_version(run, 1)
+    assert (first.grace_s, first.merged) == (4.0, [[0, 0], [2, 0]])
+
+    gathered = syncer._gather()
+    assert (time.now, gathered.grace_s) == (12.0, 4.5)
+    syncer._merge(gathered)
+    second = versions.read_version(run, 2)
+    assert (second.grace_s, second.merged) == (4.5, [[0, 1], [1, 0], [2, 1]])
+
+
+@pytest.mark.parametrize(
+    ("settings", "seconds", "merged_at", "grace"),
+    [
+        # grace_gamma unset: today's fixed window, grace_s after the quorum (at 2 s)
+        ({"grace_gamma": None, "grace_s": 3.0, "max_lag": 1}, 8.0, 5.0, 3.0),
+        # the adaptive window 0.5 * (4 * 2 - 2) = 3 s, bounded by grace_s
+        ({"grace_s": 1.0, "max_lag": 1}, 8.0, 3.0, 1.0),
+        # max_lag 0: the learners wait for this merge, nothing is hidden (tau = 0): no wait at all
+        ({"max_lag": 0}, 8.0, 2.0, 0.0),
+        # headers without a step time (older learners): the fixed rule, grace_s
+        ({"grace_s": 2.5, "max_lag": 1}, None, 4.5, 2.5),
+    ],
+)
+def test_the_grace_rule_for_each_setting(
+    tmp_path: Path, settings: dict, seconds: float | None, merged_at: float, grace: float
+) -> None:
+    run, syncer, time = timed_syncer(tmp_path, min_quorum=2, **settings)
+    time.at(1.0, lambda: send(run, 0, 0, [1.0, 1.0, 1.0], seconds=seconds))
+    time.at(2.0, lambda: send(run, 2, 0, [3.0, 3.0, 3.0], seconds=seconds))
+    time.at(9.0, lambda: send(run, 1, 0, [2.0, 2.0, 2.0], seconds=seconds))
+    gathered = syncer._gather()
+    assert (time.now, gathered.grace_s, gathered.taken) == (merged_at, grace, {0: [0], 2: [0]})
+
+
+def test_grace_unset_and_no_gamma_waits_for_every_learner_and_records_no_window(tmp_path: Path) -> None:
+    run, syncer, time = timed_syncer(tmp_path, min_quorum=2, grace_gamma=None, grace_s=None)
+    time.at(1.0, lambda: send(run, 0, 0, [1.0, 1.0, 1.0], seconds=8.0))
+    time.at(2.0, lambda: send(run, 2, 0, [3.0, 3.0, 3.0], seconds=8.0))
+    time.at(30.0, lambda: send(run, 1, 0, [2.0, 2.0, 2.0], seconds=8.0))
+    gathered = syncer._gather()
+    assert (time.now, gathered.grace_s, sorted(gathered.taken)) == (30.0, None, [0, 1, 2])
+
+
+def test_a_contribution_says_its_seconds_and_old_headers_and_records_still_read(tmp_path: Path) -> None:
+    run, _ = run_of(tmp_path)
+    send(run, 0, 0, [1.0, 1.0, 1.0], seconds=6.0, steps=3)
+    send(run, 1, 0, [1.0, 1.0, 1.0])  # as a learner before the field wrote it: no seconds in the header
+    read = [versions.read_contribution(run, "hand", learner, 0, "fp32", 3, None)[0] for learner in (0, 1)]
+    assert [(c.seconds, c.step_s) for c in read] == [(6.0, 2.0), (None, None)]
+    assert Contribution(0, 0, 0, tokens=1, steps=2, seconds=float("nan")).step_s is None
+    record = Version(3, "w", {0: 2}, [[0, 1]], parent=2, grace_s=1.25)
+    assert Version.from_json(record.to_json()) == record
+    old = {k: v for k, v in json.loads(record.to_json()).items() if k != "grace_s"}
+    assert Version.from_json(json.dumps(old).encode()).grace_s is None
