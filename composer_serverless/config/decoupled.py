@@ -90,8 +90,9 @@ class DecoupledConfig(StrictModel):
     outer: Literal["nesterov", "delayed_nesterov"] = Field(
         "nesterov",
         description="the syncer's outer optimizer: 'nesterov', SGD with diloco.outer_lr, outer_momentum and "
-        "nesterov, as lock-step's; 'delayed_nesterov' (Async Local-SGD) updates the momentum only every "
-        "diloco.replicas-th merge",
+        "nesterov, as lock-step's; 'delayed_nesterov' (Async Local-SGD) counts contributions: a merge of k "
+        "steps k / diloco.replicas of the way, and the momentum is updated once per diloco.replicas "
+        "contributions merged (with every merge a mean of all learners', lock-step's Nesterov)",
     )
     keep_versions: int | None = Field(
         2,

@@ -7,11 +7,20 @@ DiLoCo does in lock-step mode (``replicas/diloco.py``), so with ``delay = 1`` th
 ``DelayedNesterov`` (Liu et al., "Asynchronous Local-SGD Training for Language Modeling", arXiv 2401.09135,
 Algorithm "Delayed Nesterov"): applied once per arriving pseudo-gradient, plain Nesterov decays its momentum
 k times for k updates in a row and amplifies the step, which is why naive asynchronous DiLoCo loses to the
-synchronous kind. Delayed Nesterov updates the momentum only every ``delay``-th (N-th) pseudo-gradient:
+synchronous kind. Delayed Nesterov updates the momentum only once every ``delay`` (N) pseudo-gradients:
 
 - in between, ``theta -= lr * (g / N + c * beta * m)`` and ``g`` is added to a buffer ``Delta``;
-- every N-th, ``m <- beta * m + Delta / N``, ``theta -= lr * (g / N + (1 - c * N + c) * beta * m)``, and
+- at every N-th, ``m <- beta * m + Delta / N``, ``theta -= lr * (g / N + (1 - c * N + c) * beta * m)``, and
   ``Delta`` is emptied.
+
+The paper's server applies one learner's pseudo-gradient at a time. This syncer's merges are means of ``k``
+contributions (a quorum, and whoever arrived in the grace window), so the count is kept in contributions: a
+merge of ``k`` (``step(count=k)``) weighs ``k / N`` (``theta -= lr * (k g / N + ...)``), adds ``k g`` to
+``Delta``, and the momentum is updated once N or more have arrived since the last update, on their mean
+(``Delta`` over their count). With ``k = 1`` that is the paper's algorithm; with every merge a mean of all N
+it is torch's Nesterov SGD, bit for bit; in between, the outer step per N contributions is lock-step's (a
+step of ``lr`` times their mean, one momentum update), however the merges group them. Counting merges instead
+would make a quorum of 2 of 4 learners apply half of lock-step's step (measured, ``docs/RESULTS.md``).
 
 ``c`` (``activation``, in [0, 1/N], 0 by default as in the paper) lets some momentum act between updates;
 over a block of N the momentum's total weight is still ``beta * m``. With N = 1 it is torch's Nesterov SGD,
@@ -36,10 +45,11 @@ _STATE = "optimizer_state"
 
 
 class DelayedNesterov(torch.optim.Optimizer):
-    """Nesterov momentum updated every ``delay``-th step; see the module docstring.
+    """Nesterov momentum updated once every ``delay`` pseudo-gradients; see the module docstring.
 
-    Per parameter the state holds ``step`` (the pseudo-gradients received), ``delta`` (their sum since the
-    last momentum update; absent right after one) and ``momentum_buffer`` (absent before the first).
+    Per parameter the state holds ``step`` (the pseudo-gradients received, counted in contributions),
+    ``pending`` (those since the last momentum update), ``delta`` (their sum; absent right after an update) and
+    ``momentum_buffer`` (absent before the first).
     """
 
     def __init__(
@@ -64,38 +74,48 @@ class DelayedNesterov(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum, "delay": delay, "activation": activation})
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
-        """Apply each parameter's ``.grad`` (a pseudo-gradient) as described in the module docstring."""
+    def step(self, closure: None = None, count: int = 1) -> None:  # type: ignore[override]
+        """Apply each parameter's ``.grad``, the mean of ``count`` contributions, as the module docstring says."""
         if closure is not None:
             raise ValueError("DelayedNesterov takes pseudo-gradients set as .grad; it has no closure")
+        if count < 1:
+            raise ValueError(
+                f"a pseudo-gradient is the mean of at least one contribution, got count = {count}"
+            )
         for group in self.param_groups:
             lr, beta, n, c = group["lr"], group["momentum"], group["delay"], group["activation"]
             for param in group["params"]:
                 if param.grad is not None:
-                    self._step_one(param, param.grad, lr, beta, n, c)
+                    self._step_one(param, param.grad, count, lr, beta, n, c)
 
     def _step_one(
-        self, param: torch.Tensor, grad: torch.Tensor, lr: float, beta: float, n: int, c: float
+        self, param: torch.Tensor, grad: torch.Tensor, k: int, lr: float, beta: float, n: int, c: float
     ) -> None:
         state = self.state[param]
-        state["step"] = state.get("step", 0) + 1
+        received = state.get("step", 0)
+        state["step"] = received + k
+        # a state saved before ``pending`` existed counted single pseudo-gradients: its block is step % N
+        pending = state["pending"] = state.get("pending", received % n) + k
         if "delta" in state:
-            state["delta"].add_(grad)
+            state["delta"].add_(grad, alpha=k)
         else:
-            state["delta"] = grad.clone()
+            state["delta"] = grad.clone() if k == 1 else grad.mul(k)
         momentum = state.get("momentum_buffer")
-        if state["step"] % n == 0:
-            # The operations of torch's single-tensor SGD, in its order: with N = 1 the result is its own.
-            mean = state.pop("delta").div(n)
+        # The operations of torch's single-tensor SGD, in its order: with every k = N the result is its own.
+        sent = grad if k == n else grad.div(n / k)
+        if pending >= n:
+            delta = state.pop("delta")
+            mean = grad if pending == k == n else delta.div(pending)
+            state["pending"] = 0
             if momentum is None:
                 momentum = state["momentum_buffer"] = mean.clone()
             else:
                 momentum.mul_(beta).add_(mean)
-            update = grad.div(n).add(momentum, alpha=(1 - c * n + c) * beta)
+            update = sent.add(momentum, alpha=(1 - c * n + c) * beta)
         elif momentum is not None and c > 0:
-            update = grad.div(n).add(momentum, alpha=c * beta)
+            update = sent.add(momentum, alpha=c * beta)
         else:
-            update = grad.div(n)
+            update = sent
         param.add_(update, alpha=-lr)
 
 

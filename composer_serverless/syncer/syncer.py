@@ -44,7 +44,7 @@ from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.syncer.merge import contribution_weight, grace_window, merge_tensors
-from composer_serverless.syncer.outer import outer_optimizer
+from composer_serverless.syncer.outer import DelayedNesterov, outer_optimizer
 from composer_serverless.syncer.prune import prune
 
 logger = logging.getLogger(__name__)
@@ -288,7 +288,7 @@ class Syncer:
             consumed[learner] = max(seqs) + 1
         merged = [[learner, seq] for learner, seq in good]
         if good:
-            self._outer_step(self._merged([values for _, values in good.values()], weights))
+            self._outer_step(self._merged([values for _, values in good.values()], weights), len(good))
         record = Version(
             v + 1,
             self.writer,
@@ -334,9 +334,10 @@ class Syncer:
         return torch.cat([merged[name] for name in self.params])
 
     @torch.no_grad()
-    def _outer_step(self, average: torch.Tensor) -> None:
-        """The outer optimizer's step on the global with ``average`` as its gradient, after the round trip
-        through the reduced codec every lock-step replica applies (its decoding of the published average)."""
+    def _outer_step(self, average: torch.Tensor, count: int) -> None:
+        """The outer optimizer's step on the global with ``average`` (the merge of ``count`` contributions) as
+        its gradient, after the round trip through the reduced codec every lock-step replica applies (its
+        decoding of the published average). Delayed Nesterov counts its delay in contributions."""
         if self.reduced != "fp32":
             identity = {"kind": "average"}
             average = decode(encode(average, identity, self.reduced), identity, self.reduced, average.numel())
@@ -346,5 +347,8 @@ class Syncer:
             p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
             offset += p.numel()
         assert self.outer is not None
-        self.outer.step()
+        if isinstance(self.outer, DelayedNesterov):
+            self.outer.step(count=count)
+        else:
+            self.outer.step()
         self.outer.zero_grad()

@@ -107,3 +107,40 @@ def test_the_factory_and_bad_settings() -> None:
         DelayedNesterov(p, lr=1.0, momentum=0.0, delay=2)
     with pytest.raises(ValueError, match="delay N must be >= 1"):
         DelayedNesterov(p, lr=1.0, momentum=0.9, delay=0)
+
+
+def test_merges_of_several_count_in_contributions() -> None:
+    """N = 4, merges of 2 (a quorum of 2 of 4), c = 0: each merge steps 2/4 of the way, the momentum is
+    updated after every 4 contributions, on their mean. By hand, lr 0.5, beta 0.5, theta 1:
+    m1 (g 2): theta = 1 - 0.5*(2/2) = 0.5. m2 (g 4): Delta = 2*2 + 2*4 = 12, m = 12/4 = 3,
+    theta = 0.5 - 0.5*(4/2 + 0.5*3) = -1.25. m3 (g 2): -1.25 - 0.5*1 = -1.75.
+    m4 (g 2): m = 0.5*3 + (4 + 4)/4 = 3.5, theta = -1.75 - 0.5*(1 + 1.75) = -3.125.
+    A merge of 3, then of 1 (4 again): m5 (g 4, k 3): -3.125 - 0.5*(3*4/4) = -4.625;
+    m6 (g 4, k 1): m = 1.75 + 16/4 = 5.75, theta = -4.625 - 0.5*(1 + 2.875) = -6.5625."""
+    theta = torch.tensor([1.0])
+    optimizer = DelayedNesterov([theta], lr=0.5, momentum=0.5, delay=4)
+    seen = []
+    for g, k in ((2.0, 2), (4.0, 2), (2.0, 2), (2.0, 2), (4.0, 3), (4.0, 1)):
+        theta.grad = torch.tensor([g])
+        optimizer.step(count=k)
+        seen.append(theta.item())
+    assert seen == pytest.approx([0.5, -1.25, -1.75, -3.125, -4.625, -6.5625], rel=1e-6)
+    assert optimizer.state[theta]["step"] == 12
+    with pytest.raises(ValueError, match="at least one contribution"):
+        optimizer.step(count=0)
+
+
+def test_merges_of_every_learner_are_torchs_nesterov_bit_for_bit() -> None:
+    """Every merge a mean of all N = 3 (odd, so a k * g / N round trip would not be exact): torch's SGD."""
+    shapes = [(7, 5), (13,)]
+    start = [torch.randn(shape, generator=torch.Generator().manual_seed(2)) for shape in shapes]
+    grads = _pseudo_gradients(5, shapes)
+    ours, torchs = [t.clone() for t in start], [t.clone() for t in start]
+    optimizer = DelayedNesterov(ours, lr=0.7, momentum=0.9, delay=3)
+    for step in grads:
+        for param, grad in zip(ours, step, strict=True):
+            param.grad = grad.clone()
+        optimizer.step(count=3)
+    _run(torch.optim.SGD(torchs, lr=0.7, momentum=0.9, nesterov=True), torchs, grads)
+    for a, b in zip(ours, torchs, strict=True):
+        assert a.view(torch.int32).equal(b.view(torch.int32))
