@@ -12,8 +12,8 @@ processes, never by a product setting:
 - ``a``: no faults, equal speeds.
 - ``b``: learner 3 at half speed: its process is stopped (SIGSTOP) and continued (SIGCONT) in turn, half of
   every ``THROTTLE_PERIOD_S``, as ``cpulimit`` does: a machine half as fast, whose clock still runs.
-- ``c``: preemptions: each learner is SIGKILLed at random times (exponential gaps of mean ``MTBI_S``,
-  drawn with the seed), and each restarted process is held stopped for ``COLD_START_S`` before it may run,
+- ``c``: preemptions: each learner is SIGKILLed at random times (exponential gaps of mean ``--mtbi-s``,
+  drawn with the seed), and each restarted process is held stopped for ``--cold-start-s`` before it may run,
   as a cloud replica waits for its container (on top of the restart's own model load).
 - ``d``: b and c together.
 
@@ -25,6 +25,9 @@ lifetimes (sampled every ``POLL_S``):
   steps' own time (``time_s.step`` minus the part blocked in a sync). Lock-step: in the rows of the rounds
   each learner was a participant of. Decoupled: of the contributions the syncer's version records list as
   merged (``account_decoupled``; a merged contribution no row times is timed at its learner's mean step).
+- ``alive_breakdown_s`` / ``alive_shares``: where the rest of the alive time went (``alive_breakdown``: cold
+  starts, start-up, unmerged steps, the round in flight at a kill, and the other overheads), so a goodput can
+  be read against what no schedule recovers (a cold start, a process's start-up) and what one does.
 - ``wall_s_to_tokens``: seconds from the launch until the merged globals hold ``TARGET_SHARE`` of the tokens
   lock-step plans (rounds x H x N x tokens per step): every scenario can reach it with some learners lost.
 - ``evals``: every global's held-out loss, with the merged tokens it holds and when it was complete:
@@ -329,6 +332,47 @@ def lifetimes_s(lives: dict[int, tuple[int, float, float]]) -> dict[int, float]:
     return alive
 
 
+def alive_breakdown(
+    lives: dict[int, tuple[int, float, float]],
+    cold_s: dict[int, float],
+    killed: set[int],
+    metrics: dict[int, list[dict[str, Any]]],
+    useful_s: float,
+) -> dict[str, float]:
+    """Where the learners' alive seconds went, summed over every process of every learner (``lives``: pid ->
+    (rank, started, last seen alive); ``cold_s``: pid -> the cold-start hold it was given; ``killed``: the
+    pids preempted; ``metrics``: the learners' rows, each with its end ``time`` and its ``round_s``):
+
+    - ``cold_start``: held stopped before it could run (a cloud's container start);
+    - ``start_up``: from then to the start of its first round (imports, model load, checks, learner 0's
+      initial evaluation, catching up with the run), or its whole life if it never started one;
+    - ``useful``: inner steps whose work reached a merged global (``useful_s``, the accounting's);
+    - ``unmerged``: inner steps recorded in rows whose work did not (dropped, discarded, never merged);
+    - ``in_flight_at_kill``: a preempted process's time from its last row to its death, the round it had
+      not sent;
+    - ``other``: the rest: publishing and adopting globals, its own state's checkpoints, waiting (lock-step's
+      barrier, ``max_lag``), evaluations, and the unfinished round when the run ends.
+    """
+    out = dict.fromkeys(("cold_start", "start_up", "useful", "unmerged", "in_flight_at_kill", "other"), 0.0)
+    executed = sum(_inner_seconds(row) for rows in metrics.values() for row in rows)
+    alive = 0.0
+    for pid, (rank, started, ended) in lives.items():
+        alive += max(0.0, ended - started)
+        ready = started + cold_s.get(pid, 0.0)
+        out["cold_start"] += min(cold_s.get(pid, 0.0), max(0.0, ended - started))
+        rows = [r for r in metrics.get(rank, []) if "round_s" in r and ready <= r["time"] <= ended + POLL_S]
+        if not rows:
+            out["start_up"] += max(0.0, ended - ready)
+            continue
+        out["start_up"] += max(0.0, min(r["time"] - r["round_s"] for r in rows) - ready)
+        if pid in killed:
+            out["in_flight_at_kill"] += max(0.0, ended - max(r["time"] for r in rows))
+    out["useful"] = useful_s
+    out["unmerged"] = max(0.0, executed - useful_s)
+    out["other"] = alive - sum(out.values())
+    return {name: round(seconds, 2) for name, seconds in out.items()}
+
+
 def score_versions(run: ObjectStore, config: RunConfig, records: list[Version]) -> dict[int, float]:
     """The held-out loss of every version after 0, scored as a lock-step round's global is (the objective's
     evaluation over the whole held-out set, in the run's compute precision; lock-step's participants each
@@ -356,16 +400,23 @@ class Injector(threading.Thread):
     the scenario: the throttle of the slow learner, the preemptions, the cold-start hold of restarts."""
 
     def __init__(
-        self, run: ObjectStore, scenario: Scenario, kills: list[tuple[float, int]], start: float
+        self,
+        run: ObjectStore,
+        scenario: Scenario,
+        kills: list[tuple[float, int]],
+        start: float,
+        cold_start_s: float = COLD_START_S,
     ) -> None:
         super().__init__(name="injector", daemon=True)
         self.run_store = run
         self.scenario = scenario
+        self.cold_start_s = cold_start_s
         self.pending = list(kills)
         self.start_time = start
         self.stop = threading.Event()
         self.lives: dict[int, tuple[int, float, float]] = {}  # pid -> (rank, started, last seen alive)
         self.held: dict[int, float] = {}  # pid -> when its cold start ends
+        self.cold: dict[int, float] = {}  # pid -> the cold start it was held for
         self.kills: list[dict[str, Any]] = []
         self.missed = 0
         self.error: BaseException | None = None
@@ -406,7 +457,8 @@ class Injector(threading.Thread):
                     self.lives[pid] = (handle.rank, started, now)
                     if restart and self.scenario.preempt:
                         _signal(pid, signal.SIGSTOP)
-                        self.held[pid] = now + COLD_START_S
+                        self.held[pid] = now + self.cold_start_s
+                        self.cold[pid] = self.cold_start_s + now - started  # since its start
                 self._current[handle.rank] = pid
             for pid, (rank, started, _) in list(self.lives.items()):
                 if _alive(pid):
@@ -514,13 +566,21 @@ def run_config(
 
 
 def run_once(
-    config: RunConfig, mode: str, scenario: Scenario, seed: int, sizes: Sizes, out: Path
+    config: RunConfig,
+    mode: str,
+    scenario: Scenario,
+    seed: int,
+    sizes: Sizes,
+    out: Path,
+    mtbi_s: float = MTBI_S,
+    cold_start_s: float = COLD_START_S,
 ) -> dict[str, Any]:
-    """Launch ``config`` under ``scenario`` and account for it."""
+    """Launch ``config`` under ``scenario`` (preemptions every ``mtbi_s`` on average per learner, each
+    restart held ``cold_start_s``) and account for it."""
     run = ObjectStore(config.store).child(config.run_id or "")
     start = time.time()
-    kills = kill_times(seed, LEARNERS, MTBI_S, horizon_s=3600.0) if scenario.preempt else []
-    injector = Injector(run, scenario, kills, start)
+    kills = kill_times(seed, LEARNERS, mtbi_s, horizon_s=3600.0) if scenario.preempt else []
+    injector = Injector(run, scenario, kills, start, cold_start_s)
     log = out / "launcher" / f"{config.run_id}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
@@ -546,6 +606,13 @@ def run_once(
     # the learners' lives only: decoupled's syncer (rank LEARNERS) trains nothing and is reported apart
     lives = injector.lives.values()
     alive = {rank: s for rank, s in lifetimes_s(injector.lives).items() if rank < LEARNERS}
+    breakdown = alive_breakdown(
+        {pid: life for pid, life in injector.lives.items() if life[0] < LEARNERS},
+        injector.cold,
+        {kill["pid"] for kill in injector.kills},
+        metrics,
+        acc.useful_s,
+    )
     syncer_s = lifetimes_s(injector.lives).get(LEARNERS)
     dl = config.diloco
     step_tokens = next(
@@ -573,6 +640,11 @@ def run_once(
         "goodput": acc.useful_s / sum(alive.values()) if alive else None,
         "useful_s": round(acc.useful_s, 2),
         "alive_s": {str(r): round(s, 2) for r, s in sorted(alive.items())},
+        # the learners' alive seconds by what they went to (alive_breakdown), and as shares of them
+        "alive_breakdown_s": breakdown,
+        "alive_shares": {k: round(v / sum(alive.values()), 4) for k, v in breakdown.items()}
+        if alive
+        else None,
         "executed_steps": acc.executed_steps,
         "merged_steps": acc.merged_steps,
         "target_tokens": target,
@@ -657,6 +729,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--eval-sequences", type=int, default=16, help="held-out sequences per evaluation")
     parser.add_argument(
+        "--mtbi-s",
+        type=float,
+        default=MTBI_S,
+        help="c, d: mean seconds between a learner's preemptions (an exponential gap, per learner)",
+    )
+    parser.add_argument(
+        "--cold-start-s", type=float, default=COLD_START_S, help="c, d: seconds each restart is held stopped"
+    )
+    parser.add_argument(
         "--max-lag", type=int, default=MAX_LAG, help="decoupled learners' diloco.decoupled.max_lag"
     )
     parser.add_argument(
@@ -681,10 +762,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
     if (
         min(args.rounds, args.sync_every, args.batch_size, args.eval_sequences) < 1
-        or min(args.seed, args.max_lag) < 0
+        or min(args.seed, args.max_lag, args.cold_start_s) < 0
+        or not args.mtbi_s > 0
     ):
         parser.error(
-            "--rounds, --sync-every, --batch-size, --eval-sequences must be >= 1 and --seed, --max-lag >= 0"
+            "--rounds, --sync-every, --batch-size, --eval-sequences must be >= 1, --mtbi-s > 0 and --seed, "
+            "--max-lag, --cold-start-s >= 0"
         )
     try:
         args.base = load_config(args.config)
@@ -739,7 +822,16 @@ def main(argv: list[str] | None = None) -> int:
         scenario = SCENARIOS[letter]
         results[scenario.name] = {}
         for mode in args.modes:
-            row = run_once(configs[(letter, mode)], mode, scenario, args.seed, sizes, args.out)
+            row = run_once(
+                configs[(letter, mode)],
+                mode,
+                scenario,
+                args.seed,
+                sizes,
+                args.out,
+                args.mtbi_s,
+                args.cold_start_s,
+            )
             results[scenario.name][mode] = row
             print(
                 f"[{time.monotonic() - started:6.0f}s] {scenario.name:32s} {mode:9s} goodput {row['goodput']:.3f}  "
@@ -760,8 +852,8 @@ def main(argv: list[str] | None = None) -> int:
         "injection": {
             "slow_rank": SLOW_RANK,
             "throttle_period_s": THROTTLE_PERIOD_S,
-            "mtbi_s": MTBI_S,
-            "cold_start_s": COLD_START_S,
+            "mtbi_s": args.mtbi_s,
+            "cold_start_s": args.cold_start_s,
             "target_share": TARGET_SHARE,
         },
         "decoupled": {

@@ -166,6 +166,34 @@ def test_lifetimes_sum_every_process_of_a_learner() -> None:
     assert bench.lifetimes_s(lives) == {0: 30.0, 1: 22.0}
 
 
+def test_alive_time_breakdown_by_hand() -> None:
+    """Learner 0: one life 100-130, rounds 105-112 and 112-120 (steps 6 s and 7 s), then 10 s of tail.
+    Learner 1: killed at 115 (its round 104-110 had 5 s of steps; 5 s in flight after it), restarted at 116,
+    held 8 s, round 126-129 (2 s of steps), exit at 131. Useful: 15 of the 20 s of steps recorded."""
+    lives = {11: (0, 100.0, 130.0), 12: (1, 100.0, 115.0), 13: (1, 116.0, 131.0)}
+    metrics = {
+        0: [
+            {"round": 0, "time": 104.0, "eval": {"eval/loss": 7.0}},  # learner 0's initial evaluation
+            {"round": 1, "time": 112.0, "round_s": 7.0, "step_rows": _steps([6.0])},
+            {"round": 2, "time": 120.0, "round_s": 8.0, "step_rows": _steps([7.0])},
+        ],
+        1: [
+            {"round": 1, "time": 110.0, "round_s": 6.0, "step_rows": _steps([5.0])},
+            {"round": 2, "time": 129.0, "round_s": 3.0, "step_rows": _steps([2.0])},
+        ],
+    }
+    got = bench.alive_breakdown(lives, {13: 8.0}, {12}, metrics, useful_s=15.0)
+    # alive 30 + 15 + 15 = 60; start-up 5 + 4 + 2 = 11; cold 8; in flight 5; unmerged 20 - 15 = 5
+    assert got == {
+        "cold_start": 8.0,
+        "start_up": 11.0,
+        "useful": 15.0,
+        "unmerged": 5.0,
+        "in_flight_at_kill": 5.0,
+        "other": 16.0,
+    }
+
+
 def test_the_configs_it_launches() -> None:
     base = load_config("deploy/configs/local-demo.toml")
     sizes = bench.Sizes(rounds=3, sync_every=4, batch_size=2, eval_sequences=8)
@@ -188,7 +216,9 @@ def test_the_configs_it_launches() -> None:
         (["--scenarios", "ae"], "--scenarios takes letters of abcd"),
         (["--modes", "async"], "--modes takes lock-step, decoupled"),
         (["--rounds", "0"], "must be >= 1"),
-        (["--max-lag", "-1"], "--max-lag >= 0"),
+        (["--max-lag", "-1"], "--max-lag, --cold-start-s >= 0"),
+        (["--cold-start-s", "-1"], "--max-lag, --cold-start-s >= 0"),
+        (["--mtbi-s", "0"], "--mtbi-s > 0"),
         (["--set", "diloco.decoupled.outer"], "expected dotted.key=value"),
         (["--set", "diloco.decoupled.outer=adam"], "diloco.decoupled.outer"),
         (["--set", "diloco.decoupled.adopt_whenn=arrival"], "did you mean diloco.decoupled.adopt_when?"),
