@@ -200,6 +200,7 @@ class DecoupledLearner(Replica):
             schedule=self.schedule,
             device=self.device,
         )
+        self._follow_global(version)  # its state may be of a contribution merged versions ago
         self.log.info(
             "started from global version %d and its own state of contribution %d: inner step %d, data "
             "position %s",
@@ -208,6 +209,20 @@ class DecoupledLearner(Replica):
             self.schedule.last_epoch,
             own["objective"],
         )
+
+    def _follow_global(self, version: int) -> None:
+        """Move the inner learning-rate schedule up to global version ``version``'s place (``version`` x H
+        steps done, where a learner that starts at that version is placed) if it is behind it.
+
+        ``diloco.rounds`` counts versions and the schedule spans rounds x H inner steps, but with a quorum
+        below every learner each version merges fewer than N contributions, so each learner trains fewer than
+        ``rounds`` rounds: a schedule that followed its own steps alone would end the run part-way down its
+        decay (the cosine at half its course with a quorum of 2 of 4), far from where lock-step's ends at
+        the same tokens (measured, ``docs/RESULTS.md``). Following the global keeps the schedule on the
+        run's progress, also for a learner that restarts or joins late. With ``max_lag = 0`` and every
+        learner in each merge it is at that place already (lock-step's schedule, bit for bit)."""
+        if self.schedule.last_epoch < version * self.config.diloco.sync_every:
+            self.schedule = self._schedule_at(version)
 
     def _save_own(self) -> int:
         """Write this learner's own state before its contribution ``self.seq``, and drop its states before the
@@ -384,6 +399,7 @@ class DecoupledLearner(Replica):
         was, self.version = self.version, record.version
         self.base = self.sent_to = shards
         self.nonfinite = 0
+        self._follow_global(record.version)
         if was < 0:
             return
         # A row per version adopted (the trackers' rounds are versions): the rounds trained since the last

@@ -27,6 +27,7 @@ from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.replicas import arrivals
 from composer_serverless.replicas.arrivals import Arrivals
 from composer_serverless.replicas.decoupled import DecoupledLearner
+from composer_serverless.replicas.diloco import make_schedule
 from composer_serverless.replicas.meter import trained_tokens
 from tests.rendezvous.harness import create, make_config
 
@@ -252,3 +253,30 @@ def test_the_reader_passes_over_a_damaged_version_for_the_next(tmp_path: Path) -
                 break
             time.sleep(0.01)
     assert got is not None and got[0].version == 2 and torch.equal(got[1]["w"], torch.tensor([5.0, 6.0]))
+
+
+@pytest.mark.parametrize("learner", ["keep"], indirect=True)
+def test_the_schedule_follows_the_global_it_adopts(learner: DecoupledLearner) -> None:
+    """``rounds`` counts versions: a learner that adopts version 3 after one round of its own is placed at
+    3 x H inner steps of the schedule, where a learner starting at version 3 is (with a quorum below N it
+    trains fewer rounds than there are versions, and its cosine would otherwise end part-way); one whose own
+    steps are ahead of the version it adopts stays where it is."""
+    train_round(learner)
+    learner._publish()
+    assert learner.schedule.last_epoch == H
+    run = learner.run_store
+    for v in (3, 4):
+        g = {name: t + 0.01 * v for name, t in learner.base.items()}
+        assert versions.commit(run, Version(v, "hand-made", consumed={0: 1}, merged=[[0, 0]]), g, None, None)
+    record = versions.read_version(run, 3)
+    learner._adopt(record, versions.load_params(run, record, None))
+    train = learner.config.train
+    at = make_schedule(torch.optim.SGD([torch.zeros(1)], lr=train.lr), train, learner.total_steps, 3 * H)
+    assert learner.schedule.last_epoch == 3 * H
+    assert {group["lr"] for group in learner.inner.param_groups} == {at.get_last_lr()[0]}
+    for _ in range(3):  # its own steps now run ahead of version 4's place
+        train_round(learner)
+    learner._publish()
+    record = versions.read_version(run, 4)
+    learner._adopt(record, versions.load_params(run, record, None))
+    assert learner.schedule.last_epoch == 6 * H
