@@ -286,7 +286,6 @@ class DiLoCoConfig(StrictModel):
             "diloco.reduced_codec = 'sparse'": self.reduced_codec == "sparse",
             "diloco.fragments > 1 (the syncer merges whole models)": self.fragments > 1,
             "diloco.fragment_update_alpha > 0": self.fragment_update_alpha > 0,
-            "diloco.embedding_average = 'touched' (set it to 'all')": self.embedding_average == "touched",
         }
         if self.decoupled.outer == "delayed_nesterov" and not (self.nesterov and self.outer_momentum > 0):
             raise ValueError(

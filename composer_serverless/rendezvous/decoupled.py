@@ -36,8 +36,9 @@ from typing import Any, TypeVar
 import torch
 
 from composer_serverless.rendezvous import checkpoint, layout
-from composer_serverless.rendezvous.codec import Codec, decode, encode_parts, read_header
+from composer_serverless.rendezvous.codec import Codec, accumulate, decode, encode_parts, read_header
 from composer_serverless.rendezvous.latest import newest_version
+from composer_serverless.rendezvous.rows import RowBlock
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
 
@@ -63,6 +64,9 @@ class Contribution:
     tokens: int
     steps: int
     seconds: float | None = None  # the time its inner steps took (None: a header written before the field)
+    # With diloco.embedding_average = "touched": the row bits it carries (``rows.RowMask.bits`` over
+    # ``row_blocks``), which rows its learner's data held in which step buckets; None without
+    touched: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def step_s(self) -> float | None:
@@ -92,6 +96,9 @@ class Version:
     # The grace window, in seconds, the syncer gave the learners missing from its quorum once that was in (it
     # merged sooner if they all came; None: it gave none, every learner's was in at once, or it waited for all).
     grace_s: float | None = None
+    # With diloco.embedding_average = "touched": the parameters with a row per token whose rows contributions
+    # carry bits for (``row_blocks``), in the global's order; named by version 0's writer, carried on.
+    token_rows: list[str] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         record = {
@@ -103,6 +110,7 @@ class Version:
             "embeddings": self.embeddings,
             "parent": self.parent,
             "grace_s": self.grace_s,
+            "token_rows": self.token_rows,
         }
         return json.dumps(record).encode()
 
@@ -118,11 +126,24 @@ class Version:
             embeddings=[str(name) for name in data["embeddings"]],
             parent=int(data.get("parent", int(data["version"]) - 1)),
             grace_s=None if data.get("grace_s") is None else float(data["grace_s"]),
+            token_rows=[str(name) for name in data.get("token_rows", [])],
         )
 
 
 def _identity(run_id: str, learner: int, seq: int) -> dict[str, str]:
     return {"run": run_id, "kind": "contribution", "learner": str(learner), "seq": str(seq)}
+
+
+def row_blocks(shapes: dict[str, tuple[int, ...]], token_rows: list[str]) -> tuple[RowBlock, ...]:
+    """The token-indexed blocks of a contribution's flat values (its tensors of ``shapes`` in order, whole):
+    the tensors named in ``token_rows`` (a version record's), a row per token. The learner marks its rows'
+    bits and the syncer combines them over this same layout."""
+    blocks, offset = [], 0
+    for name, shape in shapes.items():
+        if name in token_rows:
+            blocks.append(RowBlock(offset=offset, rows=shape[0], width=math.prod(shape[1:])))
+        offset += math.prod(shape)
+    return tuple(blocks)
 
 
 def publish(
@@ -133,13 +154,14 @@ def publish(
     codec: Codec,
     key: RunKey | None,
 ) -> int:
-    """Create the contribution's object; the bytes written (0 when an earlier attempt of this learner
-    already wrote it: inputs are immutable, the stored one counts)."""
+    """Create the contribution's object, with its row bits if it has them (``touched``); the bytes written
+    (0 when an earlier attempt of this learner already wrote it: inputs are immutable, the stored one
+    counts)."""
     c = contribution
     identity = {**_identity(run_id, c.learner, c.seq), **{f: str(getattr(c, f)) for f in _FIELDS}}
     if c.seconds is not None:
         identity["seconds"] = repr(float(c.seconds))
-    parts = encode_parts(values, identity, codec, key)
+    parts = encode_parts(values, identity, codec, key, c.touched)
     if store.create(layout.contribution(c.learner, c.seq), parts):
         return sum(len(p) for p in parts)
     logger.info("contribution %d of learner %d exists from an earlier attempt", c.seq, c.learner)
@@ -165,19 +187,27 @@ def read_contribution(
     codec: Codec,
     numel: int,
     key: RunKey | None,
+    rows: int = 0,
 ) -> tuple[Contribution, torch.Tensor]:
-    """A contribution and its fp32 values, checked (identity, codec, size, checksum or MAC, finite).
+    """A contribution and its fp32 values, checked (identity, codec, size, checksum or MAC, finite); with
+    ``rows``, it must carry exactly that many row bits, returned as its ``touched``.
 
     Raises:
         PayloadError: it may not be merged; FileNotFoundError: it is not in the store.
     """
     data = store.get(layout.contribution(learner, seq))
-    values = decode(data, _identity(run_id, learner, seq), codec, numel, key=key)
+    identity = _identity(run_id, learner, seq)
+    touched = None
+    if rows:
+        values = torch.zeros(numel, dtype=torch.float32)
+        touched = accumulate(values, data, identity, codec, key=key, rows=rows)[1]
+    else:
+        values = decode(data, identity, codec, numel, key=key)
     metadata = read_header(data)[0]["__metadata__"]
     assert isinstance(metadata, dict)
     fields = {f: int(metadata[f]) for f in _FIELDS}
     seconds = float(metadata["seconds"]) if "seconds" in metadata else None
-    return Contribution(learner, seq, **fields, seconds=seconds), values
+    return Contribution(learner, seq, **fields, seconds=seconds, touched=touched), values
 
 
 def read_version(store: ObjectStore, v: int) -> Version:

@@ -38,6 +38,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# At most this many step buckets per window: a row's bits are ``min(window, MAX_BUCKETS)`` (8 bytes at most).
+MAX_BUCKETS = 64
+
+
+def bucket_count(window: int) -> int:
+    """Step buckets of a window of ``window`` inner steps: one per step, up to ``MAX_BUCKETS`` (the replica
+    that marks them and the reducer, or decoupled syncer, that reads them must agree)."""
+    return max(1, min(window, MAX_BUCKETS))
+
 
 @dataclass(frozen=True)
 class RowBlock:

@@ -56,6 +56,7 @@ from composer_serverless.rendezvous import decoupled as store_versions
 from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.decoupled import Contribution, Version
 from composer_serverless.rendezvous.latest import newest_version
+from composer_serverless.rendezvous.rows import RowMask, spans
 from composer_serverless.replicas import state
 from composer_serverless.replicas.arrivals import Arrivals
 from composer_serverless.replicas.diloco import wire_codec
@@ -81,6 +82,11 @@ class DecoupledLearner(Replica):
         # The inner steps of the round in progress whose progress an adoption with adopt = "overwrite"
         # discarded (the first ones of the round): its contribution neither carries nor counts them.
         self.discarded = 0
+        # With embedding_average = "touched" (``self.touches``): the parameters with a row per token, whose
+        # rows' bits its contributions carry (lock-step's touched-rows average, done by the syncer)
+        self.token_rows = self._token_rows() if self.touches is not None else []
+        shapes = {name: tuple(p.shape) for name, p in self.params.items()}
+        self.row_blocks = store_versions.row_blocks(shapes, self.token_rows)
 
     @property
     def completed_rounds(self) -> int:
@@ -137,7 +143,12 @@ class DecoupledLearner(Replica):
         newest = node.broadcast(newest_version(store) if node.lead else -1)
         if newest < 0:
             initial = self._gathered({name: local(p).detach() for name, p in self.params.items()})
-            record = Version(0, store_versions.writer_token(), embeddings=self._embedding_names())
+            record = Version(
+                0,
+                store_versions.writer_token(),
+                embeddings=self._embedding_names(),
+                token_rows=self.token_rows,
+            )
             if node.lead and store_versions.commit(store, record, initial, None, self.key):
                 self.log.info("wrote global version 0 (the initial weights)")
             newest = node.broadcast(0)  # once the lead's commit returned: its ranks read what it wrote
@@ -201,6 +212,8 @@ class DecoupledLearner(Replica):
             device=self.device,
         )
         self._follow_global(version)  # its state may be of a contribution merged versions ago
+        if self.touches is not None:  # its unsent steps, and the rows they marked, are gone
+            self.touches.clear()
         self.log.info(
             "started from global version %d and its own state of contribution %d: inner step %d, data "
             "position %s",
@@ -239,6 +252,21 @@ class DecoupledLearner(Replica):
             )
         return written
 
+    def _token_rows(self) -> list[str]:
+        """The trainable parameters ``Touches`` marks rows of: the input embedding's weight and an untied
+        output head's, each with a row per token (a frozen one, under LoRA, has no rows to combine)."""
+        embedding = self.model.get_input_embeddings()
+        head = self.model.get_output_embeddings()
+        vocab = embedding.weight.shape[0]
+        marked = {id(embedding.weight)} | (
+            {id(head.weight)} if getattr(head, "weight", None) is not None else set()
+        )
+        return [
+            name
+            for name, p in self.params.items()
+            if id(p) in marked and p.dim() == 2 and p.shape[0] == vocab
+        ]
+
     def _embedding_names(self) -> list[str]:
         """The names of the embeddings' trainable parameters (input, and an untied output head)."""
         modules = [self.model.get_input_embeddings(), self.model.get_output_embeddings()]
@@ -275,11 +303,18 @@ class DecoupledLearner(Replica):
             tokens = int(node.sum([tokens])[0])
         now = {name: local(p).detach().to("cpu", copy=True) for name, p in self.params.items()}
         deltas = self._gathered({name: self.sent_to[name] - now[name] for name in now})
+        # the rows its data held since its last contribution, over its ranks (every rank takes: a collective)
+        mask = self.touches.take(0) if self.row_blocks and self.touches is not None else None
         written = self._save_own()
         sent = 0
         if node.lead:
             values = torch.cat([deltas[name].reshape(-1).to(torch.float32) for name in self.params])
-            contribution = Contribution(self.rank, self.seq, self.version, tokens, steps, seconds)
+            touched = None
+            if mask is not None:
+                touched = RowMask(self.row_blocks, mask.touched).bits(
+                    spans(self.row_blocks, 0, values.numel())
+                )
+            contribution = Contribution(self.rank, self.seq, self.version, tokens, steps, seconds, touched)
             codec = wire_codec(dl.codec, dl)
             sent = store_versions.publish(
                 self.run_store, self.config.run_id or "", contribution, values, codec, self.key
@@ -387,6 +422,8 @@ class DecoupledLearner(Replica):
         keep = self.config.diloco.decoupled.adopt == "keep" and self.sent_to
         overwritten = 0 if keep or not at_step else at_step - self.discarded
         self.discarded += overwritten
+        if overwritten and self.touches is not None:  # the rows those steps marked are not sent either
+            self.touches.clear()
         shards = {}
         for name, p in self.params.items():
             shards[name] = shard_of(params.get(name), p).to("cpu")

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from composer_serverless.rendezvous.rows import RowBlock, RowMask
+from composer_serverless.rendezvous.rows import RowBlock, RowMask, bucket_count
 from composer_serverless.replicas.node import Node
 from composer_serverless.replicas.shards import local
 
@@ -45,15 +45,6 @@ def token_blocks(fragment: nn.Module, token_weights: list[nn.Parameter], vocab: 
             blocks.append(RowBlock(offset=offset, rows=held.shape[0], width=held.shape[1], first_token=first))
         offset += held.numel()
     return tuple(blocks)
-
-
-# At most this many step buckets per window: a row's bits are ``min(window, MAX_BUCKETS)`` (8 bytes at most).
-MAX_BUCKETS = 64
-
-
-def bucket_count(window: int) -> int:
-    """Step buckets of a window of ``window`` inner steps: one per step, up to ``MAX_BUCKETS``."""
-    return max(1, min(window, MAX_BUCKETS))
 
 
 class Touches:

@@ -40,6 +40,7 @@ from composer_serverless.rendezvous.codec import Codec, PayloadError, decode, en
 from composer_serverless.rendezvous.decoupled import Contribution, Version
 from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.rendezvous.robust import outliers
+from composer_serverless.rendezvous.rows import RowSums, Span, bucket_count, span_rows, spans
 from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
@@ -111,6 +112,10 @@ class Syncer:
         self.sync_s = 0.0  # its last merge's time, from reading the contributions to the commit (0: none yet)
         # Contributions the grace window's estimate read, kept for the merge that takes them (read once)
         self.read: dict[tuple[int, int], tuple[Contribution, torch.Tensor]] = {}
+        # With embedding_average = "touched": the embedding rows' spans of the flat values, and the row bits
+        # each contribution carries for them (none otherwise)
+        self.row_spans: list[Span] = []
+        self.row_bits = 0
 
     def run(self) -> None:
         self._load(self._first_version())
@@ -154,6 +159,11 @@ class Syncer:
         )
         if outer is not None:
             self.outer.load_state_dict(outer)
+        if dl.embedding_average == "touched":
+            shapes = {name: tuple(t.shape) for name, t in self.params.items()}
+            numel = sum(t.numel() for t in self.params.values())
+            self.row_spans = spans(versions.row_blocks(shapes, record.token_rows), 0, numel)
+            self.row_bits = span_rows(self.row_spans) * bucket_count(dl.sync_every)
         v = max(v, record.version)  # newer, if version v was pruned while it was read (another syncer's)
         self.record, self.newest = record, v
         if record.version < v:
@@ -226,14 +236,11 @@ class Syncer:
     def _step_s(self, waiting: dict[int, list[int]]) -> float | None:
         """The median seconds per inner step of the contributions in hand (read here, kept for the merge),
         None if none says."""
-        run_id, numel = self.config.run_id or "", sum(t.numel() for t in self.params.values())
         for learner, seqs in waiting.items():
             for seq in seqs:
                 if (learner, seq) not in self.read:
                     try:
-                        self.read[(learner, seq)] = versions.read_contribution(
-                            self.run_store, run_id, learner, seq, self.codec, numel, self.key
-                        )
+                        self.read[(learner, seq)] = self._read(learner, seq)
                     except (PayloadError, FileNotFoundError, ValueError):
                         continue  # the merge reads it again and drops it, saying why
         known = [s for c, _ in self.read.values() if (s := c.step_s) is not None]
@@ -244,8 +251,6 @@ class Syncer:
         taken, read, self.read = gathered.taken, self.read, {}
         dl = self.config.diloco
         v = self.newest
-        numel = sum(t.numel() for t in self.params.values())
-        run_id = self.config.run_id or ""
         dc = dl.decoupled
         good: dict[tuple[int, int], tuple[Contribution, torch.Tensor]] = {}
         weights: list[float] = []
@@ -253,9 +258,7 @@ class Syncer:
         for learner, seqs in sorted(taken.items()):
             for seq in seqs:
                 try:
-                    c, values = read.get((learner, seq)) or versions.read_contribution(
-                        self.run_store, run_id, learner, seq, self.codec, numel, self.key
-                    )
+                    c, values = read.get((learner, seq)) or self._read(learner, seq)
                     weight = contribution_weight(
                         tokens=c.tokens,
                         steps=c.steps,
@@ -288,7 +291,10 @@ class Syncer:
             consumed[learner] = max(seqs) + 1
         merged = [[learner, seq] for learner, seq in good]
         if good:
-            self._outer_step(self._merged([values for _, values in good.values()], weights), len(good))
+            average = self._merged([values for _, values in good.values()], weights)
+            if self.row_spans:
+                self._touched_rows(average, list(good.values()))
+            self._outer_step(average, len(good))
         record = Version(
             v + 1,
             self.writer,
@@ -298,6 +304,7 @@ class Syncer:
             self.record.embeddings,
             parent=self.record.version,
             grace_s=gathered.grace_s,
+            token_rows=self.record.token_rows,
         )
         outer = self.outer.state_dict() if self.outer is not None else None
         committed = versions.commit(self.run_store, record, self.params, outer, self.key)
@@ -318,6 +325,25 @@ class Syncer:
         else:
             logger.warning("another syncer committed version %d first: continuing from its", v + 1)
             self._load(v + 1)
+
+    def _read(self, learner: int, seq: int) -> tuple[Contribution, torch.Tensor]:
+        """Contribution ``seq`` of ``learner``, checked, with its row bits when the run has them."""
+        numel = sum(t.numel() for t in self.params.values())
+        return versions.read_contribution(
+            self.run_store, self.config.run_id or "", learner, seq, self.codec, numel, self.key, self.row_bits
+        )
+
+    def _touched_rows(self, average: torch.Tensor, good: list[tuple[Contribution, torch.Tensor]]) -> None:
+        """Replace ``average``'s embedding rows that some merged contribution's data held by lock-step's
+        touched-rows combination (``rows.RowSums``: the contributions added in the merge's order, as lock-step's
+        reducer adds its inputs in rank order). Those rows are combined unweighted, as lock-step's: the
+        contributions' weights (tokens, a staleness discount) act on the other rows."""
+        numel = average.numel()
+        sums = RowSums(self.row_spans, numel, bucket_count(self.config.diloco.sync_every))
+        for c, values in good:
+            assert c.touched is not None  # read with row bits (self.row_bits)
+            sums.add(values, c.touched)
+        sums.apply(average)
 
     def _merged(self, flats: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
         """The contributions (flat, in the global's parameter order) merged tensor by tensor

@@ -206,6 +206,18 @@ def test_the_configs_it_launches() -> None:
     assert decoupled.diloco.mode == "decoupled" and decoupled.diloco.rounds == 3 * 4 // 2
     assert (dc.min_quorum, dc.grace_s, dc.max_lag) == (2, 1.0, 1)  # a quorum below N; learners never wait
     assert dc.keep_versions is None  # every version and contribution stays for the accounting
+    # both sides with the demo's embedding rule (a row combined over the learners whose data held its token)
+    assert config.diloco.embedding_average == decoupled.diloco.embedding_average == "touched"
+    lock_step_all = bench.run_config(
+        base,
+        sizes,
+        "lock-step",
+        1,
+        "run",
+        Path("/tmp/goodput-test"),
+        overrides=("diloco.embedding_average=all",),
+    )
+    assert lock_step_all.diloco.embedding_average == "all"
     waiting = bench.run_config(base, sizes, "decoupled", 1, "run", Path("/tmp/goodput-test"), max_lag=0)
     assert waiting.diloco.decoupled.max_lag == 0
 

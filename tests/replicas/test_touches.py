@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from composer_serverless.rendezvous.rows import RowBlock
+from composer_serverless.rendezvous.rows import MAX_BUCKETS, RowBlock
 from composer_serverless.replicas.diloco import split_fragments
 from composer_serverless.replicas.node import SOLO
-from composer_serverless.replicas.touches import MAX_BUCKETS, Touches
+from composer_serverless.replicas.touches import Touches
 
 VOCAB, WIDTH = 40, 8
 

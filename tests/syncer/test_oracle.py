@@ -18,6 +18,7 @@ from composer_serverless.config import RunConfig
 from composer_serverless.objectives.objective import evaluate, make_objective
 from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous import decoupled as versions
+from composer_serverless.rendezvous.rows import bucket_count, span_rows, spans
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 from composer_serverless.replicas import precision
@@ -28,9 +29,8 @@ from tests.syncer.processes import run_decoupled
 
 LEARNERS = 3
 ROUNDS = 3
-# The settings decoupled mode takes (the touched-rows average is lock-step's exchange's); a checkpoint at
-# the last round holds lock-step's final global.
-SETTINGS = {"replicas": LEARNERS, "rounds": ROUNDS, "embedding_average": "all", "min_replicas": LEARNERS}
+# A checkpoint at the last round holds lock-step's final global.
+SETTINGS = {"replicas": LEARNERS, "rounds": ROUNDS, "min_replicas": LEARNERS}
 
 
 def lockstep_final(run, rounds: int = ROUNDS) -> dict[str, torch.Tensor]:
@@ -53,14 +53,18 @@ def scored_initial(run: ObjectStore, config: RunConfig) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("embeddings", ["all", "touched"])
 def test_decoupled_with_a_full_quorum_ends_on_lockstep_bit_for_bit(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, embeddings: str
 ) -> None:
+    """With either embedding rule: ``touched`` combines each embedding row over the learners whose data held
+    its token, from the row bits each contribution carries, as lock-step's reducer does."""
     store = str(tmp_path / "runs")
+    settings = {**SETTINGS, "embedding_average": embeddings}
     with replicas_on_the_simulated_accelerator():
-        lockstep = create(make_config(store, "lockstep", tiny_model_dir, **SETTINGS))
+        lockstep = create(make_config(store, "lockstep", tiny_model_dir, **settings))
         assert run_replicas(lockstep, tmp_path / "lockstep-logs", LEARNERS) == [0] * LEARNERS
-        config = make_config(store, "decoupled", tiny_model_dir, mode="decoupled", **SETTINGS)
+        config = make_config(store, "decoupled", tiny_model_dir, mode="decoupled", **settings)
         decoupled = create(config)
         assert run_decoupled(decoupled, tmp_path / "decoupled-logs", LEARNERS) == [0] * (LEARNERS + 1)
     assert ran_on_the_simulated_accelerator(tmp_path / "lockstep-logs")
@@ -95,8 +99,14 @@ def test_decoupled_with_a_full_quorum_ends_on_lockstep_bit_for_bit(
     assert [decoupled.exists(layout.metrics(r, 0)) for r in range(LEARNERS)] == [True, False, False]
     # Each contribution says how long its inner steps took (the syncer's grace window reads it): here the
     # last ones, which the kept version before the last had not consumed.
+    numel = sum(t.numel() for t in merged.values())
+    blocks = versions.row_blocks({name: tuple(t.shape) for name, t in merged.items()}, final.token_rows)
+    assert (len(blocks) > 0) == (embeddings == "touched")  # the tiny model's embedding (and untied head)
+    bits = span_rows(spans(blocks, 0, numel)) * bucket_count(config.diloco.sync_every)
     for learner in range(LEARNERS):
         c, _ = versions.read_contribution(
-            decoupled, "decoupled", learner, ROUNDS - 1, "fp32", sum(t.numel() for t in merged.values()), None
+            decoupled, "decoupled", learner, ROUNDS - 1, "fp32", numel, None, bits
         )
         assert c.steps == config.diloco.sync_every and c.step_s is not None and c.step_s > 0
+        # with touched rows, the bits of the rows its data held: some, not all
+        assert c.touched is None if not bits else 0 < int(c.touched.sum()) < bits

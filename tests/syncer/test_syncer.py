@@ -15,6 +15,7 @@ from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.decoupled import Contribution, Version
 from composer_serverless.rendezvous.latest import newest_version
+from composer_serverless.rendezvous.rows import RowBlock
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.syncer.syncer import Syncer
@@ -136,12 +137,55 @@ def test_two_syncers_cannot_both_commit_a_version(tmp_path: Path) -> None:
     assert second.record == versions.read_version(run, 1)
 
 
+def test_touched_rows_are_combined_over_the_contributions_that_held_them(tmp_path: Path) -> None:
+    """embedding_average = "touched", H = 1 (one step bucket): a 3-token embedding ``emb`` (width 1) and a
+    bias. Learner 0's data held token 0, learner 1's tokens 0 and 1, learner 2's none. Plain mean of emb
+    (3, 0, 0), (3, 6, 0), (0, 0, 9): (2, 2, 3); row 0 over learners 0 and 1: (3 + 3) * 1 bucket / 2 = 3;
+    row 1 learner 1's alone: 6; row 2, held by none, the plain mean 3. Then Nesterov's first step,
+    lr * 1.25 * g."""
+    config = make_config(
+        str(tmp_path),
+        "hand",
+        tmp_path,
+        replicas=3,
+        rounds=1,
+        sync_every=1,
+        mode="decoupled",
+        embedding_average="touched",
+        outer_lr=LR,
+        outer_momentum=MOMENTUM,
+        outlier_norm_factor=None,
+        decoupled={"poll_s": 0.01, "min_quorum": 1, "grace_s": 0},
+    )
+    run = ObjectStore(str(tmp_path)).child("hand")
+    run.put(layout.RUN_CONFIG, config.resolved_json().encode())
+    initial = {"emb": torch.ones(3, 1), "b": torch.tensor([0.5])}
+    assert versions.commit(run, Version(0, "initial", token_rows=["emb"]), initial, None, None)
+    assert versions.row_blocks({"emb": (3, 1), "b": (1,)}, ["emb"]) == (RowBlock(offset=0, rows=3, width=1),)
+    held = {0: [True, False, False], 1: [True, True, False], 2: [False, False, False]}
+    values = {0: [3.0, 0.0, 0.0, 3.0], 1: [3.0, 6.0, 0.0, 0.0], 2: [0.0, 0.0, 9.0, 0.0]}
+    for learner in range(3):
+        c = Contribution(learner, 0, 0, tokens=10, steps=1, touched=torch.tensor(held[learner]))
+        assert versions.publish(run, "hand", c, torch.tensor(values[learner]), "fp32", None) > 0
+    syncer = Syncer(run, config, None, Reporter(run, 3))
+    syncer._load(0)
+    syncer._merge(syncer._gather())
+    record = versions.read_version(run, 1)
+    assert record.merged == [[0, 0], [1, 0], [2, 0]] and record.token_rows == ["emb"]
+    params = versions.load_params(run, record, None)
+    assert torch.equal(params["emb"], 1 - 0.625 * torch.tensor([[3.0], [6.0], [3.0]]))
+    assert torch.equal(params["b"], torch.tensor([0.5 - 0.625 * 1.0]))
+    # A contribution without the row bits a touched run's contributions carry is dropped, saying why.
+    send(run, 0, 1, [1.0, 1.0, 1.0, 1.0], base=1)
+    syncer._merge(syncer._gather())
+    assert "'rows': (None, '3')" in versions.read_version(run, 2).dropped[0]["why"]
+
+
 @pytest.mark.parametrize(
     ("diloco", "said"),
     [
         ({"codec": "sparse"}, "diloco.codec = 'sparse'"),
         ({"fragments": 2, "sync_every": 4}, "diloco.fragments > 1"),
-        ({"embedding_average": "touched"}, "set it to 'all'"),
         ({"decoupled": {"min_quorum": 5}}, "cannot exceed diloco.replicas"),
         ({"decoupled": {"max_lag": 2, "max_age": 1}}, "must be at least max_lag"),
         ({"decoupled": {"keep_versions": 0}}, "keep_versions"),
@@ -219,7 +263,8 @@ def test_a_restarted_syncer_rolls_back_past_a_damaged_version_and_merges_what_it
 
 def test_token_weights_and_delayed_nesterov_reach_the_merge(tmp_path: Path) -> None:
     """tokens ** 2 / steps: 10 tokens in 4 steps weigh 25, 30 in 4 weigh 225: the merge is 0.1 a + 0.9 b.
-    Delayed Nesterov with N = 3 learners: its first step is g / N, the momentum not yet updated."""
+    Delayed Nesterov with N = 3 learners counts contributions: a merge of all three is a whole block, so its
+    first step is Nesterov's, lr * (1 + momentum) * g (a merge of one would step g / N: test_outer.py)."""
     run, syncer = run_of(tmp_path, outer="delayed_nesterov")
     syncer._load(0)
     for learner, tokens, value in ((0, 10, 1.0), (1, 30, 3.0)):
@@ -229,7 +274,8 @@ def test_token_weights_and_delayed_nesterov_reach_the_merge(tmp_path: Path) -> N
     syncer._merge(syncer._gather())
     merged = (25 * 1.0 + 225 * 3.0 + 25 * 2.8) / 275
     after = versions.load_params(run, versions.read_version(run, 1), None)
-    assert torch.allclose(after["w"], torch.tensor([1.0, 2.0]) - LR * merged / 3, rtol=0, atol=1e-6)
+    expected = torch.tensor([1.0, 2.0]) - LR * (1 + MOMENTUM) * merged
+    assert torch.allclose(after["w"], expected, rtol=0, atol=1e-6)
 
 
 class FakeTime:
