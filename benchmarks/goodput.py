@@ -285,14 +285,24 @@ def at_equal_tokens(lock_step: list[list[float]], decoupled: list[list[float]]) 
     loss]`` in global order: lock-step's last round against decoupled's first version holding at least its
     tokens (None if none does), the relative gap of their losses; and the seconds decoupled took to reach
     lock-step's final loss (its first version scoring at most that; None if none does) against the seconds
-    lock-step took (its last round complete), and their ratio."""
+    lock-step took (its last round complete), and their ratio. Also both final globals (``finals``): where
+    each run's learning-rate schedule ended, which is the comparison at equal tokens when both runs have
+    the same ``rounds`` (decoupled's at most as many tokens then: conservative for it)."""
     last, tokens, seconds, loss = lock_step[-1]
+    final = decoupled[-1] if decoupled else None
     out: dict[str, Any] = {
         "tokens": tokens,
         "lock-step": {"round": int(last), "tokens": tokens, "s": seconds, "loss": loss},
         "decoupled": None,
         "relative_gap": None,
         "to_lock_step_final_loss": None,
+        "finals": None
+        if final is None
+        else {
+            "lock-step": {"round": int(last), "tokens": tokens, "loss": loss},
+            "decoupled": {"version": int(final[0]), "tokens": final[1], "loss": final[3]},
+            "relative_gap": final[3] / loss - 1,
+        },
     }
     equal = next((g for g in decoupled if g[1] >= tokens), None)
     if equal is not None:

@@ -62,9 +62,10 @@ def main(argv: list[str]) -> int:
     rows = table(root)
     print(
         "| run | scenario, seed | goodput lock-step / decoupled | loss at equal tokens, lock-step / decoupled "
-        "(gap) | decoupled to lock-step's final loss | steps merged / executed | staleness |"
+        "(gap) | final globals' loss (gap), decoupled's tokens / lock-step's | decoupled to lock-step's final "
+        "loss | steps merged / executed | staleness |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         c = row["at_equal_tokens"]
         dec = c["decoupled"]
@@ -79,11 +80,19 @@ def main(argv: list[str]) -> int:
             if reached
             else "not reached"
         )
+        finals = c["finals"]
+        ends = (
+            f"{finals['lock-step']['loss']:.3f} / {finals['decoupled']['loss']:.3f} "
+            f"({100 * finals['relative_gap']:+.1f} %), "
+            f"{finals['decoupled']['tokens'] / finals['lock-step']['tokens']:.2f}"
+            if finals
+            else "none"
+        )
         staleness = ", ".join(f"{age}: {n}" for age, n in row["staleness"].items())
         print(
             f"| {row['run']} | {row['scenario']}, {row['seed']} | {row['lock_step_goodput']:.3f} / "
-            f"{row['goodput']:.3f} | {loss} | {to_final} | {row['merged_steps']} / {row['executed_steps']} | "
-            f"{staleness} |"
+            f"{row['goodput']:.3f} | {loss} | {ends} | {to_final} | {row['merged_steps']} / "
+            f"{row['executed_steps']} | {staleness} |"
         )
     (root / "table.json").write_text(json.dumps(rows, indent=2))
     return 0

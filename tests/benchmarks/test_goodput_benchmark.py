@@ -151,7 +151,13 @@ def test_at_equal_tokens_by_hand() -> None:
             "lock_step_s": 30.0,
             "ratio": 0.6,
         },
+        "finals": {
+            "lock-step": {"round": 3, "tokens": 1200.0, "loss": 4.5},
+            "decoupled": {"version": 6, "tokens": 1800.0, "loss": 4.3},
+            "relative_gap": compared["finals"]["relative_gap"],
+        },
     }
+    assert compared["finals"]["relative_gap"] == pytest.approx(4.3 / 4.5 - 1)
 
 
 def test_at_equal_tokens_when_decoupled_reaches_neither() -> None:
@@ -159,6 +165,9 @@ def test_at_equal_tokens_when_decoupled_reaches_neither() -> None:
     compared = bench.at_equal_tokens([[1, 400.0, 10.0, 5.0]], [[1, 200.0, 4.0, 6.0], [2, 390.0, 8.0, 5.1]])
     assert compared["lock-step"] == {"round": 1, "tokens": 400.0, "s": 10.0, "loss": 5.0}
     assert compared["decoupled"] is compared["relative_gap"] is compared["to_lock_step_final_loss"] is None
+    # its final global, with 390 of lock-step's 400 tokens: 2 % worse
+    assert compared["finals"]["decoupled"] == {"version": 2, "tokens": 390.0, "loss": 5.1}
+    assert compared["finals"]["relative_gap"] == pytest.approx(0.02)
 
 
 def test_lifetimes_sum_every_process_of_a_learner() -> None:
