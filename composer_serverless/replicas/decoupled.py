@@ -212,8 +212,6 @@ class DecoupledLearner(Replica):
             device=self.device,
         )
         self._follow_global(version)  # its state may be of a contribution merged versions ago
-        if self.touches is not None:  # its unsent steps, and the rows they marked, are gone
-            self.touches.clear()
         self.log.info(
             "started from global version %d and its own state of contribution %d: inner step %d, data "
             "position %s",

@@ -13,6 +13,7 @@ import torch
 from composer_serverless.config import RunConfig
 from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.rows import bucket_count, span_rows, spans
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 from composer_serverless.replicas.diloco import wire_codec
@@ -23,7 +24,9 @@ from tests.syncer.processes import run_decoupled
 
 LEARNERS = 2
 ROUNDS = 2
-SETTINGS = {"replicas": LEARNERS, "rounds": ROUNDS, "mode": "decoupled", "embedding_average": "all"}
+# With the touched-rows average (the default), each learner's ranks mark the tokens of their own halves of
+# its batch, and its contribution carries the union.
+SETTINGS = {"replicas": LEARNERS, "rounds": ROUNDS, "mode": "decoupled", "embedding_average": "touched"}
 
 
 def _run(
@@ -81,13 +84,22 @@ def test_two_ranks_per_learner_end_where_one_rank_does(tmp_path: Path, tiny_mode
         record = versions.read_version(two, v)
         assert sorted(map(tuple, record.merged)) == [(learner, v - 1) for learner in range(LEARNERS)]
         assert record.dropped == []
+    blocks = versions.row_blocks({n: tuple(t.shape) for n, t in initial.items()}, record.token_rows)
+    bits = span_rows(spans(blocks, 0, numel)) * bucket_count(dl.sync_every)
+    assert bits > 0
     for learner in range(LEARNERS):
         # One object per contribution, from the learner's lead, holding the whole model (the size is checked).
         assert sorted(int(n) for n in two.list(layout.contributions(learner))) == list(range(ROUNDS))
         contribution, values = versions.read_contribution(
-            two, "g2", learner, ROUNDS - 1, wire_codec(dl.codec, dl), numel, None
+            two, "g2", learner, ROUNDS - 1, wire_codec(dl.codec, dl), numel, None, bits
         )
         assert contribution.base == ROUNDS - 1 and values.numel() == numel
+        # its row bits: the union of its two ranks' marks, which are one rank's marks of the whole batch
+        alone, _ = versions.read_contribution(
+            one, "g1", learner, ROUNDS - 1, wire_codec(dl.codec, dl), numel, None, bits
+        )
+        assert contribution.touched is not None and alone.touched is not None
+        assert torch.equal(contribution.touched, alone.touched) and 0 < int(alone.touched.sum()) < bits
     # The digest a learner records is of the whole global, so whatever its ranks.
     assert _held(two) == {digest(final_two)} and _held(one) == {digest(final_one)}
 

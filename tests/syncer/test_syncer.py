@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_serverless.config import validate_config
+from composer_serverless.config import RunConfig, validate_config
 from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.decoupled import Contribution, Version
@@ -24,22 +24,27 @@ from tests.rendezvous.harness import make_config
 LR, MOMENTUM = 0.5, 0.25
 
 
+def hand_config(tmp_path: Path, store: str, decoupled: dict[str, object], **diloco: object) -> RunConfig:
+    """Run "hand" of 3 learners, 2 versions, the outer step of ``LR`` and ``MOMENTUM``, no outlier rule; with
+    ``diloco`` and ``decoupled`` settings over those."""
+    settings: dict[str, object] = {
+        "replicas": 3,
+        "rounds": 2,
+        "mode": "decoupled",
+        "embedding_average": "all",
+        "outer_lr": LR,
+        "outer_momentum": MOMENTUM,
+        "outlier_norm_factor": None,
+        **diloco,
+        "decoupled": {"poll_s": 0.01, **decoupled},
+    }
+    return make_config(store, "hand", tmp_path, **settings)
+
+
 def run_of(tmp_path: Path, store: str | None = None, **decoupled: object) -> tuple[ObjectStore, Syncer]:
     """A run of 3 learners in ``store`` (``tmp_path`` unless given) holding version 0, and its syncer."""
     store = store or str(tmp_path)
-    config = make_config(
-        store,
-        "hand",
-        tmp_path,
-        replicas=3,
-        rounds=2,
-        mode="decoupled",
-        embedding_average="all",
-        outer_lr=LR,
-        outer_momentum=MOMENTUM,
-        outlier_norm_factor=None,
-        decoupled={"poll_s": 0.01, **decoupled},
-    )
+    config = hand_config(tmp_path, store, decoupled)
     run = ObjectStore(store).child("hand")
     run.put(layout.RUN_CONFIG, config.resolved_json().encode())
     initial = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
@@ -143,19 +148,9 @@ def test_touched_rows_are_combined_over_the_contributions_that_held_them(tmp_pat
     (3, 0, 0), (3, 6, 0), (0, 0, 9): (2, 2, 3); row 0 over learners 0 and 1: (3 + 3) * 1 bucket / 2 = 3;
     row 1 learner 1's alone: 6; row 2, held by none, the plain mean 3. Then Nesterov's first step,
     lr * 1.25 * g."""
-    config = make_config(
-        str(tmp_path),
-        "hand",
-        tmp_path,
-        replicas=3,
-        rounds=1,
-        sync_every=1,
-        mode="decoupled",
-        embedding_average="touched",
-        outer_lr=LR,
-        outer_momentum=MOMENTUM,
-        outlier_norm_factor=None,
-        decoupled={"poll_s": 0.01, "min_quorum": 1, "grace_s": 0},
+    decoupled = {"min_quorum": 1, "grace_s": 0}
+    config = hand_config(
+        tmp_path, str(tmp_path), decoupled, rounds=1, sync_every=1, embedding_average="touched"
     )
     run = ObjectStore(str(tmp_path)).child("hand")
     run.put(layout.RUN_CONFIG, config.resolved_json().encode())
