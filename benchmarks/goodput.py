@@ -351,7 +351,9 @@ def alive_breakdown(
 ) -> dict[str, float]:
     """Where the learners' alive seconds went, summed over every process of every learner (``lives``: pid ->
     (rank, started, last seen alive); ``cold_s``: pid -> the cold-start hold it was given; ``killed``: the
-    pids preempted; ``metrics``: the learners' rows, each with its end ``time`` and its ``round_s``):
+    pids preempted; ``metrics``: the learners' rows, each with its ``time`` and its ``round_s``; a decoupled
+    learner's row is timed when it reports it, at its next adoption, so its round's start, ``time - round_s``,
+    is a little late and the start-up a little long):
 
     - ``cold_start``: held stopped before it could run (a cloud's container start);
     - ``start_up``: from then to the start of its first round (imports, model load, checks, learner 0's
