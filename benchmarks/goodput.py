@@ -367,9 +367,8 @@ def alive_breakdown(
     """
     out = dict.fromkeys(("cold_start", "start_up", "useful", "unmerged", "in_flight_at_kill", "other"), 0.0)
     executed = sum(_inner_seconds(row) for rows in metrics.values() for row in rows)
-    alive = 0.0
+    alive = sum(lifetimes_s(lives).values())
     for pid, (rank, started, ended) in lives.items():
-        alive += max(0.0, ended - started)
         ready = started + cold_s.get(pid, 0.0)
         out["cold_start"] += min(cold_s.get(pid, 0.0), max(0.0, ended - started))
         rows = [r for r in metrics.get(rank, []) if "round_s" in r and ready <= r["time"] <= ended + POLL_S]

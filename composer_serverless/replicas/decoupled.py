@@ -84,7 +84,8 @@ class DecoupledLearner(Replica):
         self.discarded = 0
         # With embedding_average = "touched" (``self.touches``): the parameters with a row per token, whose
         # rows' bits its contributions carry (lock-step's touched-rows average, done by the syncer)
-        self.token_rows = self._token_rows() if self.touches is not None else []
+        marked = {id(w) for w in self.touches.token_weights} if self.touches is not None else set()
+        self.token_rows = [name for name, p in self.params.items() if id(p) in marked]
         shapes = {name: tuple(p.shape) for name, p in self.params.items()}
         self.row_blocks = store_versions.row_blocks(shapes, self.token_rows)
 
@@ -249,21 +250,6 @@ class DecoupledLearner(Replica):
                 self.run_store, layout.replica_states(self.rank), keep_from=self.seq - 1
             )
         return written
-
-    def _token_rows(self) -> list[str]:
-        """The trainable parameters ``Touches`` marks rows of: the input embedding's weight and an untied
-        output head's, each with a row per token (a frozen one, under LoRA, has no rows to combine)."""
-        embedding = self.model.get_input_embeddings()
-        head = self.model.get_output_embeddings()
-        vocab = embedding.weight.shape[0]
-        marked = {id(embedding.weight)} | (
-            {id(head.weight)} if getattr(head, "weight", None) is not None else set()
-        )
-        return [
-            name
-            for name, p in self.params.items()
-            if id(p) in marked and p.dim() == 2 and p.shape[0] == vocab
-        ]
 
     def _embedding_names(self) -> list[str]:
         """The names of the embeddings' trainable parameters (input, and an untied output head)."""

@@ -28,16 +28,16 @@ from composer_serverless.replicas.node import Node
 from composer_serverless.replicas.shards import local
 
 
-def token_blocks(fragment: nn.Module, token_weights: list[nn.Parameter], vocab: int) -> tuple[RowBlock, ...]:
+def token_blocks(fragment: nn.Module, token_weights: list[nn.Parameter]) -> tuple[RowBlock, ...]:
     """The blocks of ``fragment``'s flat bucket (its parameters in ``named_parameters`` order, each as this
-    rank holds it) that are one of ``token_weights`` with a row per token."""
+    rank holds it) that are one of ``token_weights`` (each with a row per token)."""
     wanted = {id(w) for w in token_weights}
     blocks, offset = [], 0
     for _, p in fragment.named_parameters():
         held = local(p)
         # A rank whose shard holds no row still has the block (of no rows): every rank of a replica must
         # agree on which fragments take part in the union at a sync.
-        if id(p) in wanted and p.dim() == 2 and p.shape[0] == vocab:
+        if id(p) in wanted:
             first = 0
             if isinstance(p, DTensor):
                 _, global_offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
@@ -62,7 +62,10 @@ class Touches:
         head = model.get_output_embeddings()
         if head is not None and getattr(head, "weight", None) is not None:
             weights.append(head.weight)
-        self.blocks = [token_blocks(f, weights, self.vocab) for f in fragments]
+        # The weights with a row per token (an untied head of another shape has none); a frozen one (LoRA)
+        # is in no fragment, so no block of it is marked.
+        self.token_weights = [w for w in weights if w.dim() == 2 and w.shape[0] == self.vocab]
+        self.blocks = [token_blocks(f, self.token_weights) for f in fragments]
         self.node = node
         self.window = window
         self.buckets = bucket_count(window)

@@ -99,7 +99,7 @@ class DelayedNesterov(torch.optim.Optimizer):
         if "delta" in state:
             state["delta"].add_(grad, alpha=k)
         else:
-            state["delta"] = grad.clone() if k == 1 else grad.mul(k)
+            state["delta"] = grad.mul(k)  # a copy (times 1 is exact)
         momentum = state.get("momentum_buffer")
         # The operations of torch's single-tensor SGD, in its order: with every k = N the result is its own.
         sent = grad if k == n else grad.div(n / k)
