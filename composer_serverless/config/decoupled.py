@@ -104,6 +104,16 @@ class DecoupledConfig(StrictModel):
         "the newest is damaged (lock-step keeps two states for the same reasons). Unset: nothing is deleted, "
         "every version and contribution stays (benchmarks/goodput.py evaluates every version)",
     )
+    syncer_shards: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="syncer processes, each merging one fragment of the global (contiguous groups of whole "
+        "parameter tensors, balanced by size): each downloads its fragment of every contribution and "
+        "uploads its fragment of every version, so a merge's bytes per syncer link are divided by this. "
+        "One syncer's link carries every learner's upload (docs/decoupled.md, 'Traffic'): shard it when "
+        "that link, not the learners', would be the run's bottleneck",
+    )
     poll_s: float = Field(
         0.5, gt=0, le=60, description="seconds between the syncer's (and a waiting learner's) store listings"
     )
