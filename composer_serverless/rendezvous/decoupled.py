@@ -17,6 +17,15 @@
   the creation of a record wrote its snapshots under its own name and discards them.
   It also names its ``parent``, the version whose global the merge stepped from: the one before it, but after
   a rollback (``newest_intact``) the newest intact one.
+* With a **sharded syncer** (``diloco.decoupled.syncer_shards`` = F > 1) the global is cut into F fragments
+  (``syncer/shards.fragment_groups``: contiguous groups of whole tensors, named by version 0's record), and
+  no syncer moves a whole contribution or a whole version. A learner writes one object per fragment of a
+  contribution, under an attempt's name, then the contribution's own object: its header alone (no values),
+  naming the attempt (``publish_parts``). Shard 0 decides what each merge takes and creates it once as the
+  version's **plan**; every shard merges its fragment of that plan and writes its fragment's snapshots and a
+  **part** record, created once; shard 0 creates the version's record, naming each part's writer
+  (``parts``), once every part exists. So a version still exists only whole, and a learner reads it as F
+  snapshots (``load_params``).
 
 Version 0 is the initial weights, written by the first learner to start (all start from the same ones).
 After each commit the syncer deletes old versions' snapshots and consumed contributions
@@ -28,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +46,17 @@ from typing import Any, TypeVar
 import torch
 
 from composer_serverless.rendezvous import checkpoint, layout
-from composer_serverless.rendezvous.codec import Codec, accumulate, decode, encode_parts, read_header
+from composer_serverless.rendezvous.codec import (
+    NORM,
+    NORM_SLACK,
+    Codec,
+    PayloadError,
+    accumulate,
+    decode,
+    encode_parts,
+    l2_norm,
+    read_header,
+)
 from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.rendezvous.rows import RowBlock
 from composer_serverless.rendezvous.runkey import RunKey
@@ -47,6 +67,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _FIELDS = ("base", "tokens", "steps")
+# An attempt's name in a contribution's header (``writer_token``'s form), checked before it names an object
+_ATTEMPT = re.compile(r"[0-9a-f]{12}")
 
 
 def writer_token() -> str:
@@ -67,6 +89,9 @@ class Contribution:
     # With diloco.embedding_average = "touched": the row bits it carries (``rows.RowMask.bits`` over
     # ``row_blocks``), which rows its learner's data held in which step buckets; None without
     touched: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # With a sharded syncer: the L2 norm of the whole contribution its header states (a shard sees one
+    # fragment, and the outlier rule judges whole contributions alike in every shard); None without
+    norm: float | None = None
 
     @property
     def step_s(self) -> float | None:
@@ -99,6 +124,17 @@ class Version:
     # With diloco.embedding_average = "touched": the parameters with a row per token whose rows contributions
     # carry bits for (``row_blocks``), in the global's order; named by version 0's writer, carried on.
     token_rows: list[str] = field(default_factory=list)
+    # With a sharded syncer: each fragment's parameter names, in the global's order (named by version 0's
+    # writer, carried on); empty: one fragment, the whole global.
+    fragments: list[list[str]] = field(default_factory=list)
+    # With a sharded syncer: each fragment's snapshots' writer, in fragment order; empty: ``writer``'s hold the
+    # whole global (version 0, and every version of an unsharded syncer).
+    parts: list[str] = field(default_factory=list)
+
+    @property
+    def writers(self) -> list[str]:
+        """Whose snapshots hold this version: each fragment's writer, or the one writer of the whole."""
+        return self.parts or [self.writer]
 
     def to_json(self) -> bytes:
         record = {
@@ -111,6 +147,8 @@ class Version:
             "parent": self.parent,
             "grace_s": self.grace_s,
             "token_rows": self.token_rows,
+            "fragments": self.fragments,
+            "parts": self.parts,
         }
         return json.dumps(record).encode()
 
@@ -127,11 +165,57 @@ class Version:
             parent=int(data.get("parent", int(data["version"]) - 1)),
             grace_s=None if data.get("grace_s") is None else float(data["grace_s"]),
             token_rows=[str(name) for name in data.get("token_rows", [])],
+            fragments=[[str(name) for name in group] for group in data.get("fragments", [])],
+            parts=[str(writer) for writer in data.get("parts", [])],
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the merge of version ``version`` takes, as a sharded syncer's shard 0 decided it (created once,
+    ``layout.version_plan``): per learner the sequence numbers it takes, the version the merge steps from
+    (``parent``: after a rollback, not ``version - 1``), and the grace window given."""
+
+    version: int
+    parent: int
+    taken: dict[int, list[int]]
+    grace_s: float | None = None
+
+    def to_json(self) -> bytes:
+        taken = {str(k): v for k, v in self.taken.items()}
+        record = {"version": self.version, "parent": self.parent, "taken": taken, "grace_s": self.grace_s}
+        return json.dumps(record).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Plan:
+        data = json.loads(raw)
+        return cls(
+            version=int(data["version"]),
+            parent=int(data["parent"]),
+            taken={int(k): [int(s) for s in v] for k, v in data["taken"].items()},
+            grace_s=None if data.get("grace_s") is None else float(data["grace_s"]),
         )
 
 
 def _identity(run_id: str, learner: int, seq: int) -> dict[str, str]:
     return {"run": run_id, "kind": "contribution", "learner": str(learner), "seq": str(seq)}
+
+
+def _part_identity(run_id: str, learner: int, seq: int, attempt: str, fragment: int) -> dict[str, str]:
+    return {
+        **_identity(run_id, learner, seq),
+        "kind": "contribution-part",
+        "attempt": attempt,
+        "fragment": str(fragment),
+    }
+
+
+def _header(run_id: str, c: Contribution) -> dict[str, str]:
+    """A contribution's header fields: its identity and what it covers."""
+    identity = {**_identity(run_id, c.learner, c.seq), **{f: str(getattr(c, f)) for f in _FIELDS}}
+    if c.seconds is not None:
+        identity["seconds"] = repr(float(c.seconds))
+    return identity
 
 
 def row_blocks(shapes: dict[str, tuple[int, ...]], token_rows: list[str]) -> tuple[RowBlock, ...]:
@@ -158,13 +242,42 @@ def publish(
     (0 when an earlier attempt of this learner already wrote it: inputs are immutable, the stored one
     counts)."""
     c = contribution
-    identity = {**_identity(run_id, c.learner, c.seq), **{f: str(getattr(c, f)) for f in _FIELDS}}
-    if c.seconds is not None:
-        identity["seconds"] = repr(float(c.seconds))
-    parts = encode_parts(values, identity, codec, key, c.touched)
+    parts = encode_parts(values, _header(run_id, c), codec, key, c.touched)
     if store.create(layout.contribution(c.learner, c.seq), parts):
         return sum(len(p) for p in parts)
     logger.info("contribution %d of learner %d exists from an earlier attempt", c.seq, c.learner)
+    return 0
+
+
+def publish_parts(
+    store: ObjectStore,
+    run_id: str,
+    contribution: Contribution,
+    fragments: list[tuple[torch.Tensor, torch.Tensor | None]],
+    codec: Codec,
+    key: RunKey | None,
+) -> int:
+    """A contribution for a sharded syncer: each fragment's values (and row bits) as an object of this
+    attempt's, then the contribution's own object, its header with no values, naming the attempt; the bytes
+    written (0 when an earlier attempt's contribution exists: it counts, and this one's parts are left for the
+    syncer's pruning). ``contribution.touched`` is unused: each fragment carries its own rows' bits."""
+    c = contribution
+    if store.exists(layout.contribution(c.learner, c.seq)):
+        logger.info("contribution %d of learner %d exists from an earlier attempt", c.seq, c.learner)
+        return 0
+    attempt = writer_token()
+    sent = 0
+    for fragment, (values, touched) in enumerate(fragments):
+        identity = _part_identity(run_id, c.learner, c.seq, attempt, fragment)
+        parts = encode_parts(values, identity, codec, key, touched)
+        store.create(layout.contribution_part(c.learner, c.seq, attempt, fragment), parts)
+        sent += sum(len(p) for p in parts)
+    whole = math.sqrt(sum(l2_norm(values) ** 2 for values, _ in fragments))
+    header = {**_header(run_id, c), "attempt": attempt, "fragments": str(len(fragments)), NORM: repr(whole)}
+    parts = encode_parts(torch.zeros(0), header, codec, key)
+    if store.create(layout.contribution(c.learner, c.seq), parts):
+        return sent + sum(len(p) for p in parts)
+    logger.info("contribution %d of learner %d was written by an earlier attempt meanwhile", c.seq, c.learner)
     return 0
 
 
@@ -188,26 +301,60 @@ def read_contribution(
     numel: int,
     key: RunKey | None,
     rows: int = 0,
+    fragment: int | None = None,
 ) -> tuple[Contribution, torch.Tensor]:
     """A contribution and its fp32 values, checked (identity, codec, size, checksum or MAC, finite); with
-    ``rows``, it must carry exactly that many row bits, returned as its ``touched``.
+    ``rows``, it must carry exactly that many row bits, returned as its ``touched``. With ``fragment`` (a
+    sharded syncer's shard) only that fragment's values (``numel`` of them) and rows, from the part of the
+    attempt its header names (``publish_parts``).
 
     Raises:
         PayloadError: it may not be merged; FileNotFoundError: it is not in the store.
     """
     data = store.get(layout.contribution(learner, seq))
     identity = _identity(run_id, learner, seq)
+    metadata = read_header(data)[0]["__metadata__"]
+    assert isinstance(metadata, dict)
+    values_of, expect, whole = data, identity, None
+    if fragment is not None:
+        decode(data, identity, codec, 0, key=key)  # the header's own checksum or MAC
+        attempt = metadata.get("attempt", "")
+        if not _ATTEMPT.fullmatch(attempt):
+            raise PayloadError(
+                f"contribution {seq} of learner {learner} names no attempt of its parts: {attempt!r}"
+            )
+        whole = _stated_norm(metadata)
+        values_of = store.get(layout.contribution_part(learner, seq, attempt, fragment))
+        expect = _part_identity(run_id, learner, seq, attempt, fragment)
     touched = None
     if rows:
         values = torch.zeros(numel, dtype=torch.float32)
-        touched = accumulate(values, data, identity, codec, key=key, rows=rows)[1]
+        touched = accumulate(values, values_of, expect, codec, key=key, rows=rows)[1]
     else:
-        values = decode(data, identity, codec, numel, key=key)
-    metadata = read_header(data)[0]["__metadata__"]
-    assert isinstance(metadata, dict)
+        values = decode(values_of, expect, codec, numel, key=key)
+    if whole is not None and (norm := l2_norm(values)) > whole * NORM_SLACK and norm - whole > 1e-30:
+        raise PayloadError(
+            f"fragment {fragment} of contribution {seq} of learner {learner} has norm {norm:.4g}, more than the "
+            f"norm {whole:.4g} its header states for the whole"
+        )
     fields = {f: int(metadata[f]) for f in _FIELDS}
     seconds = float(metadata["seconds"]) if "seconds" in metadata else None
-    return Contribution(learner, seq, **fields, seconds=seconds, touched=touched), values
+    return Contribution(learner, seq, **fields, seconds=seconds, touched=touched, norm=whole), values
+
+
+def _stated_norm(metadata: dict[str, Any]) -> float:
+    """The whole contribution's norm a sharded contribution's header states (``publish_parts``).
+
+    Raises:
+        PayloadError: it states none, or not a finite non-negative number.
+    """
+    try:
+        whole = float(metadata[NORM])
+    except (KeyError, ValueError):
+        whole = math.nan
+    if not (math.isfinite(whole) and whole >= 0):
+        raise PayloadError(f"contribution states no usable norm of its whole: {metadata.get(NORM)!r}")
+    return whole
 
 
 def read_version(store: ObjectStore, v: int) -> Version:
@@ -235,20 +382,38 @@ def read_or_newer(store: ObjectStore, record: Version, read: Callable[[Version],
 
 
 def load_params(store: ObjectStore, record: Version, key: RunKey | None) -> dict[str, torch.Tensor]:
-    """Version ``record``'s global parameters by model name, checked against their manifest."""
-    return checkpoint.read_snapshot(store, layout.global_params(record.version, record.writer), key)
+    """Version ``record``'s global parameters by model name, each snapshot checked against its manifest (a
+    sharded syncer's: every fragment's, in order)."""
+    params: dict[str, torch.Tensor] = {}
+    for writer in record.writers:
+        params.update(checkpoint.read_snapshot(store, layout.global_params(record.version, writer), key))
+    return params
 
 
-def load_outer(store: ObjectStore, record: Version, key: RunKey | None) -> dict[str, Any]:
-    """The syncer's outer optimizer state after version ``record``."""
-    return checkpoint.read_snapshot(store, layout.syncer_state(record.version, record.writer), key)
+def load_part(
+    store: ObjectStore, record: Version, fragment: int, key: RunKey | None
+) -> dict[str, torch.Tensor]:
+    """Fragment ``fragment``'s parameters of version ``record`` (a sharded syncer's shard reads its own), or of
+    a shard's part record, whose one snapshot holds just that fragment."""
+    if not record.parts:  # one snapshot: the whole (version 0), or a part's fragment
+        params = load_params(store, record, key)
+        return {name: params[name] for name in record.fragments[fragment]}
+    return checkpoint.read_snapshot(store, layout.global_params(record.version, record.parts[fragment]), key)
+
+
+def load_outer(store: ObjectStore, record: Version, key: RunKey | None, fragment: int = 0) -> dict[str, Any]:
+    """The syncer's outer optimizer state after version ``record`` (a sharded syncer's: fragment
+    ``fragment``'s shard's)."""
+    writer = record.writers[fragment]
+    return checkpoint.read_snapshot(store, layout.syncer_state(record.version, writer), key)
 
 
 def newest_intact(
-    store: ObjectStore, newest: int, key: RunKey | None, *, outer: bool
+    store: ObjectStore, newest: int, key: RunKey | None, *, outer: bool, fragment: int = 0
 ) -> tuple[Version, dict[str, torch.Tensor], dict[str, Any] | None]:
     """The newest version at or below ``newest`` that reads whole, loaded: its record, its parameters and,
-    with ``outer`` (a syncer), the outer optimizer state after it (None for version 0, which has none).
+    with ``outer`` (a syncer), the outer optimizer state after it (None for version 0, which has none; a
+    sharded syncer's shard: its ``fragment``'s).
 
     ``commit`` creates a record only after its snapshots are whole, so a version that does not read was
     damaged afterwards (an object corrupted, replaced, or written without the run's key): as lock-step's
@@ -267,7 +432,7 @@ def newest_intact(
         try:
             record = read_version(store, v)
             params = load_params(store, record, key)
-            state = load_outer(store, record, key) if outer and v > 0 else None
+            state = load_outer(store, record, key, fragment) if outer and v > 0 else None
         except (checkpoint.CheckpointError, FileNotFoundError, ValueError, KeyError, TypeError) as e:
             now = newest_version(store)
             if now > newest:  # committed meanwhile: version v may have been pruned while it was read
@@ -292,7 +457,55 @@ def commit(
     """Write ``record``'s snapshots under its writer's name, then create its record; False (nothing of it
     counts) when another writer created version ``record.version`` first."""
     v = record.version
-    checkpoint.write_snapshot(store, layout.global_params(v, record.writer), params, key)
-    if outer is not None:
-        checkpoint.write_snapshot(store, layout.syncer_state(v, record.writer), outer, key)
+    _write(store, record, params, outer, key)
     return store.create(layout.version(v), record.to_json())
+
+
+def _write(
+    store: ObjectStore,
+    record: Version,
+    params: dict[str, torch.Tensor],
+    outer: dict[str, Any] | None,
+    key: RunKey | None,
+) -> None:
+    checkpoint.write_snapshot(store, layout.global_params(record.version, record.writer), params, key)
+    if outer is not None:
+        checkpoint.write_snapshot(store, layout.syncer_state(record.version, record.writer), outer, key)
+
+
+def commit_part(
+    store: ObjectStore,
+    part: Version,
+    fragment: int,
+    params: dict[str, torch.Tensor],
+    outer: dict[str, Any],
+    key: RunKey | None,
+) -> bool:
+    """A sharded syncer's shard: write its fragment's snapshots of version ``part.version`` under its writer's
+    name, then create the part's record; False (nothing of it counts) when another writer created it first."""
+    _write(store, part, params, outer, key)
+    return store.create(layout.version_part(part.version, fragment), part.to_json())
+
+
+def read_part(store: ObjectStore, v: int, fragment: int) -> Version | None:
+    """Fragment ``fragment``'s part record of version ``v``, None before it exists."""
+    try:
+        return Version.from_json(store.get(layout.version_part(v, fragment)))
+    except FileNotFoundError:
+        return None
+
+
+def create_plan(store: ObjectStore, plan: Plan) -> Plan:
+    """Create version ``plan.version``'s plan once; the plan that counts (another shard 0's, if it won)."""
+    if store.create(layout.version_plan(plan.version), plan.to_json()):
+        return plan
+    logger.info("version %d's plan exists (another syncer's): merging that one", plan.version)
+    return Plan.from_json(store.get(layout.version_plan(plan.version)))
+
+
+def read_plan(store: ObjectStore, v: int) -> Plan | None:
+    """Version ``v``'s plan, None before shard 0 creates it."""
+    try:
+        return Plan.from_json(store.get(layout.version_plan(v)))
+    except FileNotFoundError:
+        return None

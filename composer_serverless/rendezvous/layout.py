@@ -288,6 +288,27 @@ def contribution(learner: int, seq: int) -> str:
     return f"{contributions(learner)}/{seq:08d}"
 
 
+def contribution_part(learner: int, seq: int, attempt: str, fragment: int) -> str:
+    """With a sharded syncer (``diloco.decoupled.syncer_shards`` > 1): fragment ``fragment`` of one attempt
+    at contribution ``seq``, written before the contribution's own object (``contribution``), which names the
+    attempt: a learner that dies between its parts leaves no contribution, and a redo's parts never mix with
+    a dead attempt's. Beside the contribution, so consuming its sequence number prunes both."""
+    return f"{contribution(learner, seq)}-{attempt}-{fragment}"
+
+
+def version_plan(v: int) -> str:
+    """With a sharded syncer: what the merge of version ``v`` takes (created once by shard 0), which every
+    shard then merges its fragment of."""
+    return f"{VERSIONS}/{v:08d}.plan.json"
+
+
+def version_part(v: int, fragment: int) -> str:
+    """With a sharded syncer: shard ``fragment``'s record of its part of version ``v`` (its snapshots' writer,
+    what it merged and dropped), created once after its snapshots; ``version(v)`` follows once every part's
+    exists."""
+    return f"{VERSIONS}/{v:08d}.part-{fragment}.json"
+
+
 def version(v: int) -> str:
     """The record of global version ``v``: which snapshots hold it and what its merge took; created once,
     after them, so a version exists only whole and only one syncer's merge of it ever does."""

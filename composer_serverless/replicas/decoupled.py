@@ -45,6 +45,7 @@ rank saves and restores its own shards of the learner's state, as a lock-step re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from typing import Any
@@ -55,6 +56,7 @@ from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous import decoupled as store_versions
 from composer_serverless.rendezvous.checkpoint import CheckpointError
 from composer_serverless.rendezvous.decoupled import Contribution, Version
+from composer_serverless.rendezvous.fragments import fragment_groups
 from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.rendezvous.rows import RowMask, spans
 from composer_serverless.replicas import state
@@ -86,8 +88,8 @@ class DecoupledLearner(Replica):
         # rows' bits its contributions carry (lock-step's touched-rows average, done by the syncer)
         marked = {id(w) for w in self.touches.token_weights} if self.touches is not None else set()
         self.token_rows = [name for name, p in self.params.items() if id(p) in marked]
-        shapes = {name: tuple(p.shape) for name, p in self.params.items()}
-        self.row_blocks = store_versions.row_blocks(shapes, self.token_rows)
+        # With a sharded syncer: the fragments its contributions are cut into (version 0's record names them)
+        self.fragments: list[list[str]] = []
 
     @property
     def completed_rounds(self) -> int:
@@ -144,11 +146,16 @@ class DecoupledLearner(Replica):
         newest = node.broadcast(newest_version(store) if node.lead else -1)
         if newest < 0:
             initial = self._gathered({name: local(p).detach() for name, p in self.params.items()})
+            shards = self.config.diloco.decoupled.syncer_shards
             record = Version(
                 0,
                 store_versions.writer_token(),
                 embeddings=self._embedding_names(),
                 token_rows=self.token_rows,
+                # each shard of the syncer merges one; cut once, here, so every learner and shard agree
+                fragments=fragment_groups([(n, t.numel()) for n, t in initial.items()], shards)
+                if shards > 1
+                else [],
             )
             if node.lead and store_versions.commit(store, record, initial, None, self.key):
                 self.log.info("wrote global version 0 (the initial weights)")
@@ -160,6 +167,7 @@ class DecoupledLearner(Replica):
             node.broadcast(record.version)
         else:
             record = store_versions.read_version(store, node.broadcast(-1))
+        self.fragments = record.fragments
         if node.lead:
             self.seq = max(record.consumed.get(own, 0), max(listed, default=-1) + 1)
         self.seq = node.broadcast(self.seq)
@@ -288,21 +296,21 @@ class DecoupledLearner(Replica):
         now = {name: local(p).detach().to("cpu", copy=True) for name, p in self.params.items()}
         deltas = self._gathered({name: self.sent_to[name] - now[name] for name in now})
         # the rows its data held since its last contribution, over its ranks (every rank takes: a collective)
-        mask = self.touches.take(0) if self.row_blocks and self.touches is not None else None
+        mask = self.touches.take(0) if self.token_rows and self.touches is not None else None
         written = self._save_own()
         sent = 0
         if node.lead:
-            values = torch.cat([deltas[name].reshape(-1).to(torch.float32) for name in self.params])
-            touched = None
-            if mask is not None:
-                touched = RowMask(self.row_blocks, mask.touched).bits(
-                    spans(self.row_blocks, 0, values.numel())
+            run_id, codec = self.config.run_id or "", wire_codec(dl.codec, dl)
+            contribution = Contribution(self.rank, self.seq, self.version, tokens, steps, seconds)
+            parts = [self._flat(deltas, names, mask) for names in self.fragments or [list(self.params)]]
+            if self.fragments:
+                sent = store_versions.publish_parts(
+                    self.run_store, run_id, contribution, parts, codec, self.key
                 )
-            contribution = Contribution(self.rank, self.seq, self.version, tokens, steps, seconds, touched)
-            codec = wire_codec(dl.codec, dl)
-            sent = store_versions.publish(
-                self.run_store, self.config.run_id or "", contribution, values, codec, self.key
-            )
+            else:
+                values, touched = parts[0]
+                contribution = dataclasses.replace(contribution, touched=touched)
+                sent = store_versions.publish(self.run_store, run_id, contribution, values, codec, self.key)
         self.sent_to = now
         own = {
             "bytes_up": sent,
@@ -314,6 +322,17 @@ class DecoupledLearner(Replica):
         }
         self.sent.append({**row, **own})
         self.seq += 1
+
+    def _flat(
+        self, deltas: dict[str, torch.Tensor], names: list[str], mask: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tensors ``names`` of ``deltas`` flat in fp32 (the whole contribution, or a fragment of it), and
+        with ``mask`` (``Touches.take``'s) the row bits of the token-indexed ones among them."""
+        values = torch.cat([deltas[name].reshape(-1).to(torch.float32) for name in names])
+        if mask is None:
+            return values, None
+        blocks = store_versions.row_blocks({n: tuple(deltas[n].shape) for n in names}, self.token_rows)
+        return values, RowMask(blocks, mask.touched).bits(spans(blocks, 0, values.numel()))
 
     def _wait_for_syncer(self) -> Version:
         """The newest global version, once at most ``max_lag`` of this learner's contributions are unmerged

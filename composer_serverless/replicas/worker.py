@@ -92,10 +92,10 @@ def _run_ranks(
     run_url: str, rank: int, config: RunConfig, store: ObjectStore, open_store: Callable[[str], ObjectStore]
 ) -> int:
     ranks = config.ranks_per_replica
-    if rank == config.diloco.syncer_rank:
+    if rank in config.diloco.syncer_ranks:
         from composer_serverless.syncer.syncer import run_syncer
 
-        run_syncer(store)
+        run_syncer(store, shard=rank - config.diloco.replicas)
         return 0
     decoupled = config.diloco.mode == "decoupled"
     if ranks == 1:

@@ -7,10 +7,10 @@ a commit and its pruning leaves work that only a later listing finds), the synce
 * the snapshots (parameters, outer state) of versions older than the newest ``keep_versions``: learners and
   a restart read the newest, the one before covers a reader that listed it just before a commit, and a
   reader that finds its version gone moves to the newest (``decoupled.read_or_newer``);
-* snapshots that no record names: those of a syncer that lost the creation of a record or was killed before
-  creating it. Only at versions the newest record already covers: a record is created once, so they can
+* snapshots that no record names: those of a syncer that lost the creation of a record (or a sharded
+  syncer's shard, of its part) or was killed before creating it. Only at versions the newest record already covers: a record is created once, so they can
   never be named; snapshots of the next version may be another syncer's merge in progress;
-* contributions every kept version has consumed (per learner, below the lowest of the kept records'
+* contributions every kept version has consumed (with a sharded syncer, their fragments' objects too) (per learner, below the lowest of the kept records'
   ``consumed`` marks): a restarted syncer resumes from the newest kept version that reads whole (the
   rollback past a damaged version, ``decoupled.newest_intact``) and takes again what that version had not
   consumed, so those stay; a contribution not yet consumed is what a restarted syncer needs to redo a merge
@@ -33,24 +33,28 @@ from composer_serverless.rendezvous.store import ObjectStore
 logger = logging.getLogger(__name__)
 
 
-def stale_snapshots(names: list[str], newest: int, writer_of: Callable[[int], str], keep: int) -> list[str]:
+def stale_snapshots(
+    names: list[str], newest: int, writers_of: Callable[[int], list[str]], keep: int
+) -> list[str]:
     """The snapshot names (``{version:08d}-{writer}``, as under ``layout.GLOBALS``) to delete when version
     ``newest`` is committed: versions before the newest ``keep``, and at kept versions those not written by
-    the version's record's writer (``writer_of``). Versions after ``newest`` are left alone."""
+    one of the version's record's writers (``writers_of``: its writer, or each fragment's). Versions after
+    ``newest`` are left alone."""
     doomed = []
     for name in names:
         number, _, writer = name.partition("-")
         if not number.isdigit():
             continue
         v = int(number)
-        if v <= newest - keep or (v <= newest and writer != writer_of(v)):
+        if v <= newest - keep or (v <= newest and writer not in writers_of(v)):
             doomed.append(name)
     return doomed
 
 
 def consumed_contributions(names: list[str], consumed: int) -> list[str]:
-    """A learner's contribution names (its sequence numbers) below ``consumed``, its committed mark."""
-    return [name for name in names if name.isdigit() and int(name) < consumed]
+    """A learner's contribution names (its sequence numbers, and ``{seq}-{attempt}-{fragment}`` for a sharded
+    syncer's fragments) below ``consumed``, its committed mark."""
+    return [name for name in names if (seq := name.split("-", 1)[0]).isdigit() and int(seq) < consumed]
 
 
 def prune(store: ObjectStore, record: Version, learners: int, keep: int | None) -> int:
@@ -67,7 +71,7 @@ def prune(store: ObjectStore, record: Version, learners: int, keep: int | None) 
 
     deleted = 0
     for prefix in (layout.GLOBALS, layout.SYNCER_STATES):
-        for name in stale_snapshots(store.list(prefix), record.version, lambda v: record_of(v).writer, keep):
+        for name in stale_snapshots(store.list(prefix), record.version, lambda v: record_of(v).writers, keep):
             store.delete(layout.snapshot_file(f"{prefix}/{name}", layout.SNAPSHOT_MANIFEST))
             store.delete(f"{prefix}/{name}")
             deleted += 1

@@ -20,6 +20,17 @@ contributions the damaged ones took unconsumed again: the next version merges th
 one as its ``parent``. After each commit it deletes what no one needs any more (``prune.py``: old versions'
 snapshots, contributions every kept version consumed), never what a redo of an uncommitted merge or a
 rollback to a kept version takes.
+
+**Sharded** (``diloco.decoupled.syncer_shards`` = F > 1; ``rendezvous/decoupled.py``): F syncer processes,
+shard k holding fragment k of the global (its tensors, and the outer state over them) and reading only
+fragment k of each contribution. Shard 0 waits for the quorum and the grace window as above and creates the
+version's plan, once (a restarted shard 0 finds it and merges that, never a second choice); every shard
+merges its fragment of the plan, tensor by tensor as the whole syncer does (so F shards end on the unsharded
+syncer's global bit for bit), and creates its part, once (a restarted shard finds its part and takes up from
+it); shard 0 creates the version's record once every part exists, then prunes. The outlier rule judges the
+whole contributions' norms their headers state (a fragment larger than its stated whole is refused), so
+every shard leaves out the same ones; a fragment that fails its own checks (checksum, MAC, finite) is
+dropped by its shard alone, recorded with its fragment, and merged wherever it passed.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -37,7 +48,7 @@ from composer_serverless.config import RunConfig
 from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous import layout, runkey
 from composer_serverless.rendezvous.codec import Codec, PayloadError, decode, encode, l2_norm
-from composer_serverless.rendezvous.decoupled import Contribution, Version
+from composer_serverless.rendezvous.decoupled import Contribution, Plan, Version
 from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.rendezvous.robust import outliers
 from composer_serverless.rendezvous.rows import RowSums, Span, bucket_count, span_rows, spans
@@ -50,14 +61,20 @@ from composer_serverless.syncer.prune import prune
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-def run_syncer(run: ObjectStore) -> None:
-    """Merge the run at ``run`` until its last global version (``diloco.rounds``) is committed, beating as
-    the rank after the learners' (``DiLoCoConfig.syncer_rank``), as a replica beats."""
+
+def run_syncer(run: ObjectStore, shard: int = 0) -> None:
+    """Merge (fragment ``shard`` of) the run at ``run`` until its last global version (``diloco.rounds``)
+    is committed, beating as its rank after the learners' (``DiLoCoConfig.syncer_ranks``), as a replica
+    beats."""
     config = RunConfig.model_validate_json(run.get(layout.RUN_CONFIG))
-    rank = config.diloco.syncer_rank
-    if rank is None:
+    ranks = config.diloco.syncer_ranks
+    if not ranks:
         raise ValueError(f"{run.url} runs diloco.mode = {config.diloco.mode!r}: it has no syncer")
+    if not 0 <= shard < len(ranks):
+        raise ValueError(f"{run.url} has {len(ranks)} syncer shards: there is no shard {shard}")
+    rank = ranks[shard]
     run.tolerate_outages(config.diloco.store_outage_s)
     reporter = Reporter(run, rank)
     reporter.beat(state="starting")
@@ -66,7 +83,7 @@ def run_syncer(run: ObjectStore) -> None:
         if key is not None:
             runkey.check_fingerprint(run, key)
             key = key.for_run(config.run_id or "")
-        Syncer(run, config, key, reporter).run()
+        Syncer(run, config, key, reporter, shard=shard).run()
     except BaseException as e:
         reporter.beat(state="failed", error=f"{type(e).__name__}: {e}")
         raise
@@ -82,8 +99,9 @@ class Gathered(NamedTuple):
 
 
 class Syncer:
-    """One syncer process's merges (see the module). ``clock`` and ``sleep`` are its time: the grace window
-    is measured and waited with them (a test drives them instead of the wall clock)."""
+    """One syncer process's merges (see the module); with a sharded syncer, shard ``shard``'s. ``clock`` and
+    ``sleep`` are its time: the grace window is measured and waited with them (a test drives them instead of
+    the wall clock)."""
 
     def __init__(
         self,
@@ -93,8 +111,10 @@ class Syncer:
         reporter: Reporter,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        shard: int = 0,
     ) -> None:
         dl = config.diloco
+        self.shard, self.shards = shard, dl.decoupled.syncer_shards
         self.clock, self.sleep = clock, sleep
         self.reporter = reporter
         self.run_store = run
@@ -119,10 +139,16 @@ class Syncer:
 
     def run(self) -> None:
         self._load(self._first_version())
-        self._prune()  # what a predecessor killed between its commit and its pruning left
+        if self.shard == 0:
+            self._prune()  # what a predecessor killed between its commit and its pruning left
         while self.newest < self.config.diloco.rounds:
-            self._merge(self._gather())
-        logger.info("committed the run's last global version (%d): done", self.newest)
+            if self.shards == 1:
+                self._merge(self._gather())
+            elif self.shard == 0:
+                self._merge_plan(self._plan())
+            else:
+                self._merge_part(self._wait_for(lambda: versions.read_plan(self.run_store, self.newest + 1)))
+        logger.info("the run's last global version (%d) is merged: done", self.newest)
         self._beat("done")
 
     def _beat(self, state: str) -> None:
@@ -148,8 +174,38 @@ class Syncer:
         (``versions.newest_intact``, which takes a newer one if ``v`` was pruned meanwhile): its parameters,
         the outer state after it, its marks. The next version is ``v + 1`` either way; after a rollback past damaged versions, the contributions they took are
         unconsumed again by the intact one's marks, so the next merge takes them again, once."""
+        record, params, outer = versions.newest_intact(
+            self.run_store, v, self.key, outer=True, fragment=self.shard
+        )
+        if self.shards > 1 and len(record.fragments) != self.shards:
+            raise ValueError(
+                f"diloco.decoupled.syncer_shards is {self.shards} but version {record.version} is cut into "
+                f"{len(record.fragments) or 1} fragments: a run keeps the shards its version 0 was written for"
+            )
+        self._hold(
+            record,
+            params if self.shards == 1 else {n: params[n] for n in record.fragments[self.shard]},
+            outer,
+        )
+        v = max(v, record.version)  # newer, if version v was pruned while it was read (another syncer's)
+        self.newest = v
+        if record.version < v:
+            logger.warning(
+                "rolled back: versions %d-%d cannot be read; continuing from version %d's global and its marks "
+                "(consumed %s), so version %d merges again what they merged",
+                record.version + 1,
+                v,
+                record.version,
+                record.consumed,
+                v + 1,
+            )
+        else:
+            logger.info("holding global version %d (consumed %s)", v, record.consumed)
+
+    def _hold(self, record: Version, params: dict[str, torch.Tensor], outer: dict[str, Any] | None) -> None:
+        """Hold ``record``'s global (this shard's fragment of it) and the outer state after it."""
         dl = self.config.diloco
-        record, self.params, outer = versions.newest_intact(self.run_store, v, self.key, outer=True)
+        self.params = params
         self.outer = outer_optimizer(
             list(self.params.values()),
             lr=dl.outer_lr,
@@ -164,20 +220,7 @@ class Syncer:
             numel = sum(t.numel() for t in self.params.values())
             self.row_spans = spans(versions.row_blocks(shapes, record.token_rows), 0, numel)
             self.row_bits = span_rows(self.row_spans) * bucket_count(dl.sync_every)
-        v = max(v, record.version)  # newer, if version v was pruned while it was read (another syncer's)
-        self.record, self.newest = record, v
-        if record.version < v:
-            logger.warning(
-                "rolled back: versions %d-%d cannot be read; continuing from version %d's global and its marks "
-                "(consumed %s), so version %d merges again what they merged",
-                record.version + 1,
-                v,
-                record.version,
-                record.consumed,
-                v + 1,
-            )
-        else:
-            logger.info("holding global version %d (consumed %s)", v, record.consumed)
+        self.record = record
 
     def _gather(self) -> Gathered:
         """Per learner, its unconsumed contributions, once the quorum and the grace window allow a merge."""
@@ -246,11 +289,14 @@ class Syncer:
         known = [s for c, _ in self.read.values() if (s := c.step_s) is not None]
         return statistics.median(known) if known else None
 
-    def _merge(self, gathered: Gathered) -> None:
-        started = self.clock()
-        taken, read, self.read = gathered.taken, self.read, {}
+    def _combine(
+        self, taken: dict[int, list[int]], v: int
+    ) -> tuple[list[list[int]], list[dict[str, Any]], list[int]]:
+        """Merge the contributions ``taken`` into the global this syncer holds (version ``v``'s, or after a
+        rollback its newest intact one's): check, weigh and combine them and step the outer optimizer. Returns
+        what it merged ([learner, seq] pairs), what it dropped and why, and the merged ones' staleness."""
+        read, self.read = self.read, {}
         dl = self.config.diloco
-        v = self.newest
         dc = dl.decoupled
         good: dict[tuple[int, int], tuple[Contribution, torch.Tensor]] = {}
         weights: list[float] = []
@@ -277,28 +323,42 @@ class Syncer:
                 good[(learner, seq)] = (c, values)
                 weights.append(weight)
         index = {ids: i for i, ids in enumerate(good)}
-        norms = {index[ids]: l2_norm(values) for ids, (_, values) in good.items()}
+        # a shard judges the whole contributions' norms their headers state, so every shard drops the same ones
+        norms = {
+            index[ids]: c.norm if c.norm is not None else l2_norm(values) for ids, (c, values) in good.items()
+        }
         left_out = outliers(norms, dl.outlier_norm_factor, len(good))
         for i, why in left_out.items():
             ids = next(ids for ids, j in index.items() if j == i)
             dropped.append({"learner": ids[0], "seq": ids[1], "why": why})
             del good[ids]
         weights = [w for i, w in enumerate(weights) if i not in left_out]
+        if self.shards > 1:
+            dropped = [{**d, "fragment": self.shard} for d in dropped]
         for d in dropped:
             logger.warning("dropped contribution %d of learner %d: %s", d["seq"], d["learner"], d["why"])
-        consumed = dict(self.record.consumed)
-        for learner, seqs in taken.items():
-            consumed[learner] = max(seqs) + 1
-        merged = [[learner, seq] for learner, seq in good]
         if good:
             average = self._merged([values for _, values in good.values()], weights)
             if self.row_spans:
                 self._touched_rows(average, list(good.values()))
             self._outer_step(average, len(good))
+        return [[learner, seq] for learner, seq in good], dropped, [v - c.base for c, _ in good.values()]
+
+    def _consumed(self, taken: dict[int, list[int]]) -> dict[int, int]:
+        """The held version's marks moved past what ``taken`` takes."""
+        consumed = dict(self.record.consumed)
+        for learner, seqs in taken.items():
+            consumed[learner] = max(seqs) + 1
+        return consumed
+
+    def _merge(self, gathered: Gathered) -> None:
+        started = self.clock()
+        v = self.newest
+        merged, dropped, ages = self._combine(gathered.taken, v)
         record = Version(
             v + 1,
             self.writer,
-            consumed,
+            self._consumed(gathered.taken),
             merged,
             dropped,
             self.record.embeddings,
@@ -317,7 +377,7 @@ class Syncer:
                 v + 1,
                 len(merged),
                 merged,
-                [v - c.base for c, _ in good.values()],
+                ages,
                 len(dropped),
                 gathered.grace_s,
                 self.sync_s,
@@ -326,11 +386,135 @@ class Syncer:
             logger.warning("another syncer committed version %d first: continuing from its", v + 1)
             self._load(v + 1)
 
+    def _wait_for(self, look: Callable[[], T | None]) -> T:
+        """What ``look`` finds in the store, polled until it finds something (a plan, another shard's part)."""
+        self._beat("waiting")
+        while (found := look()) is None:
+            self.sleep(self.config.diloco.decoupled.poll_s)
+        return found
+
+    def _plan(self) -> Plan:
+        """Shard 0: the next version's plan, the one a predecessor created, or else this shard's choice (the
+        quorum and the grace window), created once."""
+        v = self.newest + 1
+        plan = versions.read_plan(self.run_store, v)
+        if plan is not None:
+            logger.info("version %d's plan exists (a predecessor's): merging it", v)
+            return plan
+        gathered = self._gather()
+        return versions.create_plan(
+            self.run_store, Plan(v, self.record.version, gathered.taken, gathered.grace_s)
+        )
+
+    def _merge_plan(self, plan: Plan) -> None:
+        """Shard 0: merge its fragment of ``plan``, then, once every shard's part exists, create the version's
+        record naming them (deterministically: a second shard 0 would create the same one), and prune."""
+        started = self.clock()
+        parts = [self._merge_fragment(plan)]
+        for fragment in range(1, self.shards):
+            parts.append(
+                self._wait_for(lambda f=fragment: versions.read_part(self.run_store, plan.version, f))
+            )
+        record = Version(
+            plan.version,
+            parts[0].writer,
+            parts[0].consumed,
+            [m for m in parts[0].merged if all(m in p.merged for p in parts[1:])],
+            [d for p in parts for d in p.dropped],
+            self.record.embeddings,
+            parent=plan.parent,
+            grace_s=plan.grace_s,
+            token_rows=self.record.token_rows,
+            fragments=self.record.fragments,
+            parts=[p.writer for p in parts],
+        )
+        if not self.run_store.create(layout.version(plan.version), record.to_json()):
+            logger.info("version %d's record exists (another syncer's)", plan.version)
+        self.sync_s = self.clock() - started
+        self.record, self.newest = versions.read_version(self.run_store, plan.version), plan.version
+        self._prune()
+        logger.info(
+            "committed version %d: %d contributions %s, dropped %d, grace %s s, in %.2fs",
+            plan.version,
+            len(self.record.merged),
+            self.record.merged,
+            len(self.record.dropped),
+            plan.grace_s,
+            self.sync_s,
+        )
+
+    def _merge_part(self, plan: Plan) -> None:
+        """Shard k > 0: merge its fragment of ``plan``; shard 0 commits the version."""
+        self._merge_fragment(plan)
+        self.newest = plan.version
+
+    def _merge_fragment(self, plan: Plan) -> Version:
+        """This shard's part of ``plan``'s version: merged from the global of ``plan.parent`` and created once,
+        or, when it exists already (this shard's predecessor's, or a second shard's), taken up from the store.
+        Returns the part's record, which it then holds."""
+        v = plan.version
+        part = versions.read_part(self.run_store, v, self.shard)
+        if part is None:
+            if plan.parent != self.record.version:  # shard 0 rolled back past a damaged version
+                logger.warning(
+                    "version %d steps from version %d: taking up that one's global", v, plan.parent
+                )
+                self._take_up(versions.read_version(self.run_store, plan.parent))
+            merged, dropped, ages = self._combine(plan.taken, v - 1)
+            part = Version(
+                v,
+                self.writer,
+                self._consumed(plan.taken),
+                merged,
+                dropped,
+                self.record.embeddings,
+                parent=plan.parent,
+                grace_s=plan.grace_s,
+                token_rows=self.record.token_rows,
+                fragments=self.record.fragments,
+            )
+            assert self.outer is not None
+            if versions.commit_part(
+                self.run_store, part, self.shard, self.params, self.outer.state_dict(), self.key
+            ):
+                self.record = part
+                logger.info(
+                    "merged fragment %d of version %d: %d contributions, staleness %s, dropped %d",
+                    self.shard,
+                    v,
+                    len(merged),
+                    ages,
+                    len(dropped),
+                )
+                return part
+            part = versions.read_part(self.run_store, v, self.shard)
+            assert part is not None  # its creation failed: it exists
+        logger.info("fragment %d of version %d exists (%s's): taking it up", self.shard, v, part.writer)
+        self._take_up(part)
+        return part
+
+    def _take_up(self, record: Version) -> None:
+        """Hold this shard's fragment of ``record``'s global (a version's, or a part's) and its outer state."""
+        store = self.run_store
+        params = versions.load_part(store, record, self.shard, self.key)
+        # a version's record names each fragment's writer; a part's, only its own
+        fragment = self.shard if record.parts else 0
+        outer = versions.load_outer(store, record, self.key, fragment) if record.version > 0 else None
+        self._hold(record, params, outer)
+
     def _read(self, learner: int, seq: int) -> tuple[Contribution, torch.Tensor]:
         """Contribution ``seq`` of ``learner``, checked, with its row bits when the run has them."""
         numel = sum(t.numel() for t in self.params.values())
         return versions.read_contribution(
-            self.run_store, self.config.run_id or "", learner, seq, self.codec, numel, self.key, self.row_bits
+            self.run_store,
+            self.config.run_id or "",
+            learner,
+            seq,
+            self.codec,
+            numel,
+            self.key,
+            self.row_bits,
+            fragment=self.shard if self.shards > 1 else None,
         )
 
     def _touched_rows(self, average: torch.Tensor, good: list[tuple[Contribution, torch.Tensor]]) -> None:

@@ -12,11 +12,11 @@ from composer_serverless.rendezvous.store import ObjectStore
 from tests.rendezvous.harness import start_replica, wait_all
 
 
-def run_decoupled(run: ObjectStore, logs: Path, learners: int) -> list[int]:
+def run_decoupled(run: ObjectStore, logs: Path, learners: int, syncers: int = 1) -> list[int]:
     """Run ``learners`` learners and the syncer (the worker as rank ``learners``, as every executor starts
-    it) to the end; their exit codes, the syncer's last."""
+    it; sharded, ``syncers`` ranks from there) to the end; their exit codes, the syncer's last."""
     logs.mkdir(parents=True, exist_ok=True)
-    procs = [start_replica(run, r, logs / f"rank-{r}.log") for r in range(learners + 1)]
+    procs = [start_replica(run, r, logs / f"rank-{r}.log") for r in range(learners + syncers)]
     return wait_all(procs)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.latest import newest_version
 from tests.rendezvous.harness import create, make_config, start_replica, wait_all
@@ -139,3 +140,42 @@ def test_every_learner_killed_at_once_the_run_goes_on_from_its_last_global(
         assert "started from global version 1" in (logs / f"rank-{rank}-again.log").read_text()
     # Each learner's contributions 1 and 2 were written by the restarted learners, from version 1 and 2.
     assert sorted(every_merge_once(records)) == [(r, s) for r in range(LEARNERS) for s in range(ROUNDS)]
+
+
+@pytest.mark.slow
+def test_syncer_shards_killed_mid_merge_restart_and_merge_each_contribution_once(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A syncer of two shards. Shard 1 killed while writing its fragment of version 2 (its parameters
+    written, its outer state half): restarted, it merges that fragment again under its new name. Shard 0
+    killed once both parts of version 2 exist, before creating the version's record: restarted, it takes
+    up the plan and the parts as they are (merging nothing again) and creates the record. Over the run
+    every contribution is merged exactly once, and the killed shard's orphaned fragment is pruned."""
+    settings = {**SETTINGS, "decoupled": {"syncer_shards": 2}}
+    run = create(make_config(str(tmp_path / "runs"), "killed-shards", tiny_model_dir, **settings))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    learners = [start_replica(run, r, logs / f"rank-{r}.log") for r in range(LEARNERS)]
+    half_written = f"{layout.SYNCER_STATES}/00000002-[0-9a-f]+/{layout.SNAPSHOT_MANIFEST}"
+    shard1 = start_replica(run, LEARNERS + 1, logs / "shard-1.log", faults=killed_on(half_written))
+    shard0 = start_replica(run, LEARNERS, logs / "shard-0.log", faults=killed_on(layout.version(2)))
+    assert wait_all([shard1]) == [-signal.SIGKILL]
+    assert run.exists(layout.version_plan(2)) and not run.exists(layout.version_part(2, 1))
+    orphans = [name for name in run.list(layout.GLOBALS) if name.startswith("00000002-")]
+    shard1 = start_replica(run, LEARNERS + 1, logs / "shard-1-again.log")
+    assert wait_all([shard0]) == [-signal.SIGKILL]
+    assert not run.exists(layout.version(2))
+    parts = [versions.read_part(run, 2, fragment) for fragment in (0, 1)]
+    assert all(part is not None for part in parts)
+    shard0 = start_replica(run, LEARNERS, logs / "shard-0-again.log")
+    assert wait_all([*learners, shard0, shard1]) == [0] * (LEARNERS + 2)
+
+    records = merges(run)
+    assert sorted(records) == list(range(ROUNDS + 1))
+    assert sorted(every_merge_once(records)) == [(r, s) for r in range(LEARNERS) for s in range(ROUNDS)]
+    # version 2 is made of the parts that existed at shard 0's kill, the restarted shard 1's among them
+    assert records[2].parts == [part.writer for part in parts if part is not None]
+    assert all(f"00000002-{records[2].parts[1]}" != name for name in orphans)
+    # pruned to the newest two versions: each of their fragments' snapshots, no orphan
+    kept = sorted(f"{v:08d}-{w}" for v in (ROUNDS - 1, ROUNDS) for w in records[v].writers)
+    assert run.list(layout.GLOBALS) == kept and run.list(layout.SYNCER_STATES) == kept

@@ -53,20 +53,24 @@ def scored_initial(run: ObjectStore, config: RunConfig) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("embeddings", ["all", "touched"])
+@pytest.mark.parametrize(("embeddings", "shards"), [("all", 1), ("touched", 1), ("touched", 2)])
 def test_decoupled_with_a_full_quorum_ends_on_lockstep_bit_for_bit(
-    tmp_path: Path, tiny_model_dir: Path, embeddings: str
+    tmp_path: Path, tiny_model_dir: Path, embeddings: str, shards: int
 ) -> None:
     """With either embedding rule: ``touched`` combines each embedding row over the learners whose data held
-    its token, from the row bits each contribution carries, as lock-step's reducer does."""
+    its token, from the row bits each contribution carries, as lock-step's reducer does. With the syncer
+    sharded by fragment (two processes, each merging its fragment of every contribution) too: the merge is
+    per tensor, and each shard's fragment is whole tensors."""
     store = str(tmp_path / "runs")
     settings = {**SETTINGS, "embedding_average": embeddings}
     with replicas_on_the_simulated_accelerator():
         lockstep = create(make_config(store, "lockstep", tiny_model_dir, **settings))
         assert run_replicas(lockstep, tmp_path / "lockstep-logs", LEARNERS) == [0] * LEARNERS
-        config = make_config(store, "decoupled", tiny_model_dir, mode="decoupled", **settings)
+        sharded = {"decoupled": {"syncer_shards": shards}}
+        config = make_config(store, "decoupled", tiny_model_dir, mode="decoupled", **settings, **sharded)
         decoupled = create(config)
-        assert run_decoupled(decoupled, tmp_path / "decoupled-logs", LEARNERS) == [0] * (LEARNERS + 1)
+        codes = run_decoupled(decoupled, tmp_path / "decoupled-logs", LEARNERS, syncers=shards)
+        assert codes == [0] * (LEARNERS + shards)
     assert ran_on_the_simulated_accelerator(tmp_path / "lockstep-logs")
     assert ran_on_the_simulated_accelerator(tmp_path / "decoupled-logs")
 
@@ -74,6 +78,7 @@ def test_decoupled_with_a_full_quorum_ends_on_lockstep_bit_for_bit(
     # Every learner's contribution of every round merged once, none dropped.
     assert sorted(map(tuple, final.merged)) == [(learner, ROUNDS - 1) for learner in range(LEARNERS)]
     assert final.consumed == {learner: ROUNDS for learner in range(LEARNERS)} and final.dropped == []
+    assert len(final.parts) == (shards if shards > 1 else 0)
     merged = versions.load_params(decoupled, final, None)
     expected = lockstep_final(lockstep)
     assert set(merged) == set(expected)
@@ -98,15 +103,29 @@ def test_decoupled_with_a_full_quorum_ends_on_lockstep_bit_for_bit(
     assert initial == pytest.approx(json.loads(lockstep.get(layout.metrics(0, 0)))["eval"], rel=1e-6)
     assert [decoupled.exists(layout.metrics(r, 0)) for r in range(LEARNERS)] == [True, False, False]
     # Each contribution says how long its inner steps took (the syncer's grace window reads it): here the
-    # last ones, which the kept version before the last had not consumed.
-    numel = sum(t.numel() for t in merged.values())
-    blocks = versions.row_blocks({name: tuple(t.shape) for name, t in merged.items()}, final.token_rows)
-    assert (len(blocks) > 0) == (embeddings == "touched")  # the tiny model's embedding (and untied head)
-    bits = span_rows(spans(blocks, 0, numel)) * bucket_count(config.diloco.sync_every)
-    for learner in range(LEARNERS):
-        c, _ = versions.read_contribution(
-            decoupled, "decoupled", learner, ROUNDS - 1, "fp32", numel, None, bits
-        )
-        assert c.steps == config.diloco.sync_every and c.step_s is not None and c.step_s > 0
-        # with touched rows, the bits of the rows its data held: some, not all
-        assert c.touched is None if not bits else 0 < int(c.touched.sum()) < bits
+    # last ones, which the kept version before the last had not consumed. Sharded: each fragment carries the
+    # bits of its own token rows.
+    fragments = final.fragments or [list(merged)]
+    assert len(fragments) == shards
+    for fragment, names in enumerate(fragments):
+        shapes = {name: tuple(merged[name].shape) for name in names}
+        numel = sum(merged[name].numel() for name in names)
+        blocks = versions.row_blocks(shapes, final.token_rows)
+        bits = span_rows(spans(blocks, 0, numel)) * bucket_count(config.diloco.sync_every)
+        for learner in range(LEARNERS):
+            c, _ = versions.read_contribution(
+                decoupled,
+                "decoupled",
+                learner,
+                ROUNDS - 1,
+                "fp32",
+                numel,
+                None,
+                bits,
+                fragment=fragment if shards > 1 else None,
+            )
+            assert c.steps == config.diloco.sync_every and c.step_s is not None and c.step_s > 0
+            # with touched rows, the bits of the rows its data held: some, not all
+            assert c.touched is None if not bits else 0 < int(c.touched.sum()) < bits
+    # the tiny model's embedding (and untied head)
+    assert bool(final.token_rows) == (embeddings == "touched")

@@ -24,7 +24,7 @@ def snapshot_files(prefix: str) -> list[str]:
 
 def test_stale_snapshots_are_those_before_the_kept_versions_and_those_no_record_names() -> None:
     names = ["00000001-a", "00000002-a", "00000003-a", "00000003-b", "00000004-c", "00000004-a", "junk"]
-    writers = {1: "a", 2: "a", 3: "a", 4: "a"}
+    writers = {1: ["a"], 2: ["a"], 3: ["a"], 4: ["a"]}
     assert stale_snapshots(names, 3, writers.__getitem__, keep=2) == ["00000001-a", "00000003-b"]
     # keep 1: only the newest's own; version 4's snapshots may be a merge in progress
     assert stale_snapshots(names, 3, writers.__getitem__, keep=1) == [
@@ -39,7 +39,17 @@ def test_stale_snapshots_are_those_before_the_kept_versions_and_those_no_record_
         "00000003-b",
         "00000004-c",
     ]
+    # a sharded syncer's version names a writer per fragment: each one's snapshot stays
+    assert stale_snapshots(names, 4, {4: ["c", "a"]}.__getitem__, keep=1) == [
+        "00000001-a",
+        "00000002-a",
+        "00000003-a",
+        "00000003-b",
+    ]
     assert consumed_contributions(["00000000", "00000001", "00000002", "x"], 2) == ["00000000", "00000001"]
+    # a sharded syncer's contributions: each one's fragments go with it, those of a later one stay
+    fragments = ["00000001", "00000001-0a1b2c3d4e5f-0", "00000001-0a1b2c3d4e5f-1", "00000002-ffffffffffff-0"]
+    assert consumed_contributions(fragments, 2) == fragments[:3]
 
 
 @pytest.fixture(params=["local", "s3"])

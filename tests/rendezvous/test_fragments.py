@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from composer_serverless.syncer.shards import fragment_groups
+from composer_serverless.rendezvous.fragments import fragment_groups
 
 
 def named(*numels: int) -> list[tuple[str, int]]:

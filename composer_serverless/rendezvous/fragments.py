@@ -7,9 +7,9 @@ each moves about 1/F of that. A fragment is a group of **whole** parameter tenso
 the groups are contiguous in the global's parameter order (a fragment's contribution is a slice of today's
 flat contribution) and balanced by element count, the bytes each shard moves.
 
-Every learner and every shard computes the same groups from the same names and sizes: this function is
-deterministic, and the partition it returns is the one with the smallest largest fragment (ties broken by
-filling earlier fragments first).
+The learner that writes version 0 cuts the groups and its record names them (``Version.fragments``), so every
+learner and every shard uses that one cut; the partition is the one with the smallest largest fragment (ties
+broken by filling earlier fragments first).
 """
 
 from __future__ import annotations
