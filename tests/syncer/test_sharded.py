@@ -13,7 +13,9 @@ import torch
 from composer_serverless.config import RunConfig
 from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous import layout
+from composer_serverless.rendezvous.codec import PayloadError, encode
 from composer_serverless.rendezvous.decoupled import Contribution, Version
+from composer_serverless.rendezvous.runkey import RunKey
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import Reporter
 from composer_serverless.syncer.prune import prune
@@ -167,3 +169,26 @@ def test_a_dead_attempt_at_a_contribution_never_mixes_with_its_redo_and_is_prune
     assert len(run.list(layout.contributions(0))) == 5  # the index and two attempts' two fragments
     prune(run, Version(1, "x", consumed={0: 1}), learners=3, keep=1)
     assert run.list(layout.contributions(0)) == []
+
+
+def test_a_fragment_must_carry_the_run_keys_mac_and_stay_within_its_stated_whole(tmp_path: Path) -> None:
+    run = ObjectStore(str(tmp_path)).child("keyed")
+    key, stranger = RunKey(bytes(range(32))), RunKey(bytes(32))
+    c = Contribution(0, 0, 0, tokens=10, steps=4)
+    parts = [(torch.tensor([3.0, 0.0]), None), (torch.tensor([4.0]), None)]
+    assert versions.publish_parts(run, "keyed", c, parts, "fp32", key) > 0
+    read, values = versions.read_contribution(run, "keyed", 0, 0, "fp32", 1, key, fragment=1)
+    assert torch.equal(values, torch.tensor([4.0])) and read.norm == 5.0 and read.tokens == 10
+    attempt = next(n for n in run.list(layout.contributions(0)) if n.endswith("-1")).split("-")[1]
+    fragment = layout.contribution_part(0, 0, attempt, 1)
+    identity = {"run": "keyed", "kind": "contribution-part", "learner": "0", "seq": "0"}
+    identity |= {"attempt": attempt, "fragment": "1"}
+    # a fragment written under another key, or none: refused
+    for forger in (stranger, None):
+        run.put(fragment, bytes(encode(torch.tensor([4.0]), identity, "fp32", forger)))
+        with pytest.raises(PayloadError):
+            versions.read_contribution(run, "keyed", 0, 0, "fp32", 1, key, fragment=1)
+    # under the key, but larger than the whole the header states (5): refused
+    run.put(fragment, bytes(encode(torch.tensor([40.0]), identity, "fp32", key)))
+    with pytest.raises(PayloadError, match="more than the norm 5"):
+        versions.read_contribution(run, "keyed", 0, 0, "fp32", 1, key, fragment=1)
