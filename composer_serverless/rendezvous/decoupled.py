@@ -34,6 +34,7 @@ After each commit the syncer deletes old versions' snapshots and consumed contri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -409,11 +410,13 @@ def load_outer(store: ObjectStore, record: Version, key: RunKey | None, fragment
 
 
 def newest_intact(
-    store: ObjectStore, newest: int, key: RunKey | None, *, outer: bool, fragment: int = 0
+    store: ObjectStore, newest: int, key: RunKey | None, *, outer: bool, fragment: int | None = None
 ) -> tuple[Version, dict[str, torch.Tensor], dict[str, Any] | None]:
     """The newest version at or below ``newest`` that reads whole, loaded: its record, its parameters and,
-    with ``outer`` (a syncer), the outer optimizer state after it (None for version 0, which has none; a
-    sharded syncer's shard: its ``fragment``'s).
+    with ``outer`` (a syncer), the outer optimizer state after it (None for version 0, which has none). A
+    sharded syncer's shard (``fragment``) loads its fragment's alone, so no shard ever holds the whole global;
+    shard 0 reads every other fragment too, one at a time, to check it (the rollback past a damaged version is
+    its decision, which its plans carry to the other shards).
 
     ``commit`` creates a record only after its snapshots are whole, so a version that does not read was
     damaged afterwards (an object corrupted, replaced, or written without the run's key): as lock-step's
@@ -431,8 +434,14 @@ def newest_intact(
     while v >= 0:
         try:
             record = read_version(store, v)
-            params = load_params(store, record, key)
-            state = load_outer(store, record, key, fragment) if outer and v > 0 else None
+            if fragment is None:
+                params = load_params(store, record, key)
+            else:
+                params = load_part(store, record, fragment, key)
+                for other in range(len(record.parts)) if fragment == 0 else ():
+                    if other != fragment:
+                        load_part(store, record, other, key)  # checked, then dropped
+            state = load_outer(store, record, key, fragment or 0) if outer and v > 0 else None
         except (checkpoint.CheckpointError, FileNotFoundError, ValueError, KeyError, TypeError) as e:
             now = newest_version(store)
             if now > newest:  # committed meanwhile: version v may have been pruned while it was read
@@ -445,6 +454,22 @@ def newest_intact(
             continue
         return record, params, state
     raise checkpoint.CheckpointError(f"no global version in {store.url} can be read: " + "; ".join(problems))
+
+
+def commit_fragments(
+    store: ObjectStore, record: Version, params: dict[str, torch.Tensor], key: RunKey | None
+) -> bool:
+    """Version ``record`` (the initial weights, with no outer state) written as one snapshot per fragment of
+    ``record.fragments``, each under a writer name of its own, then its record naming them: so a sharded
+    syncer's shard reads its own fragment of every version, this one included. False when another writer
+    created the version first."""
+    parts = []
+    for names in record.fragments:
+        part = dataclasses.replace(record, writer=writer_token())
+        _write(store, part, {name: params[name] for name in names}, None, key)
+        parts.append(part.writer)
+    whole = dataclasses.replace(record, writer=parts[0], parts=parts)
+    return store.create(layout.version(record.version), whole.to_json())
 
 
 def commit(

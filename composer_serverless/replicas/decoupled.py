@@ -157,7 +157,11 @@ class DecoupledLearner(Replica):
                 if shards > 1
                 else [],
             )
-            if node.lead and store_versions.commit(store, record, initial, None, self.key):
+            if node.lead and (
+                store_versions.commit_fragments(store, record, initial, self.key)
+                if record.fragments
+                else store_versions.commit(store, record, initial, None, self.key)
+            ):
                 self.log.info("wrote global version 0 (the initial weights)")
             newest = node.broadcast(0)  # once the lead's commit returned: its ranks read what it wrote
         self._evaluate_initial()

@@ -174,19 +174,16 @@ class Syncer:
         (``versions.newest_intact``, which takes a newer one if ``v`` was pruned meanwhile): its parameters,
         the outer state after it, its marks. The next version is ``v + 1`` either way; after a rollback past damaged versions, the contributions they took are
         unconsumed again by the intact one's marks, so the next merge takes them again, once."""
-        record, params, outer = versions.newest_intact(
-            self.run_store, v, self.key, outer=True, fragment=self.shard
-        )
-        if self.shards > 1 and len(record.fragments) != self.shards:
+        if self.shards > 1 and len(cut := versions.read_version(self.run_store, v).fragments) != self.shards:
             raise ValueError(
-                f"diloco.decoupled.syncer_shards is {self.shards} but version {record.version} is cut into "
-                f"{len(record.fragments) or 1} fragments: a run keeps the shards its version 0 was written for"
+                f"diloco.decoupled.syncer_shards is {self.shards} but version {v} is cut into "
+                f"{len(cut) or 1} fragments: a run keeps the shards its version 0 was written for"
             )
-        self._hold(
-            record,
-            params if self.shards == 1 else {n: params[n] for n in record.fragments[self.shard]},
-            outer,
+        fragment = self.shard if self.shards > 1 else None
+        record, params, outer = versions.newest_intact(
+            self.run_store, v, self.key, outer=True, fragment=fragment
         )
+        self._hold(record, params, outer)
         v = max(v, record.version)  # newer, if version v was pruned while it was read (another syncer's)
         self.newest = v
         if record.version < v:

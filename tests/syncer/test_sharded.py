@@ -32,8 +32,10 @@ def sharded_run(tmp_path: Path, name: str, shards: int, **diloco: object) -> tup
     config = config.model_copy(update={"run_id": name})
     run = ObjectStore(str(tmp_path)).child(name)
     run.put(layout.RUN_CONFIG, config.resolved_json().encode())
-    version0 = Version(0, "initial", fragments=FRAGMENTS if shards > 1 else [])
-    assert versions.commit(run, version0, INITIAL, None, None)
+    if shards > 1:  # as a learner writes it: a snapshot per fragment
+        assert versions.commit_fragments(run, Version(0, "initial", fragments=FRAGMENTS), INITIAL, None)
+    else:
+        assert versions.commit(run, Version(0, "initial"), INITIAL, None, None)
     return run, config
 
 
@@ -102,6 +104,9 @@ def test_two_shards_merge_what_one_syncer_merges_bit_for_bit(tmp_path: Path) -> 
     # each shard wrote only its fragment: version 2's snapshots hold w, and b, apart
     record = versions.read_version(sharded, 2)
     assert [list(versions.load_part(sharded, record, k, None)) for k in (0, 1)] == FRAGMENTS
+    # and each shard holds only its fragment, and the outer momentum over it, restarted or not
+    assert [list(shard.params) for shard in two] == FRAGMENTS
+    assert [len(shard.outer.state_dict()["state"]) for shard in two] == [1, 1]
 
 
 def test_every_shard_leaves_out_the_same_outlier_and_a_damaged_fragment_only_in_its_shard(
