@@ -1,7 +1,8 @@
 """Replica entry point: ``python -m composer_serverless.replicas.worker --run URL --rank R``.
 
-In decoupled mode (``diloco.mode``) rank ``diloco.replicas``, the one after the learners', is the syncer
-(``syncer/syncer.py``): every backend starts, watches, restarts and cancels it as it does a replica.
+In decoupled mode (``diloco.mode``) the ranks after the learners' (``diloco.syncer_ranks``, one per
+``diloco.decoupled.syncer_shards``) are the syncer's shards (``syncer/syncer.py``): every backend starts,
+watches, restarts and cancels each as it does a replica.
 
 The same command runs on a laptop, in a Modal container and in an HF Job: everything else the replica needs
 is in ``run.json`` inside the run, and credentials come from the environment.
@@ -92,10 +93,10 @@ def _run_ranks(
     run_url: str, rank: int, config: RunConfig, store: ObjectStore, open_store: Callable[[str], ObjectStore]
 ) -> int:
     ranks = config.ranks_per_replica
-    if rank == config.diloco.syncer_rank:
+    if rank in config.diloco.syncer_ranks:
         from composer_serverless.syncer.syncer import run_syncer
 
-        run_syncer(store)
+        run_syncer(store, shard=rank - config.diloco.replicas)
         return 0
     decoupled = config.diloco.mode == "decoupled"
     if ranks == 1:

@@ -51,13 +51,14 @@ from composer_serverless.syncer.prune import prune
 logger = logging.getLogger(__name__)
 
 
-def run_syncer(run: ObjectStore) -> None:
+def run_syncer(run: ObjectStore, shard: int = 0) -> None:
     """Merge the run at ``run`` until its last global version (``diloco.rounds``) is committed, beating as
     the rank after the learners' (``DiLoCoConfig.syncer_rank``), as a replica beats."""
     config = RunConfig.model_validate_json(run.get(layout.RUN_CONFIG))
     rank = config.diloco.syncer_rank
     if rank is None:
         raise ValueError(f"{run.url} runs diloco.mode = {config.diloco.mode!r}: it has no syncer")
+    rank += shard
     run.tolerate_outages(config.diloco.store_outage_s)
     reporter = Reporter(run, rank)
     reporter.beat(state="starting")
