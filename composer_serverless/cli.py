@@ -257,8 +257,7 @@ def _print_checked(prepared: Prepared, label: str = "") -> None:
     plan = prepared.plan
     err_console.print(f"{label}estimated cost: {plan.cost.summary()}", markup=False, highlight=False)
     if plan.syncer_cost is not None:
-        where = plan.resources["syncer"]["hardware"]
-        line = f"{label}estimated cost of the syncer ({where}): {plan.syncer_cost.summary()}"
+        line = f"{label}estimated cost of the syncer ({plan.syncer_hardware()}): {plan.syncer_cost.summary()}"
         err_console.print(line, markup=False, highlight=False)
 
 

@@ -229,16 +229,10 @@ class DiLoCoConfig(StrictModel):
     )
 
     @property
-    def syncer_rank(self) -> int | None:
-        """In decoupled mode the syncer is started as the rank after the learners' (the executors start,
-        watch, restart and cancel it as they do a replica); None in lock-step mode, which has none. With
-        ``decoupled.syncer_shards`` > 1 this is its first shard's (``syncer_ranks``)."""
-        return self.replicas if self.mode == "decoupled" else None
-
-    @property
     def syncer_ranks(self) -> range:
-        """The ranks of the syncer's shards (``decoupled.syncer_shards`` of them, after the learners'; shard
-        k is rank ``replicas + k``); empty in lock-step mode."""
+        """In decoupled mode the syncer's shards are started as the ranks after the learners' (the executors
+        start, watch, restart and cancel each as they do a replica): ``decoupled.syncer_shards`` of them, shard
+        k as rank ``replicas + k``. Empty in lock-step mode, which has no syncer."""
         if self.mode != "decoupled":
             return range(0)
         return range(self.replicas, self.replicas + self.decoupled.syncer_shards)

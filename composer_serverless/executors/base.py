@@ -54,8 +54,9 @@ class CostEstimate:
     ``expected_usd`` needs a step time, ``executor.seconds_per_step`` or one the project measured on the same
     GPU for the same model size and workload (``executors/measured.py``; ``expected_basis`` says which), and
     counts start-up plus the configured inner steps once per replica; it leaves out sync waits and restarts.
-    ``of`` says whose cost it is: the replicas' (``diloco.replicas`` of them), or the decoupled syncer's (one
-    CPU machine that runs as long as the learners do; the "replica-hours" fields then count its hours).
+    ``of`` says whose cost it is: the replicas' (``diloco.replicas`` of them), or the decoupled syncer's (its
+    ``shards`` CPU machines, ``diloco.decoupled.syncer_shards``, each running as long as the learners do; the
+    "replica-hours" fields then count their hours, all shards together).
     """
 
     price_per_replica_hour: float
@@ -67,11 +68,12 @@ class CostEstimate:
     expected_usd: float | None = None
     expected_basis: str | None = None
     of: Literal["replica", "syncer"] = "replica"
+    shards: int = 1
 
     def summary(self) -> str:
         if self.price_per_replica_hour == 0:
             return f"$0 ({self.price_basis})"
-        of = self.of
+        of = self.of if self.shards == 1 else f"{self.of}-shard"
         expected = (
             f"expected ${self.expected_usd:,.2f} ({self.expected_replica_hours:,.2f} {of}-hours; "
             f"{self.expected_basis})"
@@ -79,7 +81,10 @@ class CostEstimate:
             else "expected: no step time measured for this GPU, model size and workload (set "
             "executor.seconds_per_step to estimate)"
         )
-        every = "every replica" if of == "replica" else "the syncer"
+        if self.of == "replica":
+            every = "every replica"
+        else:
+            every = "the syncer" if self.shards == 1 else f"each of the syncer's {self.shards} shards"
         return (
             f"{expected}; at most ${self.max_usd:,.2f} ({self.max_replica_hours:,.2f} {of}-hours, {every} "
             f"to its timeout with every restart) at ${self.price_per_replica_hour:,.2f}/{of}-hour "
@@ -95,9 +100,10 @@ class LaunchPlan:
     themselves (Modal) get 0 here and their retries in ``resources``. ``model`` says what the replicas load,
     with the opt-ins that matter before paying for them (``trust_remote_code`` runs the checkpoint's code).
     ``ranks_per_replica`` is how many processes (one per GPU, when there are GPUs) shard each replica's model.
-    In decoupled mode ``replicas`` ends with the syncer (rank ``diloco.replicas``), so launch, status, restart
-    and cancel cover it as they cover a replica; ``resources["syncer"]`` says its hardware and
-    ``syncer_cost`` what it costs beside the replicas' ``cost``.
+    In decoupled mode ``replicas`` ends with the syncer's shards (ranks ``diloco.syncer_ranks``, one process
+    each, ``diloco.decoupled.syncer_shards`` of them), so launch, status, restart and cancel cover every shard
+    as they cover a replica; ``resources["syncer"]`` says their hardware (``syncer_resources``) and
+    ``syncer_cost`` what they cost together beside the replicas' ``cost``.
     """
 
     executor: str
@@ -136,6 +142,33 @@ class LaunchPlan:
     def only(self, ranks: Collection[int]) -> LaunchPlan:
         """The same plan restricted to the replicas of ``ranks``: what a relaunch of them starts."""
         return dataclasses.replace(self, replicas=tuple(s for s in self.replicas if s.rank in ranks))
+
+    @property
+    def syncer_ranks(self) -> tuple[int, ...]:
+        """The ranks of the decoupled syncer's shards (none in lock-step mode)."""
+        syncer = self.resources.get("syncer")
+        if syncer is None:
+            return ()
+        return tuple(syncer.get("ranks", (syncer["rank"],)))
+
+    def syncer_hardware(self) -> str:
+        """Where the syncer runs, for people: its hardware, and with several shards their count and ranks."""
+        syncer = self.resources["syncer"]
+        ranks = self.syncer_ranks
+        if len(ranks) == 1:
+            return syncer["hardware"]
+        return f"{len(ranks)} shards, ranks {ranks[0]}-{ranks[-1]}, each {syncer['hardware']}"
+
+
+def syncer_resources(config: RunConfig, **hardware: Any) -> dict[str, Any] | None:
+    """A plan's ``resources["syncer"]``: ``rank`` (its first shard's), and with several shards ``ranks`` and
+    ``shards`` (one shard keeps the single syncer's shape), beside ``hardware`` (what each shard runs on,
+    with its ``hardware`` line for people); None in lock-step mode, which has no syncer."""
+    ranks = config.diloco.syncer_ranks
+    if not ranks:
+        return None
+    shards = {} if len(ranks) == 1 else {"ranks": list(ranks), "shards": len(ranks)}
+    return {"rank": ranks[0], **shards, **hardware}
 
 
 def model_plan(config: RunConfig) -> dict[str, Any]:

@@ -26,7 +26,8 @@ What the Jobs API teaches (see the project's research notes on HF Jobs):
   stream (streams stall and drop lines).
 
 In decoupled mode the syncer (the rank after the learners') is one more job of the run, labelled and
-watched like the replicas, on a CPU flavor (``executor.syncer_flavor``): it merges in host memory.
+watched like the replicas, on a CPU flavor (``executor.syncer_flavor``): it merges in host memory. With
+``diloco.decoupled.syncer_shards`` it is one such job per shard, each with a rank of its own.
 
 The replica command is the same worker as everywhere, run by the image's ``python``; with
 ``executor.package`` set the job first pip-installs that requirement (a stock PyTorch image plus the
@@ -55,6 +56,7 @@ from composer_serverless.executors.base import (
     ReplicaHandle,
     ReplicaSpec,
     ReplicaStatus,
+    syncer_resources,
     worker_argv,
 )
 from composer_serverless.executors.environment import (
@@ -123,10 +125,10 @@ class HFJobsExecutor:
         secrets = present_secrets(config, always=(HUB_TOKEN,))
         stock = ex.image == DEFAULT_HF_JOBS_IMAGE
         shipped = shipment.plan(config, cloud=True)
-        syncer = config.diloco.syncer_rank
         ranks = [(rank, env) for rank in range(replicas)]
-        if syncer is not None:  # a CPU flavor: no accelerator to find
-            ranks.append((syncer, cloud_env()))
+        # The syncer's shards, on a CPU flavor: no accelerator to find
+        ranks += [(rank, cloud_env()) for rank in config.diloco.syncer_ranks]
+        syncer = syncer_resources(config, flavor=ex.syncer_flavor, hardware=f"HF Jobs {ex.syncer_flavor}")
         specs = tuple(
             ReplicaSpec(
                 rank,
@@ -148,9 +150,7 @@ class HFJobsExecutor:
             ),
             syncer_cost=None if syncer is None else _syncer_cost(config),
             resources={
-                "syncer": None
-                if syncer is None
-                else {"rank": syncer, "flavor": ex.syncer_flavor, "hardware": f"HF Jobs {ex.syncer_flavor}"},
+                "syncer": syncer,
                 "image": ex.image,
                 # The stock image gets the tested torch build installed at start; an image of your own
                 # runs the torch it holds.
@@ -403,9 +403,8 @@ def _command(
 
 
 def _flavor(plan: LaunchPlan, rank: int) -> str:
-    """The flavor of ``rank``'s job: the syncer's CPU flavor for the syncer, else the replicas'."""
-    syncer = plan.resources.get("syncer")
-    return syncer["flavor"] if syncer is not None and syncer["rank"] == rank else plan.resources["flavor"]
+    """The flavor of ``rank``'s job: the syncer's CPU flavor for a shard of the syncer, else the replicas'."""
+    return plan.resources["syncer"]["flavor"] if rank in plan.syncer_ranks else plan.resources["flavor"]
 
 
 def _syncer_cost(config: RunConfig) -> CostEstimate:

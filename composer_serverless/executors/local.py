@@ -50,6 +50,7 @@ from composer_serverless.executors.base import (
     ReplicaHandle,
     ReplicaSpec,
     ReplicaStatus,
+    syncer_resources,
     worker_argv,
 )
 from composer_serverless.executors.environment import REPLICA_ENV, store_protocol, teacher_key_names
@@ -103,20 +104,23 @@ class LocalProcessExecutor:
             )
             for rank in range(replicas)
         )
-        syncer = config.diloco.syncer_rank
-        if syncer is not None:  # on the CPU: it merges in host memory
-            cpu = env if devices is None else {**env, "CUDA_VISIBLE_DEVICES": ""}
-            specs += (ReplicaSpec(syncer, worker_argv(run_url, syncer, sys.executable), cpu),)
+        # The syncer's shards, on the CPU: they merge in host memory
+        cpu = env if devices is None else {**env, "CUDA_VISIBLE_DEVICES": ""}
+        shards = config.diloco.syncer_ranks
+        specs += tuple(ReplicaSpec(rank, worker_argv(run_url, rank, sys.executable), cpu) for rank in shards)
         free = CostEstimate(0.0, "local processes: no cloud bill", 0, 0.0, 0.0, 0.0, 0.0)
+        syncer = syncer_resources(config, hardware="a local CPU process")
         return LaunchPlan(
             executor=self.name,
             run_id=config.run_id or "",
             run_url=run_url,
             replicas=specs,
             cost=free,
-            syncer_cost=None if syncer is None else dataclasses.replace(free, of="syncer"),
+            syncer_cost=None
+            if syncer is None
+            else dataclasses.replace(free, of="syncer", shards=len(shards)),
             resources={
-                "syncer": None if syncer is None else {"rank": syncer, "hardware": "a local CPU process"},
+                "syncer": syncer,
                 "threads_per_replica": threads,
                 "threads_per_rank": per_rank,
                 "devices": "cpu" if devices is None else {str(r): d for r, d in enumerate(devices)},

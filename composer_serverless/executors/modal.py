@@ -26,9 +26,10 @@ What Modal teaches (see the project's research notes on Modal):
   variant for every replica would spawn them all in the first replica's app.
 * Secrets go to Modal as a ``Secret`` built from this environment at spawn time (plus any named secrets of
   the workspace); their values never enter the plan, the command or a log.
-* In decoupled mode the syncer (the rank after the learners') is a spawn of a second function of the same
-  app, ``modal_app.syncer``, which has no GPU: its cores and memory are per-run options too
-  (``executor.syncer_cpu``, ``syncer_memory_mb``). It gets its own detached app, retries, timeout and secrets
+* In decoupled mode the syncer (the rank after the learners', or with ``diloco.decoupled.syncer_shards`` one
+  rank per shard) is a spawn of a second function of the same app, ``modal_app.syncer``, once per shard,
+  which has no GPU: its cores and memory are per-run options too (``executor.syncer_cpu``,
+  ``syncer_memory_mb``, each shard's). Each shard gets its own detached app, retries, timeout and secrets
   exactly as a replica does, so status, logs and cancel reach it the same way.
 """
 
@@ -56,6 +57,7 @@ from composer_serverless.executors.base import (
     ReplicaSpec,
     ReplicaState,
     ReplicaStatus,
+    syncer_resources,
     worker_argv,
 )
 from composer_serverless.executors.environment import (
@@ -99,9 +101,12 @@ class ModalExecutor:
         env = {**cloud_env(), ACCELERATOR_ENV: "cuda"}  # every Modal replica is given GPUs
         secrets = present_secrets(config)
         specs = tuple(ReplicaSpec(rank, worker_argv(run_url, rank), env, secrets) for rank in range(replicas))
-        syncer = config.diloco.syncer_rank
-        if syncer is not None:  # no GPU: it merges in host memory
-            specs += (ReplicaSpec(syncer, worker_argv(run_url, syncer), cloud_env(), secrets),)
+        # The syncer's shards: no GPU, they merge in host memory
+        specs += tuple(
+            ReplicaSpec(rank, worker_argv(run_url, rank), cloud_env(), secrets)
+            for rank in config.diloco.syncer_ranks
+        )
+        syncer = _syncer_resources(config)
         gpu_price = ex.price_per_gpu_hour or MODAL_GPU_PRICES[ex.gpu]
         basis = "executor.price_per_gpu_hour" if ex.price_per_gpu_hour else f"Modal list price of {ex.gpu}"
         cost = estimate_cost(
@@ -118,7 +123,7 @@ class ModalExecutor:
             cost=cost,
             syncer_cost=None if syncer is None else _syncer_cost(config),
             resources={
-                "syncer": None if syncer is None else _syncer_resources(config, syncer),
+                "syncer": syncer,
                 "app": APP_NAME,
                 "function": "train_replica",
                 "gpu": _gpu_option(ex.gpu, ex.gpu_count),
@@ -186,7 +191,7 @@ class ModalExecutor:
         kept: BaseException | None = None
         pending = handle = None
         output = modal.enable_output() if show_output else contextlib.nullcontext()
-        role = "syncer" if _is_syncer(plan, rank) else "replica"
+        role = "syncer" if rank in plan.syncer_ranks else "replica"
         with output, app.run(detach=True, name=f"{plan.run_id} {role} {rank}"):
             try:
                 pending = journal.launching(rank, {"app_id": app.app_id or "", "own_app": "true"})
@@ -227,7 +232,7 @@ class ModalExecutor:
             "secrets": secrets,
             "env": dict(spec.env),
         }
-        if _is_syncer(plan, rank):
+        if rank in plan.syncer_ranks:
             syncer = res["syncer"]
             return module.syncer.with_options(cpu=syncer["cpu"], memory=syncer["memory_mb"], **common)
         return module.train_replica.with_options(gpu=res["gpu"], **common)
@@ -356,25 +361,20 @@ def replica_module(shipped: dict[str, Any] | None) -> Any:
     return modal_app
 
 
-def _is_syncer(plan: LaunchPlan, rank: int) -> bool:
-    syncer = plan.resources.get("syncer")
-    return syncer is not None and syncer["rank"] == rank
-
-
-def _syncer_resources(config: RunConfig, rank: int) -> dict[str, Any]:
+def _syncer_resources(config: RunConfig) -> dict[str, Any] | None:
     ex = config.executor
-    return {
-        "rank": rank,
-        "function": "syncer",
-        "gpu": None,
-        "cpu": ex.syncer_cpu,
-        "memory_mb": ex.syncer_memory_mb,
-        "hardware": f"Modal CPU function, {ex.syncer_cpu:g} cores, {ex.syncer_memory_mb} MiB, no GPU",
-    }
+    return syncer_resources(
+        config,
+        function="syncer",
+        gpu=None,
+        cpu=ex.syncer_cpu,
+        memory_mb=ex.syncer_memory_mb,
+        hardware=f"Modal CPU function, {ex.syncer_cpu:g} cores, {ex.syncer_memory_mb} MiB, no GPU",
+    )
 
 
 def _syncer_cost(config: RunConfig) -> CostEstimate:
-    """The syncer's cores and memory at Modal's per-second CPU and memory rates."""
+    """The syncer's cores and memory at Modal's per-second CPU and memory rates, per shard."""
     ex = config.executor
     gib = ex.syncer_memory_mb / 1024
     price = ex.syncer_cpu * MODAL_CPU_CORE_PRICE + gib * MODAL_MEMORY_GIB_PRICE

@@ -1,5 +1,5 @@
 """The Modal App that runs replicas: one GPU function whose body is the replica worker, and one CPU function,
-the decoupled syncer, whose body is the same worker.
+the decoupled syncer (called once per shard), whose body is the same worker.
 
 It lives inside the package on purpose: Modal mounts the whole top-level package of a function defined in a
 package, so containers get exactly the code that launched them. Module-level code runs again in every
@@ -79,8 +79,9 @@ def train_replica(run_url: str, rank: int) -> int:
     single_use_containers=True,
 )
 def syncer(run_url: str, rank: int) -> int:
-    """Run the decoupled syncer (rank ``diloco.replicas`` of the run at ``run_url``) here: the same worker on
-    a container without a GPU (it merges in host memory); raises on failure, so Modal retries it."""
+    """Run a shard of the decoupled syncer (``rank``, one of ``diloco.syncer_ranks`` of the run at
+    ``run_url``; each shard is a call of its own) here: the same worker on a container without a GPU (it
+    merges in host memory); raises on failure, so Modal retries it."""
     return _worker(run_url, rank, "the syncer, rank")
 
 

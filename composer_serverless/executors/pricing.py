@@ -27,10 +27,12 @@ def estimate_cost(
     of: Literal["replica", "syncer"] = "replica",
 ) -> CostEstimate:
     """The plan's cost: an upper bound from the timeout, and an expected figure when step time is known.
-    ``of = "syncer"``: the decoupled syncer's, one machine with the replicas' timeout and restarts that runs
-    as long as a learner does (it commits the last version when the learners' last contributions are in)."""
+    ``of = "syncer"``: the decoupled syncer's, one machine per shard (``diloco.decoupled.syncer_shards``),
+    each with the replicas' timeout and restarts and running as long as a learner does (it commits the last
+    version when the learners' last contributions are in)."""
     ex = config.executor
-    max_hours = _machines(config, of) * (1 + ex.max_restarts) * ex.timeout_s / 3600
+    machines = _machines(config, of)
+    max_hours = machines * (1 + ex.max_restarts) * ex.timeout_s / 3600
     cost = CostEstimate(
         price_per_replica_hour=price_per_replica_hour,
         price_basis=price_basis,
@@ -38,6 +40,7 @@ def estimate_cost(
         max_replica_hours=round(max_hours, 4),
         max_usd=round(max_hours * price_per_replica_hour, 2),
         of=of,
+        shards=1 if of == "replica" else machines,
     )
     if ex.seconds_per_step is None:
         return cost
@@ -55,7 +58,14 @@ def with_measured(cost: CostEstimate, config: RunConfig, measurement: Measuremen
 def _expected(cost: CostEstimate, config: RunConfig, seconds_per_step: float, basis: str) -> CostEstimate:
     dl = config.diloco
     hours = _machines(config, cost.of) * replica_seconds(config, seconds_per_step) / 3600
-    learner = "" if cost.of == "replica" else "as long as a learner: "
+    if cost.of == "replica":
+        learner = ""
+    else:
+        learner = (
+            "as long as a learner: "
+            if cost.shards == 1
+            else f"{cost.shards} shards, each as long as a learner: "
+        )
     return dataclasses.replace(
         cost,
         expected_replica_hours=round(hours, 4),
@@ -66,7 +76,7 @@ def _expected(cost: CostEstimate, config: RunConfig, seconds_per_step: float, ba
 
 
 def _machines(config: RunConfig, of: Literal["replica", "syncer"]) -> int:
-    return config.diloco.replicas if of == "replica" else 1
+    return config.diloco.replicas if of == "replica" else len(config.diloco.syncer_ranks)
 
 
 def replica_seconds(config: RunConfig, seconds_per_step: float) -> float:

@@ -702,7 +702,7 @@ def follow(
     console.print(
         f"run [bold]{plan.run_id}[/] at {supervisor.run.url}: {config.diloco.replicas} {plan.executor} replicas"
         + (f" of {plan.ranks_per_replica} ranks" if plan.ranks_per_replica > 1 else "")
-        + (f" and the syncer ({plan.resources['syncer']['hardware']})" if plan.syncer_cost else "")
+        + (f" and the syncer ({plan.syncer_hardware()})" if plan.syncer_cost else "")
         + "\n"
         f"  estimated cost: {plan.cost.summary()}"
         + (f"\n  the syncer's: {plan.syncer_cost.summary()}" if plan.syncer_cost else ""),

@@ -16,7 +16,8 @@ Policy, per replica:
   goes on without it; the run fails only if no replica is left. The store records that it was given up
   (``layout.given_up``): its last heartbeat may still say "training", and the other replicas must not count
   on it to publish a round they wait for (``recovery.holders``). Starting the rank again removes the record.
-  A decoupled run's syncer is never given up: the run fails instead (its learners would wait for merges).
+  A decoupled run's syncer, or any one of its shards, is never given up: the run fails instead (its learners
+  would wait for merges, of every fragment or of that shard's).
 * ``cancelled`` by someone else (``cancel RUN`` from another terminal): the run is over.
 """
 
@@ -217,13 +218,14 @@ class Supervisor:
         return Poll(statuses, events, finished)
 
     def _no_syncer_without_hardware(self, handle: ReplicaHandle, status: ReplicaStatus) -> None:
-        """A run goes on without a learner that got no hardware, never without its syncer (decoupled mode):
-        the learners would wait for merges that never come."""
-        syncer = self.record.plan.resources.get("syncer")
-        if syncer is None or syncer["rank"] != handle.rank:
+        """A run goes on without a learner that got no hardware, never without its syncer or any shard of it
+        (decoupled mode): the learners would wait for merges that never come."""
+        shards = self.record.plan.syncer_ranks
+        if handle.rank not in shards:
             return
+        which = "the syncer" if len(shards) == 1 else f"the syncer's shard {shards.index(handle.rank)}"
         raise RunFailed(
-            f"the syncer (rank {handle.rank}) got no hardware ({status.detail}); without it no contribution "
+            f"{which} (rank {handle.rank}) got no hardware ({status.detail}); without it no contribution "
             f"is merged\n  fix: a CPU flavor with hardware free (executor.syncer_flavor) or a longer "
             f"executor.scheduling_deadline_s, then launch --resume {self.run.url}"
         )

@@ -1,7 +1,8 @@
 """Replica entry point: ``python -m composer_serverless.replicas.worker --run URL --rank R``.
 
-In decoupled mode (``diloco.mode``) rank ``diloco.replicas``, the one after the learners', is the syncer
-(``syncer/syncer.py``): every backend starts, watches, restarts and cancels it as it does a replica.
+In decoupled mode (``diloco.mode``) the ranks after the learners' (``diloco.syncer_ranks``, one per
+``diloco.decoupled.syncer_shards``) are the syncer's shards (``syncer/syncer.py``): every backend starts,
+watches, restarts and cancels each as it does a replica.
 
 The same command runs on a laptop, in a Modal container and in an HF Job: everything else the replica needs
 is in ``run.json`` inside the run, and credentials come from the environment.

@@ -192,6 +192,74 @@ def launch_until_training(tmp_path, s3_store, run_id: str, env: dict[str, str]):
     return launcher
 
 
+def test_a_syncer_of_two_shards_on_hf_jobs_is_two_cpu_jobs_priced_together_and_a_cancel_ends_them(
+    tmp_path, s3_store, fake_hf, hf_env
+):
+    """``diloco.decoupled.syncer_shards = 2``: the dry run shows both shards (ranks 2 and 3), their flavor and
+    their cost, twice one syncer's; launched, each shard is a job on the CPU flavor beside the learners, and a
+    cancel ends all four."""
+    store, client = s3_store
+    shards = ("--set", "diloco.decoupled.syncer_shards=2")
+    dry = cli(
+        "launch", str(_decoupled(tmp_path, store, "hf-shards", rounds=300)), "--dry-run", *shards, env=hf_env
+    )
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout)
+    assert [r["rank"] for r in plan["replicas"]] == [0, 1, 2, 3]
+    assert plan["replicas"][3]["command"][-2:] == ["--rank", "3"]
+    assert plan["resources"]["syncer"] == {
+        "rank": 2,
+        "ranks": [2, 3],
+        "shards": 2,
+        "flavor": "cpu-upgrade",
+        "hardware": "HF Jobs cpu-upgrade",
+    }
+    # cpu-upgrade at $0.03/hour: at most 2 shards x (1 + 0 restarts) x 2 h, twice one syncer's $0.06.
+    assert plan["syncer_cost"]["max_usd"] == 0.12 and plan["syncer_cost"]["shards"] == 2
+    text = " ".join(dry.stderr.split())  # whatever the terminal's width wrapped
+    assert (
+        "estimated cost of the syncer (2 shards, ranks 2-3, each HF Jobs cpu-upgrade): expected: no step time "
+        in text
+    )
+    assert (
+        "at most $0.12 (4.00 syncer-shard-hours, each of the syncer's 2 shards to its timeout with every "
+        "restart) at $0.03/syncer-shard-hour (HF Jobs list price of cpu-upgrade)" in text
+    )
+
+    launcher = cli_background(
+        "launch", str(_decoupled(tmp_path, store, "hf-shards", rounds=300)), *shards, env=hf_env
+    )
+    try:
+        # Until the learners train and both shards have beaten (each as its own rank)
+        while not (_training(client, "hf-shards", ranks=2) and _syncers(client, "hf-shards", (2, 3))):
+            assert launcher.poll() is None, launcher.communicate()
+            time.sleep(0.5)
+        flavors = {job.spec["labels"]["rank"]: job.spec["flavor"] for job in fake_hf.jobs.values()}
+        assert flavors == {"0": "a10g-small", "1": "a10g-small", "2": "cpu-upgrade", "3": "cpu-upgrade"}
+        assert all(job.proc.poll() is None for job in fake_hf.jobs.values())
+        cancel = cli("cancel", f"{store}/hf-shards", env=hf_env)
+        assert cancel.returncode == 0, cancel.stderr
+        assert len(fake_hf.jobs) == 4 and all(job.stage[0] == "CANCELED" for job in fake_hf.jobs.values())
+        assert all(job.proc.wait() != 0 for job in fake_hf.jobs.values())
+    finally:
+        launcher.kill()
+        launcher.communicate()
+
+
+def _syncers(client, run_id, ranks):
+    """True once every rank of ``ranks`` has beaten as a syncer does (``Syncer._beat``: one "step" per
+    version; read straight from the S3 server)."""
+    for rank in ranks:
+        try:
+            body = client.get_object(Bucket="bucket", Key=f"runs/{run_id}/members/{rank}.json")["Body"].read()
+        except client.exceptions.NoSuchKey:
+            return False
+        beat = json.loads(body)
+        if (beat.get("step"), beat.get("steps")) != (0, 1):
+            return False
+    return True
+
+
 def _training(client, run_id, ranks):
     """True once every rank's heartbeat says it is training (read straight from the S3 server)."""
     beats = []

@@ -24,7 +24,8 @@ from composer_serverless.config import validate_config
 from composer_serverless.executors import base
 from composer_serverless.executors.base import LaunchRecord, ReplicaHandle
 from composer_serverless.executors.local import LocalProcessExecutor, _identity_meta, _worker_processes
-from composer_serverless.launch.launcher import launch
+from composer_serverless.launch import runs
+from composer_serverless.launch.launcher import launch, prepare, start
 from composer_serverless.launch.supervisor import RunFailed
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.store import ObjectStore
@@ -43,14 +44,14 @@ from tests.executors.conftest import (
 pytestmark = pytest.mark.slow
 
 
-def _config(store: str, run_id: str, rounds: int = 2, **executor):
+def _config(store: str, run_id: str, rounds: int = 2, diloco: dict | None = None, **executor):
     return validate_config(
         {
             "run_id": run_id,
             "store": store,
             "model": {"tiny": TINY.model_dump()},
             "data": {"seq_len": 32, "batch_size": 4},
-            "diloco": {"replicas": 2, "sync_every": 3, "rounds": rounds},
+            "diloco": {"replicas": 2, "sync_every": 3, "rounds": rounds, **(diloco or {})},
             "eval": {"sequences": 8},
             "executor": {"type": "local", "threads_per_replica": 1, **executor},
         }
@@ -267,6 +268,47 @@ def test_a_launcher_killed_with_sigkill_is_resumed_by_adopting_its_live_replicas
     assert all(_state(pid) in ("Z", "gone") for pid in pids) and not _worker_processes(ObjectStore(run_url))
 
 
+def test_a_syncer_of_two_shards_is_two_cpu_processes_and_a_cancel_ends_every_one(tmp_path, monkeypatch):
+    """``diloco.decoupled.syncer_shards = 2``: ranks 2 and 3 are the syncer's shards, each a worker process on
+    the CPU (kept off the GPUs the learners are pinned to), free like the learners; started, both run beside
+    the learners, and a cancel ends all four."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    store = tmp_path / "store"
+    sharded = {"mode": "decoupled", "embedding_average": "all", "decoupled": {"syncer_shards": 2}}
+    config = _config(str(store), "local-shards", rounds=300, diloco=sharded)
+    run_url = str(store / "local-shards")
+    with monkeypatch.context() as gpus:
+        gpus.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+        plan = LocalProcessExecutor(ObjectStore(run_url), tmp_path / "logs").plan(config, run_url)
+    assert [s.rank for s in plan.replicas] == [0, 1, 2, 3]
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in plan.replicas] == ["0", "1", "", ""]
+    assert [s.command for s in plan.replicas[2:]] == [
+        base.worker_argv(run_url, r, sys.executable) for r in (2, 3)
+    ]
+    assert plan.resources["syncer"] == {
+        "rank": 2,
+        "ranks": [2, 3],
+        "shards": 2,
+        "hardware": "a local CPU process",
+    }
+    assert plan.syncer_cost is not None and plan.syncer_cost.shards == 2
+    assert plan.syncer_cost.summary() == "$0 (local processes: no cloud bill)"
+
+    supervisor = start(prepare(config, "local.toml"), Console(file=io.StringIO()))
+    members = store / "local-shards" / "members"
+    # Until both shards beat as the syncer does (waiting for version 0, one "step" per version), each as itself
+    pids = [h.backend_id for h in supervisor.handles]
+    try:
+        while not all(_syncer_waiting(members / f"{rank}.json") for rank in (2, 3)):
+            assert all(s.state == "running" for s in supervisor.poll().statuses)
+            time.sleep(0.3)
+        assert len(pids) == 4 and all(_state(pid) not in ("Z", "gone") for pid in pids)
+    finally:
+        statuses = runs.cancel(run_url)
+    assert [(s.rank, s.state) for s in statuses] == [(r, "cancelled") for r in range(4)]
+    assert all(_state(pid) in ("Z", "gone") for pid in pids)
+
+
 def test_cancel_never_signals_a_process_it_did_not_start(tmp_path):
     """launch.json is data in the store: only a process that is the one started (creation time) and runs this
     run's worker (its command line) is signalled, and only its own process group."""
@@ -320,6 +362,12 @@ def test_a_log_path_outside_the_run_is_not_read(tmp_path):
     forged = ReplicaHandle(0, "1", str(tmp_path / "run" / "logs" / ".." / ".." / "elsewhere" / "secret.txt"))
     with pytest.raises(FileNotFoundError, match="outside this run's logs"):
         list(executor.logs(forged))
+
+
+def _syncer_waiting(path: Path) -> bool:
+    """Whether the heartbeat at ``path`` is a syncer's wait (``Syncer._beat``: one "step" per version)."""
+    beat = _beat(path)
+    return beat.get("state") == "waiting" and (beat.get("step"), beat.get("steps")) == (0, 1)
 
 
 def _beat(path: Path) -> dict:

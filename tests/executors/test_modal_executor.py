@@ -465,6 +465,41 @@ def test_a_decoupled_plan_adds_the_syncer_as_a_cpu_function_with_its_cost():
     assert lockstep.syncer_cost is None and lockstep.resources["syncer"] is None
 
 
+def test_a_syncer_of_two_shards_is_two_cpu_functions_and_costs_twice_one():
+    """``diloco.decoupled.syncer_shards = 2``: ranks 2 and 3 are the syncer's shards, each the syncer's CPU
+    function with the single syncer's command, environment and secrets; together they cost twice one."""
+    kw = {"syncer_cpu": 4, "syncer_memory_mb": 16384, "seconds_per_step": 0.5}
+    one = ModalExecutor().plan(
+        _config("s3://bucket/runs", diloco=DECOUPLED, **kw), "s3://bucket/runs/modal-run"
+    )
+    sharded = {**DECOUPLED, "decoupled": {"syncer_shards": 2}}
+    plan = ModalExecutor().plan(
+        _config("s3://bucket/runs", diloco=sharded, **kw), "s3://bucket/runs/modal-run"
+    )
+    assert [s.rank for s in plan.replicas] == [0, 1, 2, 3]  # the learners, then the syncer's shards
+    for rank in (2, 3):
+        shard = plan.replicas[rank]
+        assert shard.command == worker_argv("s3://bucket/runs/modal-run", rank)
+        assert shard.env == one.replicas[2].env and ACCELERATOR_ENV not in shard.env
+        assert shard.secrets == one.replicas[2].secrets
+    assert plan.syncer_ranks == (2, 3) and one.syncer_ranks == (2,)
+    assert plan.resources["syncer"] == {**one.resources["syncer"], "ranks": [2, 3], "shards": 2}
+    assert (
+        plan.syncer_hardware() == "2 shards, ranks 2-3, each Modal CPU function, 4 cores, 16384 MiB, no GPU"
+    )
+    # Each shard at $0.3168/hour: at most 2 shards x (1 + 2 restarts) x 6 h; expected 2 x one learner's time.
+    cost, single = plan.syncer_cost, one.syncer_cost
+    assert cost is not None and single is not None and cost.shards == 2 and single.shards == 1
+    assert cost.max_replica_hours == 36 == 2 * single.max_replica_hours
+    assert cost.max_usd == round(36 * 0.3168, 2) == pytest.approx(2 * single.max_usd, abs=0.01)
+    assert cost.expected_usd == round(2 * (300 + 2 * 3 * 0.5) / 3600 * 0.3168, 2)
+    assert cost.expected_basis.startswith("2 shards, each as long as a learner: 2 rounds x 3 steps")
+    assert "36.00 syncer-shard-hours, each of the syncer's 2 shards to its timeout" in cost.summary()
+    assert "/syncer-shard-hour" in cost.summary()
+    assert plan.cost == one.cost  # the learners' cost does not change
+    assert LaunchPlan.from_dict(json.loads(plan.to_json())) == plan
+
+
 @pytest.mark.slow
 def test_a_decoupled_run_on_modal_runs_its_syncer_as_a_cpu_function_beside_the_learners(
     tmp_path, s3_store, fake_modal
@@ -506,4 +541,27 @@ def test_cancelling_a_decoupled_run_on_modal_ends_the_learners_and_the_syncer(s3
     statuses = runs.cancel(f"{store}/modal-decoupled-cancel")
     assert [s.state for s in statuses] == ["cancelled"] * 3
     assert {c.function for c in fake_modal.calls.values()} == {"train_replica", "syncer"}
+    assert fake_modal.live() == [] and all(app.stopped for app in fake_modal.apps.values())
+
+
+@pytest.mark.slow
+def test_cancelling_a_decoupled_run_on_modal_ends_every_syncer_shard(s3_store, fake_modal):
+    """Two syncer shards are two spawns of the syncer's function, each in an app of its own; a cancel stops
+    them with the learners."""
+    store, _ = s3_store
+    sharded = {**DECOUPLED, "decoupled": {"syncer_shards": 2}}
+    config = _config(store, rounds=500, diloco=sharded, run_id="modal-shards-cancel")
+    start(prepare(config, "modal.toml"), Console(file=io.StringIO()))
+    assert {c.rank: c.function for c in fake_modal.calls.values()} == {
+        0: "train_replica",
+        1: "train_replica",
+        2: "syncer",
+        3: "syncer",
+    }
+    assert sum(app.name.endswith(("syncer 2", "syncer 3")) for app in fake_modal.apps.values()) == 2
+    shards = [o for o in fake_modal.options if o["function"] == "syncer"]
+    assert [(o["cpu"], o["memory"], "gpu" in o) for o in shards] == [(2.0, 8192, False)] * 2
+    assert len(fake_modal.live()) == 4  # every shard's container runs, beside the learners'
+    statuses = runs.cancel(f"{store}/modal-shards-cancel")
+    assert [(s.rank, s.state) for s in statuses] == [(r, "cancelled") for r in range(4)]
     assert fake_modal.live() == [] and all(app.stopped for app in fake_modal.apps.values())

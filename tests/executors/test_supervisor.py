@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 from collections.abc import Iterator
 
 import pytest
 from rich.console import Console
 
 from composer_serverless.config import validate_config
+from composer_serverless.executors import base
 from composer_serverless.executors.base import (
     CostEstimate,
     Journal,
@@ -298,3 +300,53 @@ def _supervisor_view(supervisor: Supervisor) -> Supervisor:
     return Supervisor(
         supervisor.run, supervisor.executor, LaunchRecord.from_json(supervisor.run.get("launch.json"))
     )
+
+
+def _decoupled_supervisor(tmp_path, executor: ScriptedExecutor, shards: int) -> Supervisor:
+    """A started decoupled run of 2 learners and a syncer of ``shards`` shards (ranks 2, ...), its plan's
+    syncer resources as every executor builds them."""
+    config = validate_config(
+        {
+            "model": {"tiny": TINY.model_dump()},
+            "diloco": {
+                "replicas": 2,
+                "sync_every": 2,
+                "rounds": 1,
+                "mode": "decoupled",
+                "embedding_average": "all",
+                "decoupled": {"syncer_shards": shards},
+            },
+        }
+    )
+    ranks = [*range(2), *config.diloco.syncer_ranks]
+    specs = tuple(ReplicaSpec(r, ("worker", str(r))) for r in ranks)
+    syncer = base.syncer_resources(config, hardware="a CPU")
+    plan = LaunchPlan("scripted", "run", "url", specs, CostEstimate(0, "free", 0, 0, 0), {"syncer": syncer})
+    supervisor = Supervisor(ObjectStore(str(tmp_path / "run")), executor, LaunchRecord(plan, ()))
+    supervisor.save()
+    supervisor.start(plan, note=lambda line: None)
+    return supervisor
+
+
+@pytest.mark.parametrize(
+    ("shards", "unscheduled", "which"),
+    [
+        (1, 2, "the syncer (rank 2)"),
+        (2, 2, "the syncer's shard 0 (rank 2)"),
+        (2, 3, "the syncer's shard 1 (rank 3)"),
+    ],
+)
+def test_a_syncer_shard_that_got_no_hardware_fails_the_run(tmp_path, shards, unscheduled, which):
+    """A learner without hardware is given up and the run goes on; any shard of the syncer without hardware
+    fails the run, as the single syncer does: the learners would wait for merges of its fragment."""
+    script = {(rank, 1): ["running"] for rank in range(2 + shards)}
+    script[(unscheduled, 1)] = ["unscheduled"]
+    with pytest.raises(RunFailed, match=rf"^{re.escape(which)} got no hardware \(unscheduled detail\)"):
+        _decoupled_supervisor(tmp_path / "syncer", ScriptedExecutor(script), shards).poll()
+
+    script = {(rank, 1): ["running"] for rank in range(2 + shards)}
+    script[(1, 1)] = ["unscheduled"]
+    poll = _decoupled_supervisor(tmp_path / "learner", ScriptedExecutor(script), shards).poll()
+    assert poll.events == [
+        "replica 1 got no hardware (unscheduled detail); cancelled it, the run goes on without it"
+    ]
