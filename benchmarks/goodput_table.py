@@ -7,6 +7,13 @@ comparison of many configurations runs lock-step once:
 reads every ``<dir>/*/results.json`` below it; per scenario and seed, each decoupled run is compared with the
 lock-step run of that scenario and seed by ``goodput.at_equal_tokens`` (the benchmark's own comparison), and
 the table is printed as markdown and written to ``<dir>/table.json``.
+
+Lock-step runs of several lengths (``--rounds``) for one scenario and seed: the longest is the one compared
+as above, and each decoupled run is also compared at the end of both schedules with equal tokens
+(``complete_schedules``): its final global against the final global of the longest lock-step run holding no
+more tokens than it does. Decoupled's ``rounds`` counts versions, and with a quorum below N its versions hold
+fewer tokens than lock-step's rounds; comparing its final with lock-step's final of a shorter run compares two
+annealed schedules, and lock-step's fewer-or-equal tokens make the gap conservative for decoupled.
 """
 
 from __future__ import annotations
@@ -23,12 +30,12 @@ from goodput import at_equal_tokens  # noqa: E402
 def table(root: Path) -> list[dict[str, Any]]:
     """One row per decoupled run below ``root``, with its lock-step counterpart's figures."""
     runs = {path.parent.name: json.loads(path.read_text()) for path in sorted(root.glob("*/results.json"))}
-    lock_step = {
-        (scenario, r["seed"]): row["lock-step"]
-        for r in runs.values()
-        for scenario, row in r["results"].items()
-        if "lock-step" in row
-    }
+    by_length: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in runs.values():
+        for scenario, row in r["results"].items():
+            if "lock-step" in row:
+                by_length.setdefault((scenario, r["seed"]), []).append(row["lock-step"])
+    lock_step = {k: max(v, key=lambda ls: ls["evals"][-1][1]) for k, v in by_length.items()}
     rows = []
     for name, r in runs.items():
         for scenario, row in r["results"].items():
@@ -46,12 +53,29 @@ def table(root: Path) -> list[dict[str, Any]]:
                     "goodput": ours["goodput"],
                     "lock_step_goodput": theirs["goodput"],
                     "at_equal_tokens": compared,
+                    "complete_schedules": complete_schedules(by_length[(scenario, r["seed"])], ours["evals"]),
                     "staleness": ours["staleness"],
                     "merged_steps": ours["merged_steps"],
                     "executed_steps": ours["executed_steps"],
                 }
             )
     return rows
+
+
+def complete_schedules(lock_steps: list[dict[str, Any]], evals: list[list[float]]) -> dict[str, Any] | None:
+    """Decoupled's final global (``evals``' last: ``[version, tokens, s, loss]``) against the final global
+    of the longest of ``lock_steps`` (runs of one scenario and seed) holding no more tokens; None if every one
+    holds more."""
+    version, tokens, _, loss = evals[-1][:4]
+    shorter = [ls["evals"][-1] for ls in lock_steps if ls["evals"][-1][1] <= tokens]
+    if not shorter:
+        return None
+    rounds, ls_tokens, _, ls_loss = max(shorter, key=lambda e: e[1])[:4]
+    return {
+        "lock-step": {"rounds": rounds, "tokens": ls_tokens, "loss": ls_loss},
+        "decoupled": {"version": version, "tokens": tokens, "loss": loss},
+        "relative_gap": (loss - ls_loss) / ls_loss,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -63,9 +87,10 @@ def main(argv: list[str]) -> int:
     print(
         "| run | scenario, seed | goodput lock-step / decoupled | loss at equal tokens, lock-step / decoupled "
         "(gap) | final globals' loss (gap), decoupled's tokens / lock-step's | decoupled to lock-step's final "
-        "loss | steps merged / executed | staleness |"
+        "loss | both schedules complete: lock-step's rounds, tokens / decoupled's (gap) | steps merged / executed "
+        "| staleness |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         c = row["at_equal_tokens"]
         dec = c["decoupled"]
@@ -89,9 +114,16 @@ def main(argv: list[str]) -> int:
             else "none"
         )
         staleness = ", ".join(f"{age}: {n}" for age, n in row["staleness"].items())
+        complete = row["complete_schedules"]
+        matched = (
+            f"{complete['lock-step']['rounds']}, {complete['lock-step']['tokens'] / 1e6:.3f}M / "
+            f"{complete['decoupled']['tokens'] / 1e6:.3f}M ({100 * complete['relative_gap']:+.1f} %)"
+            if complete
+            else "no shorter lock-step run"
+        )
         print(
             f"| {row['run']} | {row['scenario']}, {row['seed']} | {row['lock_step_goodput']:.3f} / "
-            f"{row['goodput']:.3f} | {loss} | {ends} | {to_final} | {row['merged_steps']} / "
+            f"{row['goodput']:.3f} | {loss} | {ends} | {to_final} | {matched} | {row['merged_steps']} / "
             f"{row['executed_steps']} | {staleness} |"
         )
     (root / "table.json").write_text(json.dumps(rows, indent=2))

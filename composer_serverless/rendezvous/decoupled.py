@@ -18,7 +18,7 @@
   It also names its ``parent``, the version whose global the merge stepped from: the one before it, but after
   a rollback (``newest_intact``) the newest intact one.
 * With a **sharded syncer** (``diloco.decoupled.syncer_shards`` = F > 1) the global is cut into F fragments
-  (``syncer/shards.fragment_groups``: contiguous groups of whole tensors, named by version 0's record), and
+  (``fragments.fragment_groups``: contiguous groups of whole tensors, named by version 0's record), and
   no syncer moves a whole contribution or a whole version. A learner writes one object per fragment of a
   contribution, under an attempt's name, then the contribution's own object: its header alone (no values),
   naming the attempt (``publish_parts``). Shard 0 decides what each merge takes and creates it once as the

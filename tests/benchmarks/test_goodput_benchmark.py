@@ -333,3 +333,34 @@ def test_the_table_compares_each_decoupled_run_with_its_seeds_lock_step(tmp_path
     assert row["at_equal_tokens"]["decoupled"]["version"] == 2
     assert row["at_equal_tokens"]["relative_gap"] == pytest.approx(0.02)
     assert row["staleness"] == {"1": 3} and row["goodput"] == row["lock_step_goodput"] == 0.5
+    # Lock-step's full run (1200 tokens) holds fewer tokens than decoupled's final (1300): compared there too,
+    # both schedules complete; +2 %.
+    assert row["complete_schedules"]["lock-step"] == {"rounds": 2, "tokens": 1200.0, "loss": 4.5}
+    assert row["complete_schedules"]["relative_gap"] == pytest.approx(0.02)
+
+
+def test_a_decoupled_run_is_compared_with_the_longest_lock_step_run_holding_no_more_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Lock-step runs of 2 and 3 rounds for one seed (600 tokens a round): the decoupled run's final at 1500
+    tokens, loss 4.41, is compared with the 2-round run's final (1200 tokens, 4.5: -2 %), not with the
+    3-round run's (1800 tokens), which is the one compared at equal tokens (not reached there)."""
+    table = load_script("goodput_table")
+    scenario = "a: no faults, equal speeds"
+    for name, mode, evals in [
+        ("ls2", "lock-step", [[1, 600.0, 10.0, 5.0], [2, 1200.0, 20.0, 4.5]]),
+        ("ls3", "lock-step", [[1, 600.0, 10.0, 5.0], [2, 1200.0, 20.0, 4.7], [3, 1800.0, 30.0, 4.2]]),
+        ("dec", "decoupled", [[1, 800.0, 9.0, 4.9], [2, 1500.0, 18.0, 4.41]]),
+    ]:
+        row = {"goodput": 0.5, "evals": evals, "staleness": {}, "merged_steps": 8, "executed_steps": 9}
+        result = {"seed": 0, "decoupled": {"max_lag": 1}, "results": {scenario: {mode: row}}}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(result))
+    (row,) = table.table(tmp_path)
+    assert row["at_equal_tokens"]["lock-step"]["round"] == 3 and row["at_equal_tokens"]["decoupled"] is None
+    complete = row["complete_schedules"]
+    assert complete["lock-step"] == {"rounds": 2, "tokens": 1200.0, "loss": 4.5}
+    assert complete["decoupled"] == {"version": 2, "tokens": 1500.0, "loss": 4.41}
+    assert complete["relative_gap"] == pytest.approx(-0.02)
+    assert table.main([str(tmp_path)]) == 0
+    assert "| 2, 0.001M / 0.002M (-2.0 %) |" in capsys.readouterr().out
