@@ -147,6 +147,7 @@ class DecoupledLearner(Replica):
         if newest < 0:
             initial = self._gathered({name: local(p).detach() for name, p in self.params.items()})
             shards = self.config.diloco.decoupled.syncer_shards
+            cut = shards > 1 and node.lead  # the lead alone holds the whole initial weights, and commits
             record = Version(
                 0,
                 store_versions.writer_token(),
@@ -154,7 +155,7 @@ class DecoupledLearner(Replica):
                 token_rows=self.token_rows,
                 # each shard of the syncer merges one; cut once, here, so every learner and shard agree
                 fragments=fragment_groups([(n, t.numel()) for n, t in initial.items()], shards)
-                if shards > 1
+                if cut
                 else [],
             )
             if node.lead and (

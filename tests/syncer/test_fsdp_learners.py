@@ -30,22 +30,34 @@ SETTINGS = {"replicas": LEARNERS, "rounds": ROUNDS, "mode": "decoupled", "embedd
 
 
 def _run(
-    tmp_path: Path, tiny_model_dir: Path, run_id: str, ranks: int, max_lag: int, adopt_when: str = "publish"
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    run_id: str,
+    ranks: int,
+    max_lag: int,
+    adopt_when: str = "publish",
+    shards: int = 1,
 ) -> ObjectStore:
-    """A decoupled run of ``LEARNERS`` learners of ``ranks`` ranks each and its syncer, to the end."""
+    """A decoupled run of ``LEARNERS`` learners of ``ranks`` ranks each and its syncer (of ``shards``), to
+    the end."""
     config = make_config(
         str(tmp_path / "runs"),
         run_id,
         tiny_model_dir,
         ranks,
         # every version and contribution kept: the test reads them all
-        decoupled={"max_lag": max_lag, "keep_versions": None, "adopt_when": adopt_when},
+        decoupled={
+            "max_lag": max_lag,
+            "keep_versions": None,
+            "adopt_when": adopt_when,
+            "syncer_shards": shards,
+        },
         **SETTINGS,
     )
     run = create(config)
     logs = tmp_path / f"{run_id}-logs"
     with replicas_on_the_simulated_accelerator():
-        assert run_decoupled(run, logs, LEARNERS) == [0] * (LEARNERS + 1)
+        assert run_decoupled(run, logs, LEARNERS, syncers=shards) == [0] * (LEARNERS + shards)
     assert ran_on_the_simulated_accelerator(logs)
     beats = read_heartbeats(run)
     assert [beats[rank]["state"] for rank in range(LEARNERS)] == ["done"] * LEARNERS
@@ -105,17 +117,20 @@ def test_two_ranks_per_learner_end_where_one_rank_does(tmp_path: Path, tiny_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adopt_when", ["publish", "arrival"])
+@pytest.mark.parametrize(("adopt_when", "shards"), [("publish", 1), ("arrival", 1), ("arrival", 2)])
 def test_two_ranks_per_learner_running_ahead_of_the_syncer_end(
-    tmp_path: Path, tiny_model_dir: Path, adopt_when: str
+    tmp_path: Path, tiny_model_dir: Path, adopt_when: str, shards: int
 ) -> None:
     """max_lag = 1: a learner of 2 ranks publishes and trains on without waiting for its contribution to be
     merged, and the run ends: every version committed, every learner holding the last one, and the final
     model uploaded whole by the lowest learner merged into it. With ``adopt_when = "arrival"`` its lead's
-    reader reads each version and tells its ranks at a step boundary, so both ranks adopt at the same step."""
-    run = _run(tmp_path, tiny_model_dir, "lag", 2, max_lag=1, adopt_when=adopt_when)
+    reader reads each version and tells its ranks at a step boundary, so both ranks adopt at the same step.
+    With a syncer of two shards the lead publishes each contribution as two fragments and reads each version
+    as two snapshots."""
+    run = _run(tmp_path, tiny_model_dir, "lag", 2, max_lag=1, adopt_when=adopt_when, shards=shards)
     final = _final(run)
     assert _held(run) == {digest(final)}
+    assert len(versions.read_version(run, ROUNDS).parts) == (shards if shards > 1 else 0)
     merged = [tuple(pair) for v in range(1, ROUNDS + 1) for pair in versions.read_version(run, v).merged]
     assert len(merged) == len(set(merged))  # nothing merged twice
     uploaded = run.get(f"{layout.FINAL}/model.safetensors")

@@ -28,6 +28,8 @@ from composer_serverless.rendezvous import checkpoint, layout
 from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous.codec import read_header
 from composer_serverless.rendezvous.latest import newest_version
+from composer_serverless.rendezvous.run_keys import key_path
+from composer_serverless.rendezvous.runkey import ENV, MAC_FIELD, RunKey
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_heartbeats
 from tests.composer_tasks import TINY_CHARS, composer
@@ -222,19 +224,40 @@ def test_the_composer_objective_one_version_ahead_ends_with_its_eval_rollouts_an
     assert set(final) - set(exported) <= {"lm_head.weight"}  # tied to the embeddings
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-syncer", "two-keyed-shards"])
 def test_lora_one_version_ahead_ends_with_its_eval_and_merged_export(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, sharded: bool
 ) -> None:
+    """Sharded: a syncer of two shards, the run authenticated (its key kept where the launcher keeps it): the
+    launcher starts both shards with the learners, the adapters are cut into two fragments, every object of a
+    contribution and every snapshot of a version carries a MAC, and the export reads the run with its key."""
+    keyed = {"authenticate": True} if sharded else {}
+    if sharded:
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+        monkeypatch.delenv(ENV, raising=False)
+    decoupled = {"max_lag": 1, "syncer_shards": 2 if sharded else 1}
     run, summary = launched(
-        lora_config(tmp_path, "lagged", tiny_model_dir, mode="decoupled", decoupled={"max_lag": 1})
+        lora_config(tmp_path, "lagged", tiny_model_dir, mode="decoupled", decoupled=decoupled, **keyed)
     )
     assert summary["rounds_committed"] == ROUNDS and summary["final_eval_loss"] is not None
+    record = versions.read_version(run, ROUNDS)
+    assert len(record.fragments) == len(record.parts) == (2 if sharded else 0)
+    if sharded:
+        for writer in record.parts:
+            name = layout.snapshot_file(layout.global_params(ROUNDS, writer), layout.SNAPSHOT_MANIFEST)
+            assert all(MAC_FIELD in entry for entry in json.loads(run.get(name))["files"].values())
+        fragments = [n for n in run.list(layout.contributions(0)) if "-" in n]
+        assert fragments and all(
+            MAC_FIELD in read_header(run.get(f"{layout.contributions(0)}/{n}"))[0]["__metadata__"]
+            for n in fragments
+        )
     out = tmp_path / "merged"
     with simulated():  # on a machine with a GPU, as lock-step's LoRA export
         export(run.url, out)
     assert_merged_export(out, tiny_model_dir, 12)
     # The exported adapters are the final version's.
-    final = versions.load_params(run, versions.read_version(run, ROUNDS), None)
+    key = RunKey.from_hex(key_path(run.url).read_text()).for_run("lagged") if sharded else None
+    final = versions.load_params(run, versions.read_version(run, ROUNDS), key)
     saved = load_file(out / "adapter" / "adapter_model.safetensors")
     # (peft saves them under the PeftModel's names, without the adapter's name "default")
     ours = {name.replace(".default.", "."): value for name, value in final.items()}
