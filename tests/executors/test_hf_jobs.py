@@ -226,21 +226,31 @@ def test_a_syncer_of_two_shards_on_hf_jobs_is_two_cpu_jobs_priced_together_and_a
         "restart) at $0.03/syncer-shard-hour (HF Jobs list price of cpu-upgrade)" in text
     )
 
-    launcher = cli_background(
+    # Until the learners train and both shards have beaten (each as its own rank), then cancelled
+    def started() -> bool:
+        return _training(client, "hf-shards", ranks=2) and _syncers(client, "hf-shards", (2, 3))
+
+    launched = cli_background(
         "launch", str(_decoupled(tmp_path, store, "hf-shards", rounds=300)), *shards, env=hf_env
     )
+    flavors = _cancelled_once(launched, started, fake_hf, f"{store}/hf-shards", hf_env, jobs=4)
+    assert flavors == {"0": "a10g-small", "1": "a10g-small", "2": "cpu-upgrade", "3": "cpu-upgrade"}
+
+
+def _cancelled_once(launcher, started, fake_hf, run_url, env, jobs):
+    """Wait until ``started()`` (the launcher still running), then ``cancel`` the run: its ``jobs`` jobs all
+    end CANCELED, their processes gone. Returns each rank's flavor as it ran."""
     try:
-        # Until the learners train and both shards have beaten (each as its own rank)
-        while not (_training(client, "hf-shards", ranks=2) and _syncers(client, "hf-shards", (2, 3))):
+        while not started():
             assert launcher.poll() is None, launcher.communicate()
             time.sleep(0.5)
         flavors = {job.spec["labels"]["rank"]: job.spec["flavor"] for job in fake_hf.jobs.values()}
-        assert flavors == {"0": "a10g-small", "1": "a10g-small", "2": "cpu-upgrade", "3": "cpu-upgrade"}
         assert all(job.proc.poll() is None for job in fake_hf.jobs.values())
-        cancel = cli("cancel", f"{store}/hf-shards", env=hf_env)
+        cancel = cli("cancel", run_url, env=env)
         assert cancel.returncode == 0, cancel.stderr
-        assert len(fake_hf.jobs) == 4 and all(job.stage[0] == "CANCELED" for job in fake_hf.jobs.values())
+        assert len(fake_hf.jobs) == jobs and all(job.stage[0] == "CANCELED" for job in fake_hf.jobs.values())
         assert all(job.proc.wait() != 0 for job in fake_hf.jobs.values())
+        return flavors
     finally:
         launcher.kill()
         launcher.communicate()
@@ -433,14 +443,8 @@ def test_a_decoupled_run_on_hf_jobs_runs_its_syncer_on_a_cpu_flavor_and_a_cancel
     # A long run, cancelled once its learners train: learners and syncer all end.
     fake_hf.reset()
     launcher = cli_background("launch", str(_decoupled(tmp_path, store, "hf-dc-cancel", 300)), env=hf_env)
-    try:
-        while not _training(client, "hf-dc-cancel", ranks=2):
-            assert launcher.poll() is None, launcher.communicate()
-            time.sleep(0.5)
-        cancel = cli("cancel", f"{store}/hf-dc-cancel", env=hf_env)
-        assert cancel.returncode == 0, cancel.stderr
-        assert len(fake_hf.jobs) == 3 and all(job.stage[0] == "CANCELED" for job in fake_hf.jobs.values())
-        assert all(job.proc.wait() != 0 for job in fake_hf.jobs.values())
-    finally:
-        launcher.kill()
-        launcher.communicate()
+
+    def training() -> bool:
+        return _training(client, "hf-dc-cancel", ranks=2)
+
+    _cancelled_once(launcher, training, fake_hf, f"{store}/hf-dc-cancel", hf_env, jobs=3)
