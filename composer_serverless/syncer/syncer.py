@@ -427,8 +427,9 @@ class Syncer:
         )
         if not self.run_store.create(layout.version(plan.version), record.to_json()):
             logger.info("version %d's record exists (another syncer's)", plan.version)
+            record = versions.read_version(self.run_store, plan.version)
         self.sync_s = self.clock() - started
-        self.record, self.newest = versions.read_version(self.run_store, plan.version), plan.version
+        self.record, self.newest = record, plan.version
         self._prune()
         logger.info(
             "committed version %d: %d contributions %s, dropped %d, grace %s s, in %.2fs",
