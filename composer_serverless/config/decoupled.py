@@ -33,7 +33,8 @@ class DecoupledConfig(StrictModel):
         lt=1,
         description="the adaptive grace window (Decoupled DiLoCo): once min_quorum contributions are in, "
         "wait grace_gamma * slack, slack = tau * t_step - (t_quorum + t_sync), the time the learners' next "
-        "inner steps hide beyond the quorum's wait and the syncer's last merge and commit (tau = sync_every "
+        "inner steps hide beyond the quorum's wait (from the first contribution in hand) and the syncer's last "
+        "merge and commit (tau = sync_every "
         "with max_lag >= 1; with max_lag 0 the learners wait for the merge, nothing is hidden, the window is "
         "0), bounded by grace_s. Below 1 so the wait stays inside the overlap; 0.5 keeps half of it as a "
         "margin for the estimates (t_step is the median of the quorum's contributions' seconds per step, "

@@ -32,7 +32,10 @@ comparable.
 
 **Grace**: after the quorum has arrived, wait ``min(bound, gamma * slack)`` for more, where
 ``slack = tau * t_step - (t_quorum + t_sync)`` is the time the overlap of ``tau`` inner steps hides beyond
-waiting for the quorum and the merge itself; never negative.
+waiting for the quorum and the merge itself; never negative. The overlap is the earliest contributor's: it
+published, trains its next ``tau`` steps meanwhile, and should find the merge done when it publishes again, so
+``t_quorum`` runs from the first contribution in hand, not from when the syncer began waiting (time with
+nothing to merge hides nothing and costs no one).
 """
 
 from __future__ import annotations
@@ -220,7 +223,7 @@ def grace_window(
     Args:
         tau: the inner steps a learner runs while its contribution is merged (the overlap).
         step_s: the time of one inner step.
-        quorum_s: the time the quorum took to arrive.
+        quorum_s: from the first contribution in hand to the quorum.
         sync_s: the time a merge and its broadcast take.
         gamma: the share of the slack to spend waiting, in [0, 1): below 1 so the wait stays hidden.
         bound_s: the longest wait whatever the slack (``math.inf``: none).

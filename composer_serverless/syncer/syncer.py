@@ -221,7 +221,10 @@ class Syncer:
 
     def _gather(self) -> Gathered:
         """Per learner, its unconsumed contributions, once the quorum and the grace window allow a merge."""
-        started = self.clock()
+        # When this merge's first contribution was in hand (the poll that saw it; at once for one that came
+        # during the previous merge). Its learner has trained on since it published: that overlap, not the
+        # time since this wait began (spent with nothing to merge), is what the quorum and the window use up.
+        first: float | None = None
         grace: float | None = None  # once the quorum is in (math.inf: wait for every learner)
         deadline = math.inf
         self._beat("waiting")
@@ -230,9 +233,11 @@ class Syncer:
             if len(waiting) == self.learners:
                 return Gathered(waiting, grace if grace is not None and math.isfinite(grace) else None)
             now = self.clock()
-            if len(waiting) >= self.quorum:
+            if waiting and first is None:
+                first = now
+            if first is not None and len(waiting) >= self.quorum:  # a quorum is at least one learner
                 if grace is None:  # the quorum is in: the window starts
-                    grace = self._grace(waiting, quorum_s=now - started)
+                    grace = self._grace(waiting, quorum_s=now - first)
                     deadline = now + grace
                 if now >= deadline:
                     return Gathered(waiting, grace)
@@ -241,8 +246,8 @@ class Syncer:
     def _grace(self, waiting: dict[int, list[int]], quorum_s: float) -> float:
         """How long to wait for the learners missing from the quorum (``math.inf``: for every one of them):
         ``grace_s``, or with ``grace_gamma`` the adaptive window (``merge.grace_window``) from the median seconds
-        per step of the contributions in hand, ``quorum_s`` (the wait for the quorum) and this syncer's last
-        merge's time. Without a known step time (headers written before they carried one) the fixed rule."""
+        per step of the contributions in hand, ``quorum_s`` (from the first contribution in hand to the quorum)
+        and this syncer's last merge's time. Without a known step time (headers written before they carried one) the fixed rule."""
         dl = self.config.diloco
         dc = dl.decoupled
         bound = math.inf if dc.grace_s is None else dc.grace_s

@@ -310,12 +310,15 @@ def timed_syncer(tmp_path: Path, **decoupled: object) -> tuple[ObjectStore, Sync
 def test_the_adaptive_grace_waits_gamma_times_the_slack_the_overlap_hides(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """tau = sync_every = 4 (max_lag 1), gamma 0.5, no grace_s bound. Version 1: learners 0 (8 s for 4 steps)
-    and 2 (12 s) arrive at 1 s and 2 s: the quorum took 2 s, no merge yet (t_sync 0), the median step 2.5 s:
-    grace = 0.5 * (4 * 2.5 - 2) = 4 s, so it merges at 6 s without learner 1, who comes at 7 s. Its commit
-    takes 1.5 s on the syncer's clock. Version 2: learner 1 (16 s) and learner 0's second (8 s) make the
-    quorum at 9 s, 1.5 s after the wait began: grace = 0.5 * (4 * median(4, 2) - 1.5 - 1.5) = 4.5 s, and
-    learner 2's second, at 12 s, is in time: every learner's is in, it merges at once."""
+    """tau = sync_every = 4 (max_lag 1), gamma 0.5, no grace_s bound. t_quorum runs from the first
+    contribution in hand, whose learner has trained on since, not from when the syncer began waiting.
+    Version 1: learners 0 (8 s for 4 steps) and 2 (12 s) arrive at 1 s and 2 s, after a second of waiting
+    for nothing: the quorum took 1 s, no merge yet (t_sync 0), the median step 2.5 s:
+    grace = 0.5 * (4 * 2.5 - 1) = 4.5 s, so it merges at 6.5 s without learner 1, who comes at 7 s, during
+    the merge, whose commit takes 1.5 s on the syncer's clock. Version 2: the wait begins at 8 s; learner 1's
+    (16 s) is first seen at the poll of 8.5 s and learner 0's second (8 s) makes the quorum at 9 s, 0.5 s
+    later: grace = 0.5 * (4 * median(4, 2) - 0.5 - 1.5) = 5 s, and learner 2's second, at 12 s, is in time:
+    every learner's is in, it merges at once."""
     run, syncer, time = timed_syncer(tmp_path, min_quorum=2, max_lag=1, grace_gamma=0.5)
     commit = versions.commit
 
@@ -331,17 +334,17 @@ def test_the_adaptive_grace_waits_gamma_times_the_slack_the_overlap_hides(
     time.at(12.0, lambda: send(run, 2, 1, [1.0, 1.0, 1.0], base=1, seconds=8.0))
 
     gathered = syncer._gather()
-    assert (time.now, gathered.grace_s, gathered.taken) == (6.0, 4.0, {0: [0], 2: [0]})
+    assert (time.now, gathered.grace_s, gathered.taken) == (6.5, 4.5, {0: [0], 2: [0]})
     syncer._merge(gathered)
-    assert (time.now, syncer.sync_s) == (7.5, 1.5)
+    assert (time.now, syncer.sync_s) == (8.0, 1.5)
     first = versions.read_version(run, 1)
-    assert (first.grace_s, first.merged) == (4.0, [[0, 0], [2, 0]])
+    assert (first.grace_s, first.merged) == (4.5, [[0, 0], [2, 0]])
 
     gathered = syncer._gather()
-    assert (time.now, gathered.grace_s) == (12.0, 4.5)
+    assert (time.now, gathered.grace_s) == (12.0, 5.0)
     syncer._merge(gathered)
     second = versions.read_version(run, 2)
-    assert (second.grace_s, second.merged) == (4.5, [[0, 1], [1, 0], [2, 1]])
+    assert (second.grace_s, second.merged) == (5.0, [[0, 1], [1, 0], [2, 1]])
 
 
 @pytest.mark.parametrize(
@@ -349,7 +352,7 @@ def test_the_adaptive_grace_waits_gamma_times_the_slack_the_overlap_hides(
     [
         # grace_gamma unset: today's fixed window, grace_s after the quorum (at 2 s)
         ({"grace_gamma": None, "grace_s": 3.0, "max_lag": 1}, 8.0, 5.0, 3.0),
-        # the adaptive window 0.5 * (4 * 2 - 2) = 3 s, bounded by grace_s
+        # the adaptive window 0.5 * (4 * 2 - 1) = 3.5 s (the quorum 1 s after the first), bounded by grace_s
         ({"grace_s": 1.0, "max_lag": 1}, 8.0, 3.0, 1.0),
         # max_lag 0: the learners wait for this merge, nothing is hidden (tau = 0): no wait at all
         ({"max_lag": 0}, 8.0, 2.0, 0.0),
