@@ -90,6 +90,10 @@ class DecoupledLearner(Replica):
         self.token_rows = [name for name, p in self.params.items() if id(p) in marked]
         # With a sharded syncer: the fragments its contributions are cut into (version 0's record names them)
         self.fragments: list[list[str]] = []
+        # The inner steps of the round in progress (round_from = "merge": sync_every from the adoption of the
+        # version that merged its contributions, the contribution whose merge that was, self.seq then)
+        self.round_steps = self.config.diloco.sync_every
+        self.aligned = 0
 
     @property
     def completed_rounds(self) -> int:
@@ -116,11 +120,12 @@ class DecoupledLearner(Replica):
             while record.version < dl.rounds:
                 self.meter.reset()
                 self.discarded = 0
-                while self.meter.steps < dl.sync_every and self.version < dl.rounds:
+                self.round_steps = dl.sync_every
+                while self.meter.steps < self.round_steps and self.version < dl.rounds:
                     self._inner_step()
                     # not after the round's last step: its publish follows, then the look below (an
                     # overwrite there would leave the contribution no step)
-                    if arrival and self.meter.steps < dl.sync_every:
+                    if arrival and self.meter.steps < self.round_steps:
                         self._adopt_arrived(reader, at_step=self.meter.steps)
                 if self.version >= dl.rounds:  # the last version arrived mid-round: nothing to train for
                     record = store_versions.read_version(self.run_store, self.version)
@@ -445,6 +450,7 @@ class DecoupledLearner(Replica):
         self.base = self.sent_to = shards
         self.nonfinite = 0
         self._follow_global(record.version)
+        self._align(record, at_step)
         if was < 0:
             return
         # A row per version adopted (the trackers' rounds are versions): the rounds trained since the last
@@ -468,6 +474,25 @@ class DecoupledLearner(Replica):
         self.reporter.round(record.version, row)
         self.sent = []
         self.log.info("adopted global version %d (held %d)", record.version, was)
+
+    def _align(self, record: Version, at_step: int) -> None:
+        """With ``round_from = "merge"``: at the first adoption of a version that merged every contribution
+        this learner has published, its round runs ``sync_every`` more steps from here (``at_step``), the
+        steps before riding with its next contribution.
+
+        Without it each learner keeps the phase its start gave it: learners that publish early wait for the
+        grace window that takes the late ones and adopt each version half a round after publishing, so a third
+        of their steps were computed on the global before (measured, ``docs/RESULTS.md`` section 27). Counting
+        from the merge puts every learner's next publish one round after the same merge, as lock-step's
+        replicas start each round from it, but without waiting: nobody idles, and a contribution carries
+        ``sync_every`` steps plus those trained while its predecessor was merged (fewer than ``sync_every``:
+        once per contribution, so a slow learner, whose contributions every version does not take, is not
+        held back by the others' merges)."""
+        if self.config.diloco.decoupled.round_from != "merge" or self.aligned == self.seq:
+            return
+        if record.consumed.get(self.rank, 0) >= self.seq:
+            self.aligned = self.seq
+            self.round_steps = at_step + self.config.diloco.sync_every
 
     def _finish(self, record: Version) -> None:
         """The run's last version is held: the lowest-rank learner merged into it scores it and uploads it."""
