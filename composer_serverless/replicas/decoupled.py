@@ -241,17 +241,20 @@ class DecoupledLearner(Replica):
         )
 
     def _follow_global(self, version: int) -> None:
-        """Move the inner learning-rate schedule up to global version ``version``'s place (``version`` x H
-        steps done, where a learner that starts at that version is placed) if it is behind it.
+        """Place the inner learning-rate schedule at global version ``version``'s place, ``version`` x H
+        steps done (where a learner that starts at that version is placed), at every adoption and restart.
 
-        ``diloco.rounds`` counts versions and the schedule spans rounds x H inner steps, but with a quorum
-        below every learner each version merges fewer than N contributions, so each learner trains fewer than
-        ``rounds`` rounds: a schedule that followed its own steps alone would end the run part-way down its
-        decay (the cosine at half its course with a quorum of 2 of 4), far from where lock-step's ends at
-        the same tokens (measured, ``docs/RESULTS.md``). Following the global keeps the schedule on the
-        run's progress, also for a learner that restarts or joins late. With ``max_lag = 0`` and every
-        learner in each merge it is at that place already (lock-step's schedule, bit for bit)."""
-        if self.schedule.last_epoch < version * self.config.diloco.sync_every:
+        ``diloco.rounds`` counts versions and the schedule spans rounds x H inner steps, but a learner's own
+        steps do not follow the versions: with a quorum below every learner each version merges fewer than N
+        contributions, so each learner trains fewer rounds than there are versions (a schedule that followed
+        its own steps would end the run part-way down its decay: the cosine at half its course with a quorum
+        of 2 of 4, measured, ``docs/RESULTS.md`` section 25); and with ``round_from = "merge"`` each of its
+        rounds is H steps plus those trained while its previous contribution was merged, so its own steps
+        run ahead and its schedule would end versions before the run (section 27). Following the global keeps
+        the schedule on the run's progress, ending with its last version, also for a learner that restarts or
+        joins late; a learner ahead goes back by the few steps of its merge's latency. With ``max_lag = 0``
+        and every learner in each merge it is at that place already (lock-step's schedule, bit for bit)."""
+        if self.schedule.last_epoch != version * self.config.diloco.sync_every:
             self.schedule = self._schedule_at(version)
 
     def _save_own(self) -> int:

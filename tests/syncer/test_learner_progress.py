@@ -260,7 +260,8 @@ def test_the_schedule_follows_the_global_it_adopts(learner: DecoupledLearner) ->
     """``rounds`` counts versions: a learner that adopts version 3 after one round of its own is placed at
     3 x H inner steps of the schedule, where a learner starting at version 3 is (with a quorum below N it
     trains fewer rounds than there are versions, and its cosine would otherwise end part-way); one whose own
-    steps are ahead of the version it adopts stays where it is."""
+    steps are ahead of the version it adopts goes back to its place (its rounds counted from the merges run
+    longer than H, and its cosine would otherwise end versions before the run)."""
     train_round(learner)
     learner._publish()
     assert learner.schedule.last_epoch == H
@@ -277,6 +278,56 @@ def test_the_schedule_follows_the_global_it_adopts(learner: DecoupledLearner) ->
     for _ in range(3):  # its own steps now run ahead of version 4's place
         train_round(learner)
     learner._publish()
+    assert learner.schedule.last_epoch == 6 * H
     record = versions.read_version(run, 4)
     learner._adopt(record, versions.load_params(run, record, None))
-    assert learner.schedule.last_epoch == 6 * H
+    assert learner.schedule.last_epoch == 4 * H
+
+
+def adopt_version(learner: DecoupledLearner, v: int, consumed: int, at_step: int) -> None:
+    """Adopt hand-made version ``v`` (version 0 plus 0.01 v), whose merges consumed learner 0's contributions
+    before ``consumed``, at inner step ``at_step``."""
+    run = learner.run_store
+    g = {name: t + 0.01 * v for name, t in learner.base.items()}
+    record = Version(v, "hand-made", consumed={0: consumed}, merged=[[0, consumed - 1]])
+    assert versions.commit(run, record, g, None, None)
+    record = versions.read_version(run, v)
+    learner._adopt(record, versions.load_params(run, record, None), at_step)
+
+
+@pytest.mark.parametrize("learner", ["keep"], indirect=True)
+@pytest.mark.parametrize("round_from", ["merge", "publish"])
+def test_a_round_counts_from_the_merge_of_the_previous_contribution(
+    learner: DecoupledLearner, round_from: str
+) -> None:
+    """With ``round_from = "merge"`` the round in progress runs H steps from the adoption of the first version
+    that merged every contribution the learner published (here at step 1: H + 1 steps), once per
+    contribution: a later version of other learners' contributions changes nothing, nor does one that merged
+    only an older contribution. With ``"publish"`` every round is H steps."""
+    dl = learner.config.diloco
+    decoupled = dl.decoupled.model_copy(update={"round_from": round_from})
+    learner.config = learner.config.model_copy(
+        update={"diloco": dl.model_copy(update={"decoupled": decoupled})}
+    )
+    merge = round_from == "merge"
+    train_round(learner)
+    learner._publish()  # contribution 0
+    learner.meter.reset()
+    learner.round_steps = H  # as the learner's loop sets it at each round's start
+    learner._inner_step()
+    adopt_version(learner, 1, consumed=1, at_step=1)  # merged contribution 0
+    assert learner.round_steps == (1 + H if merge else H)
+    learner._inner_step()
+    adopt_version(learner, 2, consumed=1, at_step=2)  # others' contributions only: already counted
+    assert learner.round_steps == (1 + H if merge else H)
+    while learner.meter.steps < learner.round_steps:
+        learner._inner_step()
+    learner._publish()  # contribution 1: the step before version 1 and the round after it
+    assert learner.sent[-1]["steps"] == (1 + H if merge else H)
+    learner.meter.reset()
+    learner.round_steps = H
+    learner._inner_step()
+    adopt_version(learner, 3, consumed=1, at_step=1)  # not contribution 1: its merge is still to come
+    assert learner.round_steps == H
+    adopt_version(learner, 4, consumed=2, at_step=1)
+    assert learner.round_steps == (1 + H if merge else H)
