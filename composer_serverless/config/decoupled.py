@@ -75,14 +75,14 @@ class DecoupledConfig(StrictModel):
         "at equal tokens with no faults (docs/decoupled.md). With max_lag = 0 a learner waits for its own "
         "merge after each publish and adopts there either way",
     )
-    round_from: Literal["merge", "publish"] = Field(
-        "merge",
-        description="where a learner's round of sync_every inner steps starts, with adopt_when = 'arrival': "
-        "'merge', at its adoption of the version that merged its previous contribution (the steps it trained "
-        "meanwhile ride with the next contribution), so every learner's rounds follow the merges, as "
-        "lock-step's replicas' follow the rounds, without waiting for them; 'publish', at its previous "
-        "publish, so each learner keeps the phase it started with and a learner that publishes early waits "
-        "longest for the merge that takes the late ones (measured: docs/decoupled.md)",
+    align: bool = Field(
+        True,
+        description="keep the learners' rounds in step, as lock-step's are, without anyone waiting: a learner "
+        "whose contribution the syncer held waiting for later ones (the version's held_s) lengthens the round "
+        "in progress by that many seconds of its inner steps, so its next contribution arrives with theirs. "
+        "Without it each learner keeps the phase its start gave it, and one that publishes early adopts "
+        "every version late, a part of each round computed on the global before (measured: "
+        "docs/decoupled.md)",
     )
     weighting: Literal["tokens", "equal"] = Field(
         "tokens",

@@ -131,6 +131,10 @@ class Version:
     # With a sharded syncer: each fragment's snapshots' writer, in fragment order; empty: ``writer``'s hold the
     # whole global (version 0, and every version of an unsharded syncer).
     parts: list[str] = field(default_factory=list)
+    # Per learner merged, how long the syncer held its contribution waiting for the merge's last one (seconds
+    # between the polls that first saw each; 0 for the last): how far ahead of the others it publishes, which
+    # it makes up by lengthening its round (diloco.decoupled.align).
+    held_s: dict[int, float] = field(default_factory=dict)
 
     @property
     def writers(self) -> list[str]:
@@ -150,6 +154,7 @@ class Version:
             "token_rows": self.token_rows,
             "fragments": self.fragments,
             "parts": self.parts,
+            "held_s": {str(k): v for k, v in self.held_s.items()},
         }
         return json.dumps(record).encode()
 
@@ -168,6 +173,7 @@ class Version:
             token_rows=[str(name) for name in data.get("token_rows", [])],
             fragments=[[str(name) for name in group] for group in data.get("fragments", [])],
             parts=[str(writer) for writer in data.get("parts", [])],
+            held_s={int(k): float(v) for k, v in data.get("held_s", {}).items()},
         )
 
 
@@ -181,10 +187,16 @@ class Plan:
     parent: int
     taken: dict[int, list[int]]
     grace_s: float | None = None
+    held_s: dict[int, float] = field(default_factory=dict)  # as ``Version.held_s``
 
     def to_json(self) -> bytes:
-        taken = {str(k): v for k, v in self.taken.items()}
-        record = {"version": self.version, "parent": self.parent, "taken": taken, "grace_s": self.grace_s}
+        record = {
+            "version": self.version,
+            "parent": self.parent,
+            "taken": {str(k): v for k, v in self.taken.items()},
+            "grace_s": self.grace_s,
+            "held_s": {str(k): v for k, v in self.held_s.items()},
+        }
         return json.dumps(record).encode()
 
     @classmethod
@@ -195,6 +207,7 @@ class Plan:
             parent=int(data["parent"]),
             taken={int(k): [int(s) for s in v] for k, v in data["taken"].items()},
             grace_s=None if data.get("grace_s") is None else float(data["grace_s"]),
+            held_s={int(k): float(v) for k, v in data.get("held_s", {}).items()},
         )
 
 

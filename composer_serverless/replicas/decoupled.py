@@ -2,8 +2,8 @@
 
 It runs the lock-step replica's inner step (``trainer.Replica._inner_step``: the objective, the inner
 optimizer and its schedule, the discarded non-finite steps), but no DiLoCo wraps the optimizer. After every
-``sync_every`` inner steps (with ``round_from = "merge"`` counted from its adoption of the version that merged
-its previous contribution: ``_align``) it publishes its contribution, its progress not sent yet: the
+``sync_every`` inner steps (lengthened once by the time the syncer held its previous contribution waiting
+for the others', ``_align``) it publishes its contribution, its progress not sent yet: the
 parameters its last contribution or its last adoption left it at, whichever is later, minus its local
 parameters (``rendezvous/decoupled.py``), with the version of the global it holds and its tokens and steps, and goes on.
 So each inner step's progress is sent exactly once: a learner ``max_lag`` ahead that finds no newer global
@@ -91,10 +91,11 @@ class DecoupledLearner(Replica):
         self.token_rows = [name for name, p in self.params.items() if id(p) in marked]
         # With a sharded syncer: the fragments its contributions are cut into (version 0's record names them)
         self.fragments: list[list[str]] = []
-        # The inner steps of the round in progress (round_from = "merge": sync_every from the adoption of the
-        # version that merged its contributions, the contribution whose merge that was, self.seq then)
+        # The inner steps of the round in progress (sync_every, lengthened by ``_align``), the contribution
+        # whose merge lengthened one last (``self.seq`` then), and its latest seconds per inner step
         self.round_steps = self.config.diloco.sync_every
         self.aligned = 0
+        self.step_s: float | None = None
 
     @property
     def completed_rounds(self) -> int:
@@ -249,12 +250,11 @@ class DecoupledLearner(Replica):
         steps do not follow the versions: with a quorum below every learner each version merges fewer than N
         contributions, so each learner trains fewer rounds than there are versions (a schedule that followed
         its own steps would end the run part-way down its decay: the cosine at half its course with a quorum
-        of 2 of 4, measured, ``docs/RESULTS.md`` section 25); and with ``round_from = "merge"`` each of its
-        rounds is H steps plus those trained while its previous contribution was merged, so its own steps
-        run ahead and its schedule would end versions before the run (section 27). Following the global keeps
-        the schedule on the run's progress, ending with its last version, also for a learner that restarts or
-        joins late; a learner ahead goes back by the few steps of its merge's latency. With ``max_lag = 0``
-        and every learner in each merge it is at that place already (lock-step's schedule, bit for bit)."""
+        of 2 of 4, measured, ``docs/RESULTS.md`` section 25); and a learner that lengthened rounds to keep in
+        step with the others (``_align``) runs a few steps ahead of its version's place. Following the
+        global keeps the schedule on the run's progress, ending with its last version, also for a learner
+        that restarts or joins late; a learner ahead goes back those few steps. With ``max_lag = 0`` and every
+        learner in each merge it is at that place already (lock-step's schedule, bit for bit)."""
         if self.schedule.last_epoch != version * self.config.diloco.sync_every:
             self.schedule = self._schedule_at(version)
 
@@ -303,6 +303,7 @@ class DecoupledLearner(Replica):
         tokens = sum(int(trained_tokens(m) or 0) for m in self.meter.metrics[self.discarded :])
         # the time those steps took, for the syncer's grace window (the lead's clock: its ranks step together)
         seconds = sum(s["time_s"]["step"] for s in row["step_rows"][self.discarded :])
+        self.step_s = seconds / steps if steps else self.step_s
         if node.size > 1:  # each rank trained on its share of the learner's batch
             loss = row["train_loss"]
             row["train_loss"] = None if loss is None else node.sum([loss])[0] / node.size
@@ -480,23 +481,28 @@ class DecoupledLearner(Replica):
         self.log.info("adopted global version %d (held %d)", record.version, was)
 
     def _align(self, record: Version, at_step: int) -> None:
-        """With ``round_from = "merge"``: at the first adoption of a version that merged every contribution
-        this learner has published, its round runs ``sync_every`` more steps from here (``at_step``), the
-        steps before riding with its next contribution.
+        """With ``diloco.decoupled.align``: at the first version that merged every contribution this learner
+        has published, lengthen the round in progress by the inner steps of the time the syncer held its
+        contribution waiting for the merge's last one (``record.held_s``), so that its next contribution
+        arrives with the others'.
 
-        Without it each learner keeps the phase its start gave it: learners that publish early wait for the
-        grace window that takes the late ones and adopt each version half a round after publishing, so a third
-        of their steps were computed on the global before (measured, ``docs/RESULTS.md`` section 27). Counting
-        from the merge puts every learner's next publish one round after the same merge, as lock-step's
-        replicas start each round from it, but without waiting: nobody idles, and a contribution carries
-        ``sync_every`` steps plus those trained while its predecessor was merged (fewer than ``sync_every``:
-        once per contribution, so a slow learner, whose contributions every version does not take, is not
-        held back by the others' merges)."""
-        if self.config.diloco.decoupled.round_from != "merge" or self.aligned == self.seq:
+        Without it each learner keeps the phase its start gave it: the grace window waits for the late ones,
+        and a learner that publishes early adopts each version later in its next round, those steps computed
+        on the global before (measured, ``docs/RESULTS.md`` section 27). Lengthened once per contribution and
+        by less than a round, a learner never waits and a slow one is not held back; the learner that came
+        last (held 0) keeps its pace, so the rounds stay ``sync_every`` steps long once in step. A learner of
+        several ranks lengthens by its lead's count, broadcast (its ranks' step times differ a little)."""
+        if not self.config.diloco.decoupled.align or self.aligned == self.seq:
             return
-        if record.consumed.get(self.rank, 0) >= self.seq:
-            self.aligned = self.seq
-            self.round_steps = at_step + self.config.diloco.sync_every
+        if record.consumed.get(self.rank, 0) < self.seq:
+            return
+        self.aligned = self.seq
+        held, sync_every = record.held_s.get(self.rank, 0.0), self.config.diloco.sync_every
+        extra = min(round(held / self.step_s), sync_every - 1) if self.step_s else 0
+        extra = self.node.broadcast(extra)  # the lead's: its ranks' step times differ a little
+        if extra:
+            self.round_steps = sync_every + extra
+            self.log.debug("%.2fs ahead of the others: %d inner steps this round", held, self.round_steps)
 
     def _finish(self, record: Version) -> None:
         """The run's last version is held: the lowest-rank learner merged into it scores it and uploads it."""

@@ -96,6 +96,7 @@ class Gathered(NamedTuple):
 
     taken: dict[int, list[int]]
     grace_s: float | None = None
+    held_s: dict[int, float] = {}  # per learner taken, how long its contribution waited for the last one's
 
 
 class Syncer:
@@ -225,14 +226,19 @@ class Syncer:
         # during the previous merge). Its learner has trained on since it published: that overlap, not the
         # time since this wait began (spent with nothing to merge), is what the quorum and the window use up.
         first: float | None = None
+        seen: dict[tuple[int, int], float] = {}  # (learner, newest seq) -> the poll that first saw it
         grace: float | None = None  # once the quorum is in (math.inf: wait for every learner)
         deadline = math.inf
         self._beat("waiting")
         while True:
             waiting = versions.waiting(self.run_store, self.learners, self.record.consumed)
-            if len(waiting) == self.learners:
-                return Gathered(waiting, grace if grace is not None and math.isfinite(grace) else None)
             now = self.clock()
+            for learner, seqs in waiting.items():
+                seen.setdefault((learner, max(seqs)), now)
+            if len(waiting) == self.learners:
+                return self._gathered(
+                    waiting, grace if grace is not None and math.isfinite(grace) else None, seen
+                )
             if waiting and first is None:
                 first = now
             if first is not None and len(waiting) >= self.quorum:  # a quorum is at least one learner
@@ -240,8 +246,18 @@ class Syncer:
                     grace = self._grace(waiting, quorum_s=now - first)
                     deadline = now + grace
                 if now >= deadline:
-                    return Gathered(waiting, grace)
+                    return self._gathered(waiting, grace, seen)
             self.sleep(self.config.diloco.decoupled.poll_s)
+
+    @staticmethod
+    def _gathered(
+        waiting: dict[int, list[int]], grace: float | None, seen: dict[tuple[int, int], float]
+    ) -> Gathered:
+        """What the merge takes, with how long each learner's newest contribution in it waited for the last
+        one seen (``Version.held_s``: a learner ahead of the others lengthens its round by that much)."""
+        arrived = {learner: seen[(learner, max(seqs))] for learner, seqs in waiting.items()}
+        last = max(arrived.values())
+        return Gathered(waiting, grace, {learner: last - t for learner, t in sorted(arrived.items())})
 
     def _grace(self, waiting: dict[int, list[int]], quorum_s: float) -> float:
         """How long to wait for the learners missing from the quorum (``math.inf``: for every one of them):
@@ -367,6 +383,7 @@ class Syncer:
             parent=self.record.version,
             grace_s=gathered.grace_s,
             token_rows=self.record.token_rows,
+            held_s=gathered.held_s,
         )
         outer = self.outer.state_dict() if self.outer is not None else None
         committed = versions.commit(self.run_store, record, self.params, outer, self.key)
@@ -405,7 +422,7 @@ class Syncer:
             return plan
         gathered = self._gather()
         return versions.create_plan(
-            self.run_store, Plan(v, self.record.version, gathered.taken, gathered.grace_s)
+            self.run_store, Plan(v, self.record.version, gathered.taken, gathered.grace_s, gathered.held_s)
         )
 
     def _merge_plan(self, plan: Plan) -> None:
@@ -429,6 +446,7 @@ class Syncer:
             token_rows=self.record.token_rows,
             fragments=self.record.fragments,
             parts=[p.writer for p in parts],
+            held_s=plan.held_s,
         )
         if not self.run_store.create(layout.version(plan.version), record.to_json()):
             logger.info("version %d's record exists (another syncer's)", plan.version)

@@ -284,50 +284,64 @@ def test_the_schedule_follows_the_global_it_adopts(learner: DecoupledLearner) ->
     assert learner.schedule.last_epoch == 4 * H
 
 
-def adopt_version(learner: DecoupledLearner, v: int, consumed: int, at_step: int) -> None:
+def adopt_version(
+    learner: DecoupledLearner, v: int, consumed: int, at_step: int, held_s: float | None = None
+) -> None:
     """Adopt hand-made version ``v`` (version 0 plus 0.01 v), whose merges consumed learner 0's contributions
-    before ``consumed``, at inner step ``at_step``."""
+    before ``consumed``, at inner step ``at_step``; ``held_s``: how long the syncer held its contribution
+    waiting for the merge's last one."""
     run = learner.run_store
     g = {name: t + 0.01 * v for name, t in learner.base.items()}
-    record = Version(v, "hand-made", consumed={0: consumed}, merged=[[0, consumed - 1]])
+    held = {} if held_s is None else {0: held_s, 1: 0.0}
+    record = Version(v, "hand-made", consumed={0: consumed}, merged=[[0, consumed - 1]], held_s=held)
     assert versions.commit(run, record, g, None, None)
     record = versions.read_version(run, v)
     learner._adopt(record, versions.load_params(run, record, None), at_step)
 
 
 @pytest.mark.parametrize("learner", ["keep"], indirect=True)
-@pytest.mark.parametrize("round_from", ["merge", "publish"])
-def test_a_round_counts_from_the_merge_of_the_previous_contribution(
-    learner: DecoupledLearner, round_from: str
+@pytest.mark.parametrize("align", [True, False])
+def test_a_learner_ahead_of_the_others_lengthens_its_round_by_the_time_it_was_held(
+    learner: DecoupledLearner, align: bool
 ) -> None:
-    """With ``round_from = "merge"`` the round in progress runs H steps from the adoption of the first version
-    that merged every contribution the learner published (here at step 1: H + 1 steps), once per
-    contribution: a later version of other learners' contributions changes nothing, nor does one that merged
-    only an older contribution. With ``"publish"`` every round is H steps."""
+    """Its steps take 0.5 s (the header's seconds per step, set here for round numbers); version 1 merged its
+    contribution 0 after holding it 0.6 s for the last learner's: with ``align`` the round in progress runs
+    round(0.6 / 0.5) = 1 step more (H + 1), once per contribution: a later version that merged it too changes
+    nothing, nor does one that merged only an older contribution, and a hold of under half a step (it came
+    about last) leaves the round at H. A hold of more than a round lengthens it by H - 1 at most (a minute's
+    hold: H + 1 here, not 120 steps more). Without ``align`` every round is H steps."""
     dl = learner.config.diloco
-    decoupled = dl.decoupled.model_copy(update={"round_from": round_from})
+    decoupled = dl.decoupled.model_copy(update={"align": align})
     learner.config = learner.config.model_copy(
         update={"diloco": dl.model_copy(update={"decoupled": decoupled})}
     )
-    merge = round_from == "merge"
+    lengthened = H + 1 if align else H
     train_round(learner)
     learner._publish()  # contribution 0
+    learner.step_s = 0.5
     learner.meter.reset()
     learner.round_steps = H  # as the learner's loop sets it at each round's start
     learner._inner_step()
-    adopt_version(learner, 1, consumed=1, at_step=1)  # merged contribution 0
-    assert learner.round_steps == (1 + H if merge else H)
-    learner._inner_step()
-    adopt_version(learner, 2, consumed=1, at_step=2)  # others' contributions only: already counted
-    assert learner.round_steps == (1 + H if merge else H)
+    adopt_version(learner, 1, consumed=1, at_step=1, held_s=0.6)
+    assert learner.round_steps == lengthened
+    adopt_version(learner, 2, consumed=1, at_step=1, held_s=2.0)  # merged it too: already counted
+    assert learner.round_steps == lengthened
     while learner.meter.steps < learner.round_steps:
         learner._inner_step()
-    learner._publish()  # contribution 1: the step before version 1 and the round after it
-    assert learner.sent[-1]["steps"] == (1 + H if merge else H)
+    learner._publish()  # contribution 1, the steps of the longer round
+    assert learner.sent[-1]["steps"] == lengthened
+    learner.step_s = 0.5
     learner.meter.reset()
     learner.round_steps = H
     learner._inner_step()
-    adopt_version(learner, 3, consumed=1, at_step=1)  # not contribution 1: its merge is still to come
+    adopt_version(learner, 3, consumed=1, at_step=1, held_s=2.0)  # contribution 1 is not merged yet
     assert learner.round_steps == H
-    adopt_version(learner, 4, consumed=2, at_step=1)
-    assert learner.round_steps == (1 + H if merge else H)
+    adopt_version(learner, 4, consumed=2, at_step=1, held_s=0.2)  # about last: its pace is the others'
+    assert learner.round_steps == H
+    while learner.meter.steps < learner.round_steps:
+        learner._inner_step()
+    learner._publish()  # contribution 2
+    learner.step_s = 0.5
+    learner.round_steps = H
+    adopt_version(learner, 5, consumed=3, at_step=1, held_s=60.0)
+    assert learner.round_steps == (2 * H - 1 if align else H)

@@ -318,7 +318,9 @@ def test_the_adaptive_grace_waits_gamma_times_the_slack_the_overlap_hides(
     the merge, whose commit takes 1.5 s on the syncer's clock. Version 2: the wait begins at 8 s; learner 1's
     (16 s) is first seen at the poll of 8.5 s and learner 0's second (8 s) makes the quorum at 9 s, 0.5 s
     later: grace = 0.5 * (4 * median(4, 2) - 0.5 - 1.5) = 5 s, and learner 2's second, at 12 s, is in time:
-    every learner's is in, it merges at once."""
+    every learner's is in, it merges at once. Each record says how long the syncer held each learner's
+    contribution waiting for the last one it took (``held_s``, which the learners that came early make up).
+    """
     run, syncer, time = timed_syncer(tmp_path, min_quorum=2, max_lag=1, grace_gamma=0.5)
     commit = versions.commit
 
@@ -339,12 +341,15 @@ def test_the_adaptive_grace_waits_gamma_times_the_slack_the_overlap_hides(
     assert (time.now, syncer.sync_s) == (8.0, 1.5)
     first = versions.read_version(run, 1)
     assert (first.grace_s, first.merged) == (4.5, [[0, 0], [2, 0]])
+    # how long each learner's contribution waited for the last one taken: learner 0's 1 s ahead of 2's
+    assert first.held_s == {0: 1.0, 2: 0.0}
 
     gathered = syncer._gather()
     assert (time.now, gathered.grace_s) == (12.0, 5.0)
     syncer._merge(gathered)
     second = versions.read_version(run, 2)
     assert (second.grace_s, second.merged) == (5.0, [[0, 1], [1, 0], [2, 1]])
+    assert second.held_s == {0: 3.0, 1: 3.5, 2: 0.0}  # seen at 9 s, 8.5 s and 12 s
 
 
 @pytest.mark.parametrize(
