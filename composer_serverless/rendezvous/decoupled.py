@@ -12,8 +12,9 @@
   loads; then the record ``layout.version(v)``, created once. The record names the snapshots' writer and
   says what the merge took: ``consumed`` (per learner, the next sequence number not yet taken, so a
   contribution is merged at most once whichever syncer resumes), which contributions it merged or
-  dropped, and the grace window the syncer gave the learners missing from its quorum (``grace_s``; a
-  record written before the field existed has none, and a reader of that time ignores it). Whoever loses
+  dropped, the grace window the syncer gave the learners missing from its quorum (``grace_s``) and how long
+  it held each merged learner's contribution waiting for the last one (``held_s``; a record written before
+  either field existed has none, and a reader of that time ignores them). Whoever loses
   the creation of a record wrote its snapshots under its own name and discards them.
   It also names its ``parent``, the version whose global the merge stepped from: the one before it, but after
   a rollback (``newest_intact``) the newest intact one.
