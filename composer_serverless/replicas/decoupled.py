@@ -3,9 +3,9 @@
 It runs the lock-step replica's inner step (``trainer.Replica._inner_step``: the objective, the inner
 optimizer and its schedule, the discarded non-finite steps), but no DiLoCo wraps the optimizer. After every
 ``sync_every`` inner steps (lengthened once by the time the syncer held its previous contribution waiting
-for the others', ``_align``) it publishes its contribution, its progress not sent yet: the
-parameters its last contribution or its last adoption left it at, whichever is later, minus its local
-parameters (``rendezvous/decoupled.py``), with the version of the global it holds and its tokens and steps, and goes on.
+for the others', ``_align``) it publishes its contribution, its progress not sent yet: the parameters its
+last contribution or its last adoption left it at, whichever is later, minus its local parameters
+(``rendezvous/decoupled.py``), with the version of the global it holds and its tokens and steps, and goes on.
 So each inner step's progress is sent exactly once: a learner ``max_lag`` ahead that finds no newer global
 after publishing trains on from where it published, and its next contribution holds only the steps since. It
 waits for no other learner; it waits for the syncer only as far as ``diloco.decoupled.max_lag`` says: it
@@ -122,7 +122,6 @@ class DecoupledLearner(Replica):
             while record.version < dl.rounds:
                 self.meter.reset()
                 self.discarded = 0
-                self.round_steps = dl.sync_every
                 while self.meter.steps < self.round_steps and self.version < dl.rounds:
                     self._inner_step()
                     # not after the round's last step: its publish follows, then the look below (an
@@ -183,6 +182,7 @@ class DecoupledLearner(Replica):
         if node.lead:
             self.seq = max(record.consumed.get(own, 0), max(listed, default=-1) + 1)
         self.seq = node.broadcast(self.seq)
+        self.aligned = self.seq  # a restart has no phase to make up: what it held before is gone
         self._adopt(record, params)
         self._restore_own(record.version)
         return record
@@ -337,6 +337,7 @@ class DecoupledLearner(Replica):
         }
         self.sent.append({**row, **own})
         self.seq += 1
+        self.round_steps = dl.sync_every  # the next round's, until an adoption lengthens it (``_align``)
 
     def _flat(
         self, deltas: dict[str, torch.Tensor], names: list[str], mask: Any

@@ -9,7 +9,9 @@ base version is more than ``max_age`` behind, or whose norm is an outlier (``rob
 exchange); weigh the rest (``merge.contribution_weight``) and merge them tensor by tensor (``merge.py``: with
 equal weights, lock-step's arithmetic), and step the outer optimizer (``outer.py``: lock-step's Nesterov SGD,
 or Delayed Nesterov) on its CPU copy of the global; then commit
-the new version (``rendezvous/decoupled.py``): parameters, outer state, and the record of what it consumed.
+the new version (``rendezvous/decoupled.py``): parameters, outer state, and the record of what it consumed
+(and how long it held each learner's contribution waiting for the last one it took, ``held_s``, which a
+learner that came early makes up by lengthening its round: ``replicas/decoupled.py``, ``_align``).
 
 Nothing lost, nothing merged twice, whatever kills it: a syncer starts from the newest committed version and
 its recorded ``consumed`` marks; contributions are immutable; a version is committed by creating its record,

@@ -320,7 +320,6 @@ def test_a_learner_ahead_of_the_others_lengthens_its_round_by_the_time_it_was_he
     learner._publish()  # contribution 0
     learner.step_s = 0.5
     learner.meter.reset()
-    learner.round_steps = H  # as the learner's loop sets it at each round's start
     learner._inner_step()
     adopt_version(learner, 1, consumed=1, at_step=1, held_s=0.6)
     assert learner.round_steps == lengthened
@@ -330,9 +329,9 @@ def test_a_learner_ahead_of_the_others_lengthens_its_round_by_the_time_it_was_he
         learner._inner_step()
     learner._publish()  # contribution 1, the steps of the longer round
     assert learner.sent[-1]["steps"] == lengthened
+    assert learner.round_steps == H  # the next round's, until an adoption lengthens it
     learner.step_s = 0.5
     learner.meter.reset()
-    learner.round_steps = H
     learner._inner_step()
     adopt_version(learner, 3, consumed=1, at_step=1, held_s=2.0)  # contribution 1 is not merged yet
     assert learner.round_steps == H
@@ -342,6 +341,5 @@ def test_a_learner_ahead_of_the_others_lengthens_its_round_by_the_time_it_was_he
         learner._inner_step()
     learner._publish()  # contribution 2
     learner.step_s = 0.5
-    learner.round_steps = H
     adopt_version(learner, 5, consumed=3, at_step=1, held_s=60.0)
     assert learner.round_steps == (2 * H - 1 if align else H)
