@@ -13,7 +13,7 @@ import torch
 from composer_serverless.config import RunConfig, validate_config
 from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous import layout
-from composer_serverless.rendezvous.decoupled import Contribution, Version
+from composer_serverless.rendezvous.decoupled import Contribution, Plan, Version
 from composer_serverless.rendezvous.latest import newest_version
 from composer_serverless.rendezvous.rows import RowBlock
 from composer_serverless.rendezvous.store import ObjectStore
@@ -392,7 +392,10 @@ def test_a_contribution_says_its_seconds_and_old_headers_and_records_still_read(
     read = [versions.read_contribution(run, "hand", learner, 0, "fp32", 3, None)[0] for learner in (0, 1)]
     assert [(c.seconds, c.step_s) for c in read] == [(6.0, 2.0), (None, None)]
     assert Contribution(0, 0, 0, tokens=1, steps=2, seconds=float("nan")).step_s is None
-    record = Version(3, "w", {0: 2}, [[0, 1]], parent=2, grace_s=1.25)
+    record = Version(3, "w", {0: 2}, [[0, 1]], parent=2, grace_s=1.25, held_s={0: 0.5, 1: 0.0})
     assert Version.from_json(record.to_json()) == record
-    old = {k: v for k, v in json.loads(record.to_json()).items() if k != "grace_s"}
-    assert Version.from_json(json.dumps(old).encode()).grace_s is None
+    old = {k: v for k, v in json.loads(record.to_json()).items() if k not in ("grace_s", "held_s")}
+    before = Version.from_json(json.dumps(old).encode())  # a record of a syncer before the fields
+    assert (before.grace_s, before.held_s) == (None, {})
+    plan = Plan(3, 2, {0: [1, 2]}, 1.25, {0: 1.5})
+    assert Plan.from_json(plan.to_json()) == plan
