@@ -213,7 +213,8 @@ def test_the_configs_it_launches() -> None:
     decoupled = bench.run_config(base, sizes, "decoupled", 1, "run", Path("/tmp/goodput-test"))
     dc = decoupled.diloco.decoupled
     assert decoupled.diloco.mode == "decoupled" and decoupled.diloco.rounds == 3 * 4 // 2
-    assert (dc.min_quorum, dc.grace_s, dc.max_lag) == (2, 1.0, 1)  # a quorum below N; learners never wait
+    # a quorum below N, the adaptive grace window with the product's default bound (none); learners never wait
+    assert (dc.min_quorum, dc.grace_s, dc.grace_gamma, dc.max_lag) == (2, None, 0.5, 1)
     assert dc.keep_versions is None  # every version and contribution stays for the accounting
     # both sides with the demo's embedding rule (a row combined over the learners whose data held its token)
     assert config.diloco.embedding_average == decoupled.diloco.embedding_average == "touched"
