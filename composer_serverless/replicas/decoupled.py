@@ -492,8 +492,11 @@ class DecoupledLearner(Replica):
         on the global before (measured, ``docs/RESULTS.md`` section 27). Lengthened once per contribution and
         by less than a round, a learner never waits and a slow one is not held back; the learner that came
         last (held 0) keeps its pace, so the rounds stay ``sync_every`` steps long once in step. A learner of
-        several ranks lengthens by its lead's count, broadcast (its ranks' step times differ a little)."""
-        if not self.config.diloco.decoupled.align or self.aligned == self.seq:
+        several ranks lengthens by its lead's count, broadcast (its ranks' step times differ a little). With
+        ``max_lag = 0`` every learner waits for its own merge and starts its next round there: in step
+        already, lock-step's schedule (the oracle's), so nothing is lengthened."""
+        dc = self.config.diloco.decoupled
+        if not dc.align or dc.max_lag == 0 or self.aligned == self.seq:
             return
         if record.consumed.get(self.rank, 0) < self.seq:
             return
