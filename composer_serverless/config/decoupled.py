@@ -80,6 +80,7 @@ class DecoupledConfig(StrictModel):
         description="keep the learners' rounds in step, as lock-step's are, without anyone waiting: a learner "
         "whose contribution the syncer held waiting for later ones (the version's held_s) lengthens the round "
         "in progress by that many seconds of its inner steps, so its next contribution arrives with theirs. "
+        "With max_lag = 0 the learners wait for their merges and are in step already: nothing changes. "
         "Without it each learner keeps the phase its start gave it, and one that publishes early adopts "
         "every version late, a part of each round computed on the global before (measured: "
         "docs/decoupled.md)",
