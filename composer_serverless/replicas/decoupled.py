@@ -456,7 +456,7 @@ class DecoupledLearner(Replica):
         self.base = self.sent_to = shards
         self.nonfinite = 0
         self._follow_global(record.version)
-        self._align(record, at_step)
+        self._align(record)
         if was < 0:
             return
         # A row per version adopted (the trackers' rounds are versions): the rounds trained since the last
@@ -481,7 +481,7 @@ class DecoupledLearner(Replica):
         self.sent = []
         self.log.info("adopted global version %d (held %d)", record.version, was)
 
-    def _align(self, record: Version, at_step: int) -> None:
+    def _align(self, record: Version) -> None:
         """With ``diloco.decoupled.align``: at the first version that merged every contribution this learner
         has published, lengthen the round in progress by the inner steps of the time the syncer held its
         contribution waiting for the merge's last one (``record.held_s``), so that its next contribution
