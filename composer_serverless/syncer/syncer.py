@@ -224,11 +224,10 @@ class Syncer:
 
     def _gather(self) -> Gathered:
         """Per learner, its unconsumed contributions, once the quorum and the grace window allow a merge."""
-        # When this merge's first contribution was in hand (the poll that saw it; at once for one that came
-        # during the previous merge). Its learner has trained on since it published: that overlap, not the
-        # time since this wait began (spent with nothing to merge), is what the quorum and the window use up.
-        first: float | None = None
-        seen: dict[tuple[int, int], float] = {}  # (learner, newest seq) -> the poll that first saw it
+        # (learner, newest seq) -> the poll that first saw it (at once for one that came during the previous
+        # merge). The first one's learner has trained on since it published: that overlap, not the time since
+        # this wait began (spent with nothing to merge), is what the quorum and the window use up.
+        seen: dict[tuple[int, int], float] = {}
         grace: float | None = None  # once the quorum is in (math.inf: wait for every learner)
         deadline = math.inf
         self._beat("waiting")
@@ -241,11 +240,9 @@ class Syncer:
                 return self._gathered(
                     waiting, grace if grace is not None and math.isfinite(grace) else None, seen
                 )
-            if waiting and first is None:
-                first = now
-            if first is not None and len(waiting) >= self.quorum:  # a quorum is at least one learner
+            if seen and len(waiting) >= self.quorum:  # a quorum is at least one learner
                 if grace is None:  # the quorum is in: the window starts
-                    grace = self._grace(waiting, quorum_s=now - first)
+                    grace = self._grace(waiting, quorum_s=now - min(seen.values()))
                     deadline = now + grace
                 if now >= deadline:
                     return self._gathered(waiting, grace, seen)
@@ -264,8 +261,9 @@ class Syncer:
     def _grace(self, waiting: dict[int, list[int]], quorum_s: float) -> float:
         """How long to wait for the learners missing from the quorum (``math.inf``: for every one of them):
         ``grace_s``, or with ``grace_gamma`` the adaptive window (``merge.grace_window``) from the median seconds
-        per step of the contributions in hand, ``quorum_s`` (from the first contribution in hand to the quorum)
-        and this syncer's last merge's time. Without a known step time (headers written before they carried one) the fixed rule."""
+        per step of the contributions in hand, ``quorum_s`` (from the first contribution in hand to the
+        quorum) and this syncer's last merge's time. Without a known step time (headers written before they
+        carried one) the fixed rule."""
         dl = self.config.diloco
         dc = dl.decoupled
         bound = math.inf if dc.grace_s is None else dc.grace_s
