@@ -9,6 +9,10 @@ from pydantic import Field, model_validator
 
 from composer_serverless.config.base import StrictModel
 
+# Unset poll_s: a poll every hundredth of a round, between these bounds (before any step time is known: 0.5 s)
+POLL_SHARE = 0.01
+MIN_POLL_S, MAX_POLL_S, UNMEASURED_POLL_S = 0.05, 5.0, 0.5
+
 
 class DecoupledConfig(StrictModel):
     """How the syncer merges contributions and how far a learner may run ahead of the newest global."""
@@ -85,6 +89,15 @@ class DecoupledConfig(StrictModel):
         "every version late, a part of each round computed on the global before (measured: "
         "docs/decoupled.md)",
     )
+    dynamic_steps: bool = Field(
+        True,
+        description="a learner slower than the fastest runs proportionally fewer inner steps per contribution, "
+        "sync_every x (fastest seconds per step / its own), taken from each version it adopts (Async Local-"
+        "SGD's dynamic local updates): its contributions arrive with the others' instead of every other "
+        "merge, so the syncer's grace window is not spent waiting for it and none of its steps are computed "
+        "on a global two versions old; the token weighting counts its fewer steps. With max_lag = 0 nothing "
+        "changes (lock-step's schedule)",
+    )
     weighting: Literal["tokens", "equal"] = Field(
         "tokens",
         description="how much a contribution counts in the merge: 'tokens', tokens ** 2 / steps (Decoupled "
@@ -125,9 +138,27 @@ class DecoupledConfig(StrictModel):
         "One syncer's link carries every learner's upload (docs/decoupled.md, 'Traffic'): shard it when "
         "that link, not the learners', would be the run's bottleneck",
     )
-    poll_s: float = Field(
-        0.5, gt=0, le=60, description="seconds between the syncer's (and a waiting learner's) store listings"
+    poll_s: float | None = Field(
+        None,
+        gt=0,
+        le=60,
+        description="seconds between the syncer's and the learners' store listings (the syncer's for "
+        "contributions, a learner's reader's for new versions, a learner waiting for its merge). Unset: a "
+        "hundredth of a round, sync_every x the seconds per inner step (the syncer's last merge's median, a "
+        "learner's own), between 0.05 and 5 s, and 0.5 s until one is measured. Every poll's wait is latency "
+        "in every round (the steps a learner trains before it adopts the version its contribution entered: "
+        "measured, docs/decoupled.md), and every listing a request (on S3, $0.005 per 1,000 LISTs: about "
+        "half a cent per round per process at a hundredth of a round)",
     )
+
+    def poll_every(self, sync_every: int, step_s: float | None) -> float:
+        """The seconds between a process's listings: ``poll_s``, or unset a hundredth of a round of
+        ``sync_every`` steps of ``step_s`` seconds (None: not measured yet), within the bounds."""
+        if self.poll_s is not None:
+            return self.poll_s
+        if not step_s:
+            return UNMEASURED_POLL_S
+        return min(MAX_POLL_S, max(MIN_POLL_S, POLL_SHARE * sync_every * step_s))
 
     @model_validator(mode="after")
     def _age_covers_lag(self) -> DecoupledConfig:

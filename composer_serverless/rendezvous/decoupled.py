@@ -13,8 +13,9 @@
   says what the merge took: ``consumed`` (per learner, the next sequence number not yet taken, so a
   contribution is merged at most once whichever syncer resumes), which contributions it merged or
   dropped, the grace window the syncer gave the learners missing from its quorum (``grace_s``) and how long
-  it held each merged learner's contribution waiting for the last one (``held_s``; a record written before
-  either field existed has none, and a reader of that time ignores them). Whoever loses
+  it held each merged learner's contribution waiting for the last one (``held_s``) and the seconds per
+  inner step of each (``step_s``; a record written before these fields existed has none, and a reader of
+  that time ignores them). Whoever loses
   the creation of a record wrote its snapshots under its own name and discards them.
   It also names its ``parent``, the version whose global the merge stepped from: the one before it, but after
   a rollback (``newest_intact``) the newest intact one.
@@ -136,6 +137,9 @@ class Version:
     # between the polls that first saw each; 0 for the last): how far ahead of the others it publishes, which
     # it makes up by lengthening its round (diloco.decoupled.align).
     held_s: dict[int, float] = field(default_factory=dict)
+    # Per learner merged, the seconds per inner step its newest contribution here took (its header's): how a
+    # learner slower than the fastest paces its rounds (diloco.decoupled.dynamic_steps).
+    step_s: dict[int, float] = field(default_factory=dict)
 
     @property
     def writers(self) -> list[str]:
@@ -156,6 +160,7 @@ class Version:
             "fragments": self.fragments,
             "parts": self.parts,
             "held_s": {str(k): v for k, v in self.held_s.items()},
+            "step_s": {str(k): v for k, v in self.step_s.items()},
         }
         return json.dumps(record).encode()
 
@@ -175,6 +180,7 @@ class Version:
             fragments=[[str(name) for name in group] for group in data.get("fragments", [])],
             parts=[str(writer) for writer in data.get("parts", [])],
             held_s={int(k): float(v) for k, v in data.get("held_s", {}).items()},
+            step_s={int(k): float(v) for k, v in data.get("step_s", {}).items()},
         )
 
 
@@ -189,6 +195,7 @@ class Plan:
     taken: dict[int, list[int]]
     grace_s: float | None = None
     held_s: dict[int, float] = field(default_factory=dict)  # as ``Version.held_s``
+    step_s: dict[int, float] = field(default_factory=dict)  # as ``Version.step_s``
 
     def to_json(self) -> bytes:
         record = {
@@ -197,6 +204,7 @@ class Plan:
             "taken": {str(k): v for k, v in self.taken.items()},
             "grace_s": self.grace_s,
             "held_s": {str(k): v for k, v in self.held_s.items()},
+            "step_s": {str(k): v for k, v in self.step_s.items()},
         }
         return json.dumps(record).encode()
 
@@ -209,6 +217,7 @@ class Plan:
             taken={int(k): [int(s) for s in v] for k, v in data["taken"].items()},
             grace_s=None if data.get("grace_s") is None else float(data["grace_s"]),
             held_s={int(k): float(v) for k, v in data.get("held_s", {}).items()},
+            step_s={int(k): float(v) for k, v in data.get("step_s", {}).items()},
         )
 
 

@@ -2,8 +2,8 @@
 
 It runs the lock-step replica's inner step (``trainer.Replica._inner_step``: the objective, the inner
 optimizer and its schedule, the discarded non-finite steps), but no DiLoCo wraps the optimizer. After every
-``sync_every`` inner steps (lengthened once by the time the syncer held its previous contribution waiting
-for the others', ``_align``) it publishes its contribution, its progress not sent yet: the parameters its
+``sync_every`` inner steps (fewer for a learner slower than the fastest, ``_pace``; lengthened once by the
+time the syncer held its previous contribution waiting for the others', ``_align``) it publishes its contribution, its progress not sent yet: the parameters its
 last contribution or its last adoption left it at, whichever is later, minus its local parameters
 (``rendezvous/decoupled.py``), with the version of the global it holds and its tokens and steps, and goes on.
 So each inner step's progress is sent exactly once: a learner ``max_lag`` ahead that finds no newer global
@@ -91,9 +91,10 @@ class DecoupledLearner(Replica):
         self.token_rows = [name for name, p in self.params.items() if id(p) in marked]
         # With a sharded syncer: the fragments its contributions are cut into (version 0's record names them)
         self.fragments: list[list[str]] = []
-        # The inner steps of the round in progress (sync_every, lengthened by ``_align``), the contribution
-        # whose merge lengthened one last (``self.seq`` then), and its latest seconds per inner step
-        self.round_steps = self.config.diloco.sync_every
+        # Its rounds' inner steps (sync_every, fewer for a slower learner: ``_pace``), the round in progress's
+        # (lengthened by ``_align``), the contribution whose merge lengthened one last (``self.seq`` then),
+        # and its latest seconds per inner step
+        self.pace = self.round_steps = self.config.diloco.sync_every
         self.aligned = 0
         self.step_s: float | None = None
 
@@ -114,7 +115,7 @@ class DecoupledLearner(Replica):
         # adopts there whatever adopt_when says.
         arrival = dl.decoupled.adopt_when == "arrival" and dl.decoupled.max_lag > 0
         reader = (  # the lead reads for the learner's ranks
-            Arrivals(self.run_store, self.key, self.version, dl.decoupled.poll_s)
+            Arrivals(self.run_store, self.key, self.version, self._poll_s())
             if arrival and self.node.lead
             else None
         )
@@ -132,6 +133,8 @@ class DecoupledLearner(Replica):
                     record = store_versions.read_version(self.run_store, self.version)
                     break
                 self._publish()
+                if reader is not None:  # its step time is measured: a hundredth of its round, unset
+                    reader.poll_s = self._poll_s()
                 record = self._wait_for_syncer()
                 if arrival and record.version < dl.rounds:
                     self._adopt_arrived(reader, at_step=0)  # what was read; the rest at a later step
@@ -337,7 +340,7 @@ class DecoupledLearner(Replica):
         }
         self.sent.append({**row, **own})
         self.seq += 1
-        self.round_steps = dl.sync_every  # the next round's, until an adoption lengthens it (``_align``)
+        self.round_steps = self.pace  # the next round's, until an adoption lengthens it (``_align``)
 
     def _flat(
         self, deltas: dict[str, torch.Tensor], names: list[str], mask: Any
@@ -370,7 +373,12 @@ class DecoupledLearner(Replica):
                 self.log.info("waiting for the syncer to merge contribution %d", allowed - 1)
                 self.reporter.beat(state="waiting", round=self.version + 1, rounds=dl.rounds)
                 told = True
-            time.sleep(dl.decoupled.poll_s)
+            time.sleep(self._poll_s())
+
+    def _poll_s(self) -> float:
+        """Seconds between its listings (``DecoupledConfig.poll_every``): unset, a hundredth of its round."""
+        dl = self.config.diloco
+        return dl.decoupled.poll_every(dl.sync_every, self.step_s)
 
     def _adopt_newest(self, record: Version) -> Version:
         """Adopt the newest version, ``record``, or a newer one if it was pruned meanwhile
@@ -456,6 +464,7 @@ class DecoupledLearner(Replica):
         self.base = self.sent_to = shards
         self.nonfinite = 0
         self._follow_global(record.version)
+        self._pace(record)
         self._align(record)
         if was < 0:
             return
@@ -501,12 +510,38 @@ class DecoupledLearner(Replica):
         if record.consumed.get(self.rank, 0) < self.seq:
             return
         self.aligned = self.seq
-        held, sync_every = record.held_s.get(self.rank, 0.0), self.config.diloco.sync_every
-        extra = min(round(held / self.step_s), sync_every - 1) if self.step_s else 0
+        held = record.held_s.get(self.rank, 0.0)
+        extra = min(round(held / self.step_s), self.pace - 1) if self.step_s else 0
         extra = self.node.broadcast(extra)  # the lead's: its ranks' step times differ a little
         if extra:
-            self.round_steps = sync_every + extra
+            self.round_steps = self.pace + extra
             self.log.debug("%.2fs ahead of the others: %d inner steps this round", held, self.round_steps)
+
+    def _pace(self, record: Version) -> None:
+        """With ``diloco.decoupled.dynamic_steps``: make this learner's rounds ``sync_every`` x (the fastest
+        seconds per inner step / its own) steps long (at least 1), the fastest taken from the learners
+        ``record`` merged (``record.step_s``) and itself, its own from its last contribution (Async Local-SGD's
+        dynamic local updates, ``../shared/research/wave4.md`` section 2). The round in progress changes by as
+        much, so it may end at once.
+
+        Without it a learner at half speed publishes every other merge: the syncer's grace window waits for
+        it in the merges it misses, so the others adopt each version later in their rounds, and its own
+        steps run on a global two versions old by the time they are merged (measured, ``docs/RESULTS.md``
+        section 28). Paced, every learner's contribution arrives together, each weighted by its tokens. A
+        learner of several ranks takes its lead's count. With ``max_lag = 0`` the learners wait for their
+        merges, lock-step's schedule (the oracle's): nothing changes."""
+        dc, sync_every = self.config.diloco.decoupled, self.config.diloco.sync_every
+        if not dc.dynamic_steps or dc.max_lag == 0:
+            return
+        pace = self.pace
+        if self.step_s:
+            fastest = min([*record.step_s.values(), self.step_s])
+            pace = max(1, min(sync_every, round(sync_every * fastest / self.step_s)))
+        pace = self.node.broadcast(pace)  # the lead's: its ranks' step times differ a little
+        if pace != self.pace:
+            self.log.debug("%.3fs per step: %d inner steps per round", self.step_s, pace)
+            self.round_steps += pace - self.pace
+            self.pace = pace
 
     def _finish(self, record: Version) -> None:
         """The run's last version is held: the lowest-rank learner merged into it scores it and uploads it."""

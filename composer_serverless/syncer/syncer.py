@@ -11,7 +11,8 @@ equal weights, lock-step's arithmetic), and step the outer optimizer (``outer.py
 or Delayed Nesterov) on its CPU copy of the global; then commit
 the new version (``rendezvous/decoupled.py``): parameters, outer state, and the record of what it consumed
 (and how long it held each learner's contribution waiting for the last one it took, ``held_s``, which a
-learner that came early makes up by lengthening its round: ``replicas/decoupled.py``, ``_align``).
+learner that came early makes up by lengthening its round: ``replicas/decoupled.py``, ``_align``; and each
+one's seconds per inner step, ``step_s``, by which a slower learner paces its rounds: ``_pace``).
 
 Nothing lost, nothing merged twice, whatever kills it: a syncer starts from the newest committed version and
 its recorded ``consumed`` marks; contributions are immutable; a version is committed by creating its record,
@@ -99,6 +100,7 @@ class Gathered(NamedTuple):
     taken: dict[int, list[int]]
     grace_s: float | None = None
     held_s: dict[int, float] = {}  # per learner taken, how long its contribution waited for the last one's
+    step_s: dict[int, float] = {}  # per learner taken, the seconds per inner step of its newest contribution
 
 
 class Syncer:
@@ -158,6 +160,13 @@ class Syncer:
         rounds = self.config.diloco.rounds
         self.reporter.beat(state=state, round=max(self.newest, 0), rounds=rounds, step=0, steps=1)
 
+    def _poll_s(self) -> float:
+        """Seconds between its listings (``DecoupledConfig.poll_every``): unset, a hundredth of a round at
+        the median step time of the contributions its newest version merged."""
+        dl = self.config.diloco
+        known = list(self.record.step_s.values())
+        return dl.decoupled.poll_every(dl.sync_every, statistics.median(known) if known else None)
+
     def _prune(self) -> None:
         prune(self.run_store, self.record, self.learners, self.config.diloco.decoupled.keep_versions)
 
@@ -169,7 +178,7 @@ class Syncer:
             if not told:
                 logger.info("waiting for a learner to write global version 0 (the initial weights)")
                 told = True
-            self.sleep(self.config.diloco.decoupled.poll_s)
+            self.sleep(self._poll_s())
         return newest
 
     def _load(self, v: int) -> None:
@@ -246,17 +255,24 @@ class Syncer:
                     deadline = now + grace
                 if now >= deadline:
                     return self._gathered(waiting, grace, seen)
-            self.sleep(self.config.diloco.decoupled.poll_s)
+            self.sleep(self._poll_s())
 
-    @staticmethod
     def _gathered(
-        waiting: dict[int, list[int]], grace: float | None, seen: dict[tuple[int, int], float]
+        self, waiting: dict[int, list[int]], grace: float | None, seen: dict[tuple[int, int], float]
     ) -> Gathered:
         """What the merge takes, with how long each learner's newest contribution in it waited for the last
-        one seen (``Version.held_s``: a learner ahead of the others lengthens its round by that much)."""
+        one seen (``Version.held_s``: a learner ahead of the others lengthens its round by that much) and the
+        seconds per inner step of each (``Version.step_s``: a slower learner shortens its rounds by it)."""
         arrived = {learner: seen[(learner, max(seqs))] for learner, seqs in waiting.items()}
         last = max(arrived.values())
-        return Gathered(waiting, grace, {learner: last - t for learner, t in sorted(arrived.items())})
+        self._step_s(waiting)  # the headers in hand, read once (the merge takes them from memory)
+        step_s = {
+            learner: s
+            for (learner, seq), (c, _) in sorted(self.read.items())  # each learner's newest last
+            if seq in waiting.get(learner, []) and (s := c.step_s) is not None
+        }
+        held = {learner: last - t for learner, t in sorted(arrived.items())}
+        return Gathered(waiting, grace, held, step_s)
 
     def _grace(self, waiting: dict[int, list[int]], quorum_s: float) -> float:
         """How long to wait for the learners missing from the quorum (``math.inf``: for every one of them):
@@ -384,6 +400,7 @@ class Syncer:
             grace_s=gathered.grace_s,
             token_rows=self.record.token_rows,
             held_s=gathered.held_s,
+            step_s=gathered.step_s,
         )
         outer = self.outer.state_dict() if self.outer is not None else None
         committed = versions.commit(self.run_store, record, self.params, outer, self.key)
@@ -409,7 +426,7 @@ class Syncer:
         """What ``look`` finds in the store, polled until it finds something (a plan, another shard's part)."""
         self._beat("waiting")
         while (found := look()) is None:
-            self.sleep(self.config.diloco.decoupled.poll_s)
+            self.sleep(self._poll_s())
         return found
 
     def _plan(self) -> Plan:
@@ -422,7 +439,15 @@ class Syncer:
             return plan
         gathered = self._gather()
         return versions.create_plan(
-            self.run_store, Plan(v, self.record.version, gathered.taken, gathered.grace_s, gathered.held_s)
+            self.run_store,
+            Plan(
+                v,
+                self.record.version,
+                gathered.taken,
+                gathered.grace_s,
+                gathered.held_s,
+                gathered.step_s,
+            ),
         )
 
     def _merge_plan(self, plan: Plan) -> None:
@@ -447,6 +472,7 @@ class Syncer:
             fragments=self.record.fragments,
             parts=[p.writer for p in parts],
             held_s=plan.held_s,
+            step_s=plan.step_s,
         )
         if not self.run_store.create(layout.version(plan.version), record.to_json()):
             logger.info("version %d's record exists (another syncer's)", plan.version)
@@ -493,6 +519,7 @@ class Syncer:
                 grace_s=plan.grace_s,
                 token_rows=self.record.token_rows,
                 fragments=self.record.fragments,
+                step_s=plan.step_s,  # the shard's polls' pace (``_poll_s``)
             )
             assert self.outer is not None
             if versions.commit_part(

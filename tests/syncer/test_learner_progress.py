@@ -285,15 +285,20 @@ def test_the_schedule_follows_the_global_it_adopts(learner: DecoupledLearner) ->
 
 
 def adopt_version(
-    learner: DecoupledLearner, v: int, consumed: int, at_step: int, held_s: float | None = None
+    learner: DecoupledLearner,
+    v: int,
+    consumed: int,
+    at_step: int,
+    held_s: float | None = None,
+    step_s: dict[int, float] | None = None,
 ) -> None:
     """Adopt hand-made version ``v`` (version 0 plus 0.01 v), whose merges consumed learner 0's contributions
     before ``consumed``, at inner step ``at_step``; ``held_s``: how long the syncer held its contribution
-    waiting for the merge's last one."""
+    waiting for the merge's last one; ``step_s``: the merged learners' seconds per inner step."""
     run = learner.run_store
     g = {name: t + 0.01 * v for name, t in learner.base.items()}
     held = {} if held_s is None else {0: held_s, 1: 0.0}
-    record = Version(v, "hand-made", consumed={0: consumed}, merged=[[0, consumed - 1]], held_s=held)
+    record = Version(v, "hand-made", {0: consumed}, [[0, consumed - 1]], held_s=held, step_s=step_s or {})
     assert versions.commit(run, record, g, None, None)
     record = versions.read_version(run, v)
     learner._adopt(record, versions.load_params(run, record, None), at_step)
@@ -343,3 +348,46 @@ def test_a_learner_ahead_of_the_others_lengthens_its_round_by_the_time_it_was_he
     learner.step_s = 0.5
     adopt_version(learner, 5, consumed=3, at_step=1, held_s=60.0)
     assert learner.round_steps == (2 * H - 1 if align else H)
+
+
+@pytest.mark.parametrize("learner", ["keep"], indirect=True)
+@pytest.mark.parametrize(("dynamic_steps", "max_lag"), [(True, 1), (False, 1), (True, 0)])
+def test_a_slower_learner_paces_its_rounds_by_the_fastest_step_time(
+    learner: DecoupledLearner, dynamic_steps: bool, max_lag: int
+) -> None:
+    """H = 10 here; this learner's steps take 0.5 s (the header's seconds per step, set for round numbers).
+    With ``dynamic_steps`` each version it adopts sets its rounds to round(10 x fastest / 0.5) steps, the
+    fastest among the version's merged learners and itself: 4 beside a learner at 0.2 s (the round in
+    progress, one step in, becomes 4 steps long), 9 beside one at 0.45 s, 1 at least beside one 50 times
+    faster, and 10 when it is the fastest. The next round after a publish has its pace; a hold it makes up
+    (``align``) lengthens that pace, by less than it. Off, or with ``max_lag = 0`` (lock-step's schedule),
+    every round is H."""
+    dl = learner.config.diloco
+    decoupled = dl.decoupled.model_copy(update={"dynamic_steps": dynamic_steps, "max_lag": max_lag})
+    learner.config = learner.config.model_copy(
+        update={"diloco": dl.model_copy(update={"sync_every": 10, "decoupled": decoupled})}
+    )
+    paced = dynamic_steps and max_lag > 0
+
+    def adopt(v: int, fastest: float, consumed: int = 1, held_s: float | None = None) -> int:
+        learner.step_s = 0.5
+        adopt_version(learner, v, consumed, at_step=1, held_s=held_s, step_s={0: 0.5, 1: fastest})
+        return learner.round_steps
+
+    train_round(learner)
+    learner._publish()  # contribution 0
+    learner.meter.reset()
+    learner._inner_step()
+    learner.round_steps = learner.pace = 10  # the fixture's H is 2
+    assert adopt(1, fastest=0.2) == (4 if paced else 10)
+    assert adopt(2, fastest=0.45) == (9 if paced else 10)
+    assert adopt(3, fastest=0.01) == (1 if paced else 10)
+    assert adopt(4, fastest=0.9) == 10
+    assert adopt(5, fastest=0.2) == (4 if paced else 10)
+    while learner.meter.steps < learner.round_steps:
+        learner._inner_step()
+    learner._publish()  # contribution 1
+    assert learner.sent[-1]["steps"] == (4 if paced else 10)
+    assert learner.round_steps == (4 if paced else 10)  # the next round's: its pace
+    # contribution 1 merged after a hold of 1 s = 2 steps: its pace plus 2 (align, on by default)
+    assert adopt(6, fastest=0.2, consumed=2, held_s=1.0) == (4 + 2 if paced else 10 if max_lag == 0 else 12)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from composer_serverless.config import RunConfig, validate_config
+from composer_serverless.config.decoupled import DecoupledConfig
 from composer_serverless.rendezvous import decoupled as versions
 from composer_serverless.rendezvous import layout
 from composer_serverless.rendezvous.decoupled import Contribution, Plan, Version
@@ -319,7 +320,9 @@ def test_the_adaptive_grace_waits_gamma_times_the_slack_the_overlap_hides(
     (16 s) is first seen at the poll of 8.5 s and learner 0's second (8 s) makes the quorum at 9 s, 0.5 s
     later: grace = 0.5 * (4 * median(4, 2) - 0.5 - 1.5) = 5 s, and learner 2's second, at 12 s, is in time:
     every learner's is in, it merges at once. Each record says how long the syncer held each learner's
-    contribution waiting for the last one it took (``held_s``, which the learners that came early make up).
+    contribution waiting for the last one it took (``held_s``, which the learners that came early make up),
+    and the seconds per inner step of each learner's newest contribution it took (``step_s``, by which the
+    slower ones pace their rounds).
     """
     run, syncer, time = timed_syncer(tmp_path, min_quorum=2, max_lag=1, grace_gamma=0.5)
     commit = versions.commit
@@ -343,6 +346,7 @@ def test_the_adaptive_grace_waits_gamma_times_the_slack_the_overlap_hides(
     assert (first.grace_s, first.merged) == (4.5, [[0, 0], [2, 0]])
     # how long each learner's contribution waited for the last one taken: learner 0's 1 s ahead of 2's
     assert first.held_s == {0: 1.0, 2: 0.0}
+    assert first.step_s == {0: 2.0, 2: 3.0}  # 8 s and 12 s for 4 steps
 
     gathered = syncer._gather()
     assert (time.now, gathered.grace_s) == (12.0, 5.0)
@@ -350,6 +354,7 @@ def test_the_adaptive_grace_waits_gamma_times_the_slack_the_overlap_hides(
     second = versions.read_version(run, 2)
     assert (second.grace_s, second.merged) == (5.0, [[0, 1], [1, 0], [2, 1]])
     assert second.held_s == {0: 3.0, 1: 3.5, 2: 0.0}  # seen at 9 s, 8.5 s and 12 s
+    assert second.step_s == {0: 2.0, 1: 4.0, 2: 2.0}  # learner 2's second took 8 s
 
 
 @pytest.mark.parametrize(
@@ -392,10 +397,33 @@ def test_a_contribution_says_its_seconds_and_old_headers_and_records_still_read(
     read = [versions.read_contribution(run, "hand", learner, 0, "fp32", 3, None)[0] for learner in (0, 1)]
     assert [(c.seconds, c.step_s) for c in read] == [(6.0, 2.0), (None, None)]
     assert Contribution(0, 0, 0, tokens=1, steps=2, seconds=float("nan")).step_s is None
-    record = Version(3, "w", {0: 2}, [[0, 1]], parent=2, grace_s=1.25, held_s={0: 0.5, 1: 0.0})
+    record = Version(
+        3, "w", {0: 2}, [[0, 1]], parent=2, grace_s=1.25, held_s={0: 0.5, 1: 0.0}, step_s={0: 0.25}
+    )
     assert Version.from_json(record.to_json()) == record
-    old = {k: v for k, v in json.loads(record.to_json()).items() if k not in ("grace_s", "held_s")}
+    fields = ("grace_s", "held_s", "step_s")
+    old = {k: v for k, v in json.loads(record.to_json()).items() if k not in fields}
     before = Version.from_json(json.dumps(old).encode())  # a record of a syncer before the fields
-    assert (before.grace_s, before.held_s) == (None, {})
-    plan = Plan(3, 2, {0: [1, 2]}, 1.25, {0: 1.5})
+    assert (before.grace_s, before.held_s, before.step_s) == (None, {}, {})
+    plan = Plan(3, 2, {0: [1, 2]}, 1.25, {0: 1.5}, {0: 0.25, 1: 0.5})
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_polls_come_a_hundredth_of_a_round_apart_unless_poll_s_is_set(tmp_path: Path) -> None:
+    """Unset, ``poll_s`` is a hundredth of a round (``sync_every`` x seconds per step) within [0.05, 5] s, and
+    0.5 s before a step time is known; set, it is what it says. The syncer takes the median step time of the
+    contributions its newest version merged: 0.5 s at version 0, then 0.01 x 4 steps x median(2, 3, 4) s."""
+    unset, fixed = DecoupledConfig(), DecoupledConfig(poll_s=0.3)
+    assert unset.poll_every(30, None) == 0.5
+    assert unset.poll_every(30, 0.125) == 0.05  # 0.0375 s, at least 0.05
+    assert unset.poll_every(100, 2.0) == pytest.approx(2.0)
+    assert unset.poll_every(500, 5.0) == 5.0  # 25 s, at most 5
+    assert fixed.poll_every(30, None) == fixed.poll_every(100, 2.0) == 0.3
+    run, syncer = run_of(tmp_path, poll_s=None)
+    syncer._load(0)
+    assert syncer._poll_s() == 0.5
+    send(run, 0, 0, [1.0, 1.0, 1.0], seconds=8.0)
+    send(run, 1, 0, [1.0, 1.0, 1.0], seconds=12.0)
+    send(run, 2, 0, [1.0, 1.0, 1.0], seconds=16.0)
+    syncer._merge(syncer._gather())
+    assert syncer._poll_s() == pytest.approx(0.01 * 4 * 3.0)
