@@ -189,3 +189,16 @@ def test_the_cards_per_task_rows_name_the_rows_without_a_task() -> None:
     )
     assert "| held-out reward on rows without a task, final (best) | 0.2500 (0.3000) |" in text
     assert "| held-out reward on gsm8k, final (best) | 0.4375 (0.5000) |" in text and "on default" not in text
+
+
+def test_a_decoupled_runs_card_counts_versions_and_learners() -> None:
+    """A decoupled run's summary (``mode``) counts global versions and says its learners held the same bytes
+    of each version; a summary without ``mode`` (written before it) is a lock-step run's."""
+    config = _composer_config()
+    decoupled = card_text(config, {**SUMMARY, "mode": "decoupled"}, round_index=30, final=True, title="a/b")
+    lock_step = card_text(config, SUMMARY, round_index=30, final=True, title="a/b")
+    assert "| global versions merged | 30 of 30 |" in decoupled
+    assert "| learners held the same bytes of every version they adopted | true |" in decoupled
+    assert "bit-identical after every sync" not in decoupled and "rounds committed" not in decoupled
+    assert "| rounds committed | 30 of 30 |" in lock_step
+    assert "| replicas bit-identical after every sync | true |" in lock_step

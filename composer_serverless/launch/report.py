@@ -142,6 +142,7 @@ def summarise(run: ObjectStore, config: RunConfig, wall_s: float) -> dict[str, A
         "run_id": config.run_id,
         "run_url": run.url,
         "objective": config.train.objective,
+        "mode": config.diloco.mode,  # in decoupled mode a "round" is a global version, a replica a learner
         "replicas": config.diloco.replicas,
         "sync_every": config.diloco.sync_every,
         "fragments": config.diloco.fragments,

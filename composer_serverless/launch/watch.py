@@ -169,14 +169,21 @@ def write_reports(runs: list[Followed]) -> None:
 def print_report(run: Followed, console: Console) -> None:
     summary = run.summary
     assert summary is not None
+    decoupled = run.config.diloco.mode == "decoupled"
+    done, same = (
+        ("versions merged for", "learners held the same bytes of every version they adopted")
+        if decoupled
+        else ("rounds committed on", "replicas bit-identical after every sync")
+    )
+    who = "learners" if decoupled else "replicas"
     console.print(
-        f"\n[bold]done[/]: {summary['rounds_committed']}/{summary['rounds']} rounds committed on "
-        f"{summary['replicas']} replicas in {summary['wall_s']:.0f}s"
+        f"\n[bold]done[/]: {summary['rounds_committed']}/{summary['rounds']} {done} "
+        f"{summary['replicas']} {who} in {summary['wall_s']:.0f}s"
     )
     for line in outcome(summary):
         console.print(line, highlight=False)
     console.print(
-        f"replicas bit-identical after every sync: {summary['replicas_bit_identical']}; "
+        f"{same}: {summary['replicas_bit_identical']}; "
         f"moved {summary['bytes_uploaded'] / 1e6:.1f} MB up, {summary['bytes_downloaded'] / 1e6:.1f} MB down; "
         f"checkpoints wrote {summary['checkpoint_bytes_uploaded'] / 1e6:.1f} MB"
     )
@@ -315,20 +322,34 @@ def _steps_done(beat: dict[str, Any], sync_every: int) -> int:
     return max(0, beat.get("round", 1) - 1) * sync_every + beat.get("step", 0)
 
 
+def role(config: RunConfig, rank: int) -> str:
+    """What rank ``rank`` of the run is, as the watch and the report name it: a lock-step replica, or in
+    decoupled mode a learner or the syncer (one of its shards)."""
+    dl = config.diloco
+    if dl.mode != "decoupled":
+        return f"replica {rank}"
+    if rank in dl.syncer_ranks:
+        return "syncer" if len(dl.syncer_ranks) == 1 else f"syncer shard {rank - dl.replicas}"
+    return f"learner {rank}"
+
+
 class ReplicaView:
     """One run: a bar per replica (round, its latest reward for a composer run or loss, trained tokens per
-    second, state, time left) and a line per evaluated round."""
+    second, state, time left) and a line per evaluated round. In decoupled mode a bar per learner (its inner
+    steps, the version it holds) and one for the syncer (the versions it merged), each named so."""
 
     def __init__(self, run: Followed, console: Console) -> None:
         dl = run.config.diloco
         self.console = console
+        self._unit = "version" if dl.mode == "decoupled" else "round"
+        self._syncers = set(dl.syncer_ranks)
         self._progress = Progress(
-            TextColumn("replica {task.fields[rank]}"),
+            TextColumn("{task.fields[who]}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn(
-                "round {task.fields[round]}/{task.fields[rounds]}  {task.fields[figure]}  {task.fields[speed]}"
-                "  {task.fields[state]}"
+                f"{self._unit} {{task.fields[round]}}/{{task.fields[rounds]}}  {{task.fields[figure]}}  "
+                "{task.fields[speed]}  {task.fields[state]}"
             ),
             TimeRemainingColumn(),
             console=console,
@@ -337,11 +358,12 @@ class ReplicaView:
         self._tasks = {
             h.rank: self._progress.add_task(
                 "",
-                total=dl.rounds * dl.sync_every,
-                rank=h.rank,
+                # a learner's or replica's inner steps; the syncer's merges
+                total=dl.rounds if h.rank in self._syncers else dl.rounds * dl.sync_every,
+                who=role(run.config, h.rank),
                 round=0,
                 rounds=dl.rounds,
-                figure=f"{self._figure} -",
+                figure="" if h.rank in self._syncers else f"{self._figure} -",
                 speed="",
                 state="pending",
             )
@@ -366,7 +388,8 @@ class ReplicaView:
                 "state": beat.get("state", backend) if backend == "running" else backend
             }
             if beat:
-                done = _steps_done(beat, sync_every)
+                merged = rank in self._syncers  # its beat's round: the newest version it merged
+                done = beat.get("round", 0) if merged else _steps_done(beat, sync_every)
                 if rank not in self._started:  # the steps done before this watch (a resume) set no pace
                     self._started.add(rank)
                     self._progress.reset(task, completed=done)
@@ -397,7 +420,7 @@ class ReplicaView:
                 continue
             self._reported.add(row["round"])
             rounds = run.config.diloco.rounds
-            label = "initial model" if row["round"] == 0 else f"round {row['round']}/{rounds}"
+            label = "initial model" if row["round"] == 0 else f"{self._unit} {row['round']}/{rounds}"
             self.console.print(f"  {label}: {eval_headline(row['eval'])}", highlight=False)
 
 

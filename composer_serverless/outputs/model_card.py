@@ -190,7 +190,9 @@ def _results(summary: dict[str, Any] | None, round_index: int) -> list[tuple[str
     """The run's figures from ``summary.json`` (``report.summarise``), with the exported round's own."""
     if summary is None:
         return []
-    rows = [("rounds committed", f"{summary['rounds_committed']} of {summary['rounds']}")]
+    decoupled = summary.get("mode") == "decoupled"  # summaries before the field: lock-step runs
+    rounds = "global versions merged" if decoupled else "rounds committed"
+    rows = [(rounds, f"{summary['rounds_committed']} of {summary['rounds']}")]
     for what, key in (("loss", "eval_loss"), ("reward", "eval_reward")):
         final = summary.get(f"final_{key}")
         if final is None:
@@ -209,7 +211,12 @@ def _results(summary: dict[str, Any] | None, round_index: int) -> list[tuple[str
             )
         )
     rows += [
-        ("replicas bit-identical after every sync", str(summary["replicas_bit_identical"]).lower()),
+        (
+            "learners held the same bytes of every version they adopted"
+            if decoupled
+            else "replicas bit-identical after every sync",
+            str(summary["replicas_bit_identical"]).lower(),
+        ),
         ("wall time", f"{summary['wall_s']:.0f} s"),
     ]
     return rows
