@@ -42,7 +42,7 @@ class Arrivals:
     def __init__(self, store: ObjectStore, key: RunKey | None, held: int, poll_s: float) -> None:
         self._store = store
         self._key = key
-        self._poll_s = poll_s
+        self.poll_s = poll_s  # seconds between listings: the learner sets it as it learns its step time
         self._lock = threading.Lock()
         self._floor = held  # versions at or below it are not read: held, ready, or passed over
         self._ready: Arrived | None = None
@@ -88,7 +88,7 @@ class Arrivals:
                 if newest > floor:
                     self._read(newest)
                 else:
-                    self._stop.wait(self._poll_s)
+                    self._stop.wait(self.poll_s)
         except BaseException as e:  # raised in the learner by its next take
             with self._lock:
                 self._error = e

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import uuid
 
 import pytest
 import torch
@@ -55,26 +56,35 @@ def _lock_step_average(values: list[torch.Tensor]) -> torch.Tensor:
     """What lock-step DiLoCo's exchange ends with for these pseudo-gradients: the real ``allreduce`` of
     ``len(values)`` replicas over an in-memory store, fp32 on the wire, all of them in the quorum."""
     n = len(values)
-    settings = ExchangeSettings(replicas=n, min_replicas=n, codec="fp32", timeout_s=60)
-    url = f"memory://merge-{id(values)}"
+    # Generous bounds: under a loaded suite on two cores a thread may start late (a CI run once saw no
+    # result within a 60 s exchange timeout); a thread's exception is raised here, not lost with the thread.
+    settings = ExchangeSettings(replicas=n, min_replicas=n, codec="fp32", timeout_s=600)
+    url = f"memory://merge-{uuid.uuid4().hex}"
     results: dict[int, ExchangeResult] = {}
+    errors: dict[int, BaseException] = {}
 
     def run(rank: int) -> None:
-        results[rank] = allreduce(
-            ObjectStore(url),
-            values[rank],
-            prefix="rounds/1/0",
-            identity={"run_id": "run", "round": "1", "fragment": "0"},
-            rank=rank,
-            settings=settings,
-            grace_s=60,
-        )
+        try:
+            results[rank] = allreduce(
+                ObjectStore(url),
+                values[rank],
+                prefix="rounds/1/0",
+                identity={"run_id": "run", "round": "1", "fragment": "0"},
+                rank=rank,
+                settings=settings,
+                grace_s=600,
+            )
+        except BaseException as e:
+            errors[rank] = e
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=900)
+    for rank, error in errors.items():
+        raise AssertionError(f"replica {rank}'s allreduce failed") from error
+    assert not any(t.is_alive() for t in threads), "an allreduce thread still runs after 900 s"
     assert sorted(results) == list(range(n)) and results[0].participants == list(range(n))
     return results[0].average
 
