@@ -7,9 +7,10 @@ import json
 import uuid
 from types import SimpleNamespace
 
+import pytest
 from rich.console import Console
 
-from composer_serverless.config import validate_config
+from composer_serverless.config import RunConfig, validate_config
 from composer_serverless.executors.base import ReplicaStatus
 from composer_serverless.launch import watch
 from composer_serverless.launch.supervisor import Poll
@@ -34,18 +35,22 @@ class ScriptedSupervisor:
         return Poll([ReplicaStatus(h.rank, "running") for h in self.handles], finished=not self.script)
 
 
-def test_a_finished_replica_keeps_its_last_loss_on_screen(monkeypatch) -> None:
+@pytest.fixture(autouse=True)
+def no_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(watch, "HEARTBEAT_POLL_S", 0.0)
     monkeypatch.setattr(watch, "LOCAL_STATUS_POLL_S", 0.0)
+
+
+def watched(**diloco: object) -> tuple[RunConfig, ObjectStore]:
+    """A tiny run's config with ``diloco`` settings, and a fresh store for its heartbeats."""
     config = validate_config(
-        {
-            "run_id": "w",
-            "store": "memory://w",
-            "model": {"tiny": TINY.model_dump()},
-            "diloco": {"replicas": 1, "sync_every": 10, "rounds": 2},
-        }
+        {"run_id": "w", "store": "memory://w", "model": {"tiny": TINY.model_dump()}, "diloco": diloco}
     )
-    run = ObjectStore(f"memory://watch-{uuid.uuid4().hex[:8]}")
+    return config, ObjectStore(f"memory://watch-{uuid.uuid4().hex[:8]}")
+
+
+def test_a_finished_replica_keeps_its_last_loss_on_screen() -> None:
+    config, run = watched(replicas=1, sync_every=10, rounds=2)
     training = {"rank": 0, "state": "training", "round": 2, "step": 10, "loss": 2.5}
     done = {"rank": 0, "state": "done", "round": 2, "step": 10}
     out = io.StringIO()
@@ -56,20 +61,10 @@ def test_a_finished_replica_keeps_its_last_loss_on_screen(monkeypatch) -> None:
     assert "round 2/2" in final and "loss 2.500" in final and "done" in final, final
 
 
-def test_a_decoupled_run_names_its_learners_and_its_syncer(monkeypatch) -> None:
+def test_a_decoupled_run_names_its_learners_and_its_syncer() -> None:
     """Two learners and the syncer (rank 2): each learner's bar counts its inner steps at the version it
     holds, the syncer's the versions it merged; none is called a replica, nothing says "round"."""
-    monkeypatch.setattr(watch, "HEARTBEAT_POLL_S", 0.0)
-    monkeypatch.setattr(watch, "LOCAL_STATUS_POLL_S", 0.0)
-    config = validate_config(
-        {
-            "run_id": "w",
-            "store": "memory://w",
-            "model": {"tiny": TINY.model_dump()},
-            "diloco": {"replicas": 2, "sync_every": 10, "rounds": 4, "mode": "decoupled"},
-        }
-    )
-    run = ObjectStore(f"memory://watch-{uuid.uuid4().hex[:8]}")
+    config, run = watched(replicas=2, sync_every=10, rounds=4, mode="decoupled")
     beats = [
         {"rank": 0, "state": "training", "round": 3, "step": 5, "loss": 2.5},
         {"rank": 1, "state": "training", "round": 2, "step": 7, "loss": 2.75},
