@@ -91,12 +91,20 @@ class DecoupledLearner(Replica):
         self.token_rows = [name for name, p in self.params.items() if id(p) in marked]
         # With a sharded syncer: the fragments its contributions are cut into (version 0's record names them)
         self.fragments: list[list[str]] = []
-        # Its rounds' inner steps (sync_every, fewer for a slower learner: ``_pace``), the round in progress's
-        # (lengthened by ``_align``), the contribution whose merge lengthened one last (``self.seq`` then),
-        # and its latest seconds per inner step
-        self.pace = self.round_steps = self.config.diloco.sync_every
+        # Its rounds' inner steps (sync_every, fewer for a slower learner: ``_pace``); the round in progress's
+        # lengthening (``_align``) and its least steps (one after a mid-round adoption); the contribution whose
+        # merge lengthened one last (``self.seq`` then); its latest seconds per inner step
+        self.pace = self.config.diloco.sync_every
+        self.extra = self.least = 0
         self.aligned = 0
         self.step_s: float | None = None
+
+    @property
+    def round_steps(self) -> int:
+        """The inner steps of the round in progress: its pace, lengthened by ``_align``, and at least one
+        after a mid-round adoption (an overwriting one discarded the steps before it: a contribution is
+        never empty)."""
+        return max(self.pace + self.extra, self.least)
 
     @property
     def completed_rounds(self) -> int:
@@ -340,7 +348,7 @@ class DecoupledLearner(Replica):
         }
         self.sent.append({**row, **own})
         self.seq += 1
-        self.round_steps = self.pace  # the next round's, until an adoption lengthens it (``_align``)
+        self.extra = self.least = 0  # the next round is its pace, until an adoption lengthens it (``_align``)
 
     def _flat(
         self, deltas: dict[str, torch.Tensor], names: list[str], mask: Any
@@ -466,6 +474,8 @@ class DecoupledLearner(Replica):
         self._follow_global(record.version)
         self._pace(record)
         self._align(record)
+        if at_step:  # the round runs at least one more step (``round_steps``)
+            self.least = max(self.least, at_step + 1)
         if was < 0:
             return
         # A row per version adopted (the trackers' rounds are versions): the rounds trained since the last
@@ -514,7 +524,7 @@ class DecoupledLearner(Replica):
         extra = min(round(held / self.step_s), self.pace - 1) if self.step_s else 0
         extra = self.node.broadcast(extra)  # the lead's: its ranks' step times differ a little
         if extra:
-            self.round_steps = self.pace + extra
+            self.extra = extra
             self.log.debug("%.2fs ahead of the others: %d inner steps this round", held, self.round_steps)
 
     def _pace(self, record: Version) -> None:
@@ -522,7 +532,7 @@ class DecoupledLearner(Replica):
         seconds per inner step / its own) steps long (at least 1), the fastest taken from the learners
         ``record`` merged (``record.step_s``) and itself, its own from its last contribution (Async Local-SGD's
         dynamic local updates, ``../shared/research/wave4.md`` section 2). The round in progress changes by as
-        much, so it may end at once.
+        much, but runs at least one step after the adoption (``round_steps``).
 
         Without it a learner at half speed publishes every other merge: the syncer's grace window waits for
         it in the merges it misses, so the others adopt each version later in their rounds, and its own
@@ -540,7 +550,6 @@ class DecoupledLearner(Replica):
         pace = self.node.broadcast(pace)  # the lead's: its ranks' step times differ a little
         if pace != self.pace:
             self.log.debug("%.3fs per step: %d inner steps per round", self.step_s, pace)
-            self.round_steps += pace - self.pace
             self.pace = pace
 
     def _finish(self, record: Version) -> None:
