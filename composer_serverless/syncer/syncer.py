@@ -265,7 +265,7 @@ class Syncer:
         seconds per inner step of each (``Version.step_s``: a slower learner shortens its rounds by it)."""
         arrived = {learner: seen[(learner, max(seqs))] for learner, seqs in waiting.items()}
         last = max(arrived.values())
-        self._step_s(waiting)  # the headers in hand, read once (the merge takes them from memory)
+        self._read_in_hand(waiting)
         step_s = {
             learner: s
             for (learner, seq), (c, _) in sorted(self.read.items())  # each learner's newest last
@@ -310,9 +310,8 @@ class Syncer:
         )
         return grace
 
-    def _step_s(self, waiting: dict[int, list[int]]) -> float | None:
-        """The median seconds per inner step of the contributions in hand (read here, kept for the merge),
-        None if none says."""
+    def _read_in_hand(self, waiting: dict[int, list[int]]) -> None:
+        """Read the contributions in hand not read yet, once: the merge takes them from memory."""
         for learner, seqs in waiting.items():
             for seq in seqs:
                 if (learner, seq) not in self.read:
@@ -320,6 +319,10 @@ class Syncer:
                         self.read[(learner, seq)] = self._read(learner, seq)
                     except (PayloadError, FileNotFoundError, ValueError):
                         continue  # the merge reads it again and drops it, saying why
+
+    def _step_s(self, waiting: dict[int, list[int]]) -> float | None:
+        """The median seconds per inner step of the contributions in hand, None if none says."""
+        self._read_in_hand(waiting)
         known = [s for c, _ in self.read.values() if (s := c.step_s) is not None]
         return statistics.median(known) if known else None
 
