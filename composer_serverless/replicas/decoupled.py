@@ -4,9 +4,9 @@ It runs the lock-step replica's inner step (``trainer.Replica._inner_step``: the
 optimizer and its schedule, the discarded non-finite steps), but no DiLoCo wraps the optimizer. After every
 ``sync_every`` inner steps (fewer for a learner slower than the fastest, ``_pace``; lengthened once by the
 time the syncer held its previous contribution waiting for the others', ``_align``) it publishes its
-contribution, its progress not sent yet: the parameters its
-last contribution or its last adoption left it at, whichever is later, minus its local parameters
-(``rendezvous/decoupled.py``), with the version of the global it holds and its tokens and steps, and goes on.
+contribution, its progress not sent yet: the parameters its last contribution or its last adoption left it
+at, whichever is later, minus its local parameters (``rendezvous/decoupled.py``), with the version of the
+global it holds and its tokens and steps, and goes on.
 So each inner step's progress is sent exactly once: a learner ``max_lag`` ahead that finds no newer global
 after publishing trains on from where it published, and its next contribution holds only the steps since. It
 waits for no other learner; it waits for the syncer only as far as ``diloco.decoupled.max_lag`` says: it
