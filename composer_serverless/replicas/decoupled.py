@@ -480,8 +480,12 @@ class DecoupledLearner(Replica):
         if was < 0:
             return
         # A row per version adopted (the trackers' rounds are versions): the rounds trained since the last
-        # one, the last one's figures first, and the digest of the global now held.
+        # one, the last one's figures first (the earlier ones' steps and traffic too: the trackers place
+        # each contribution's steps at the version that merged it), and the digest of the global now held.
         row: dict[str, Any] = {**(self.sent[-1] if self.sent else {}), "time": time.time()}
+        if len(self.sent) > 1:
+            row["earlier_step_rows"] = [r["step_rows"] for r in self.sent[:-1]]
+            row["bytes_up"] = sum(r["bytes_up"] for r in self.sent)
         row.update(
             version=record.version,
             contributions=[r["contribution"] for r in self.sent],

@@ -5,6 +5,12 @@ replica, so a resumed, rolled-back or caught-up run keeps one axis. Per step, ea
 the round's replicas that took that step (``train/loss``, ``train/grad_norm``, ``time/sync_s``, the
 objective's own ``grpo/...``, ``rollout/...``); per round, at its last step, the held-out evaluation
 (``eval/...``) and the exchange (``round/...``: bytes moved, sync time, blocked fraction, quorum size).
+
+A decoupled run's rounds are its global versions, and a learner writes a row per version it adopts, carrying
+the contributions it sent since its previous adoption: one, none (two adoptions within one round) or several
+(it sent again before it saw the version that merged the first). So the steps of version ``k`` are those of
+the contributions its record merged (``merged_step_points``), wherever their rows are: step ``i`` of each at
+``(k - 1) * H + i``, lock-step's axis, each merged step once, and ``merged_ready`` waits for those rows.
 """
 
 from __future__ import annotations
@@ -58,9 +64,56 @@ def step_points(
     rows: Sequence[Mapping[str, Any]], round_index: int, sync_every: int
 ) -> list[tuple[int, dict[str, float]]]:
     """Per inner step of the round, the mean of each metric over the replicas that took it."""
-    by_step: dict[int, list[dict[str, float]]] = {}
+    return _points([row.get("step_rows", ()) for row in rows], round_index, sync_every)
+
+
+def contribution_steps(rows: Sequence[Mapping[str, Any]]) -> dict[int, Sequence[Mapping[str, Any]]]:
+    """A decoupled learner's step rows per contribution (its sequence number), from its version rows: a row's
+    ``step_rows`` are its last contribution's, ``earlier_step_rows`` those of the ones before it."""
+    steps: dict[int, Sequence[Mapping[str, Any]]] = {}
     for row in rows:
-        for i, step in enumerate(row.get("step_rows", ())[:sync_every]):
+        sent = row.get("contributions") or []
+        if sent:
+            earlier = row.get("earlier_step_rows", [[]] * (len(sent) - 1))
+            steps.update(zip(sent, [*earlier, row.get("step_rows", [])], strict=True))
+    return steps
+
+
+def merged_step_points(
+    rows: Rows, merged: Sequence[Sequence[int]], round_index: int, sync_every: int
+) -> list[tuple[int, dict[str, float]]]:
+    """Version ``round_index``'s steps: per inner step, the mean of each metric over the contributions it
+    merged (``merged``: its record's ``[learner, seq]`` pairs) whose rows were read."""
+    steps = {rank: contribution_steps(replica_rows) for rank, replica_rows in rows.items()}
+    found = [steps[learner][seq] for learner, seq in merged if seq in steps.get(learner, {})]
+    return _points(found, round_index, sync_every)
+
+
+def merged_ready(
+    rows: Rows, round_index: int, merged: Sequence[Sequence[int]] | None, *, ended: bool
+) -> bool:
+    """Whether version ``round_index`` of a decoupled run can be relayed: committed (``merged``, its record's
+    pairs; None before), with a learner's row of it and the rows of every contribution it merged, or the run
+    has ended, or a learner is already two versions past it (a learner that has not written the row of a
+    merged contribution by then died before it adopted again)."""
+    if round_index == 0 or ended:
+        return ready(rows, round_index, ended=ended)
+    if any(row["round"] >= round_index + 2 for replica_rows in rows.values() for row in replica_rows):
+        return True
+    if merged is None or not round_rows(rows, round_index):
+        return False
+    steps = {rank: contribution_steps(replica_rows) for rank, replica_rows in rows.items()}
+    return all(seq in steps.get(learner, {}) for learner, seq in merged)
+
+
+def _points(
+    step_lists: Sequence[Sequence[Mapping[str, Any]]], round_index: int, sync_every: int
+) -> list[tuple[int, dict[str, float]]]:
+    """Step ``i`` of round ``round_index`` at ``(round_index - 1) * sync_every + i``: the mean of each metric
+    over the lists (a replica's round, a contribution) that have a step ``i``."""
+    by_step: dict[int, list[dict[str, float]]] = {}
+    for steps in step_lists:
+        for i, step in enumerate(steps[:sync_every]):
             by_step.setdefault(i + 1, []).append(flat_step(step))
     base = (round_index - 1) * sync_every
     return [(base + i, mean_of(points)) for i, points in sorted(by_step.items())]

@@ -286,3 +286,55 @@ def test_a_relay_takes_the_lease_at_once_from_a_dead_relay_on_this_machine(tmp_p
     assert resumed.catch_up(ended=False) == 2  # round 2, at once: no waiting out LEASE_S
     resumed.close()
     assert relay.cursors(run, ["tensorboard"]) == {"tensorboard": 2}
+
+
+def test_a_decoupled_versions_steps_are_its_merged_contributions_even_from_rows_relayed_before(
+    tmp_path,
+) -> None:
+    """Learner 0 sent its second contribution before it saw version 1, so its row of version 1 carries it; a
+    later relay (``status``, starting from the cursor past version 1) reads that row back for version 2."""
+    config = validate_config(
+        {
+            "run_id": "versions",
+            "store": str(tmp_path / "store"),
+            "model": {"tiny": {}},
+            "diloco": {"replicas": 2, "sync_every": 2, "rounds": 2, "mode": "decoupled"},
+            "tracking": {"report_to": ["tensorboard"], "dir": str(tmp_path / "relay")},
+        }
+    )
+    run = ObjectStore(str(tmp_path / "store")).child("versions")
+
+    def adopted(rank: int, version: int, sent: dict[int, list[float]]) -> None:
+        steps = [[{"loss": loss, "time_s": {"sync": 0.0}} for loss in losses] for losses in sent.values()]
+        row = {"rank": rank, "round": version, "contributions": list(sent)}
+        if steps:
+            row.update(step_rows=steps[-1], bytes_up=1, bytes_down=0, time_s={"sync": 0.0}, blocked_s=0.0)
+            row["round_s"] = 1.0
+        if len(steps) > 1:
+            row["earlier_step_rows"] = steps[:-1]
+        run.put(layout.metrics(rank, version), json.dumps(row).encode())
+
+    def committed(version: int, merged: list[list[int]]) -> None:
+        run.put(layout.version(version), json.dumps({"version": version, "merged": merged}).encode())
+
+    adopted(0, 1, {0: [1.0, 3.0], 1: [5.0, 7.0]})
+    adopted(1, 1, {0: [2.0, 4.0]})
+    committed(1, [[0, 0], [1, 0]])
+    watching = Relay(run, config)
+    assert watching.catch_up(ended=False) == 2  # version 1; version 2 is not committed
+    watching.close()
+    committed(2, [[0, 1], [1, 1]])
+    adopted(0, 2, {})  # learner 0 adopted version 2 before it sent again
+    status = Relay(run, config)
+    assert status.catch_up(ended=False) == 0, "learner 1's second contribution has no row yet"
+    adopted(1, 2, {1: [6.0, 8.0]})
+    assert status.catch_up(ended=False) == 2
+    status.close()
+    events = EventAccumulator(str(run.local_dir(layout.TRACKING_TENSORBOARD)), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (1, 1.5),
+        (2, 3.5),
+        (3, 5.5),
+        (4, 7.5),
+    ]

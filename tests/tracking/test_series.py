@@ -124,3 +124,61 @@ def test_the_initial_evaluation_is_over_once_a_round_was_trained() -> None:
     assert not series.ready({}, 0, ended=False)
     assert series.ready({0: [{"rank": 0, "round": 0, "eval": {"eval/loss": 3.0}}]}, 0, ended=False)
     assert series.ready({0: [_row(0, 1, [1.0])]}, 0, ended=False)  # no initial evaluation was written
+
+
+# --- a decoupled run: its rounds are versions, their steps the contributions each merged ------------------
+
+
+def _adopted(rank: int, version: int, sent: dict[int, list[float]]) -> dict:
+    """A learner's row of a version it adopted, carrying the contributions ``sent`` (seq: its steps' losses)
+    since its previous adoption, as ``replicas/decoupled.py`` writes it."""
+    steps = [[_step(loss, sync=0.0) for loss in losses] for losses in sent.values()]
+    row = {"rank": rank, "round": version, "contributions": list(sent)}
+    if steps:
+        row.update(
+            step_rows=steps[-1], bytes_up=1, bytes_down=0, time_s={"sync": 0.0}, blocked_s=0.0, round_s=1.0
+        )
+    if len(steps) > 1:
+        row["earlier_step_rows"] = steps[:-1]
+    return row
+
+
+def _raced() -> dict[int, list[dict]]:
+    """Learner 0 sent its second contribution before it saw version 1 (its row of 1 carries both, its row of
+    2 none); learner 1 adopted each version before it sent again."""
+    return {
+        0: [_adopted(0, 1, {0: [1.0, 3.0], 1: [5.0, 7.0]}), _adopted(0, 2, {})],
+        1: [_adopted(1, 1, {0: [2.0, 4.0]}), _adopted(1, 2, {1: [6.0, 8.0]})],
+    }
+
+
+def test_a_versions_steps_are_those_of_the_contributions_it_merged_wherever_their_rows_are() -> None:
+    rows = _raced()
+    assert {seq: [s["loss"] for s in steps] for seq, steps in series.contribution_steps(rows[0]).items()} == {
+        0: [1.0, 3.0],
+        1: [5.0, 7.0],
+    }
+    first = series.merged_step_points(rows, [[0, 0], [1, 0]], 1, sync_every=2)
+    second = series.merged_step_points(rows, [[0, 1], [1, 1]], 2, sync_every=2)
+    assert [(step, p["train/loss"]) for step, p in first + second] == [(1, 1.5), (2, 3.5), (3, 5.5), (4, 7.5)]
+    # Placed by the rows' versions instead, version 1 would mix learner 0's second round with learner 1's
+    # first, and version 2 would have learner 1's steps alone.
+    by_row = series.step_points(series.round_rows(rows, 1), 1, sync_every=2)
+    assert [p["train/loss"] for _, p in by_row] == [3.5, 5.5]
+    # A contribution merged twice (a version redone after a rollback past a damaged one) counts where merged.
+    assert [p["train/loss"] for _, p in series.merged_step_points(rows, [[0, 1]], 3, sync_every=2)] == [
+        5.0,
+        7.0,
+    ]
+
+
+def test_a_version_is_ready_once_committed_and_every_contribution_it_merged_has_its_row() -> None:
+    rows = _raced()
+    del rows[1][1]  # learner 1 has not adopted version 2 yet: its second contribution has no row
+    assert not series.merged_ready(rows, 2, None, ended=False)  # not committed
+    assert not series.merged_ready(rows, 2, [[0, 1], [1, 1]], ended=False)
+    assert series.merged_ready(rows, 2, [[0, 1], [1, 1]], ended=True)
+    assert series.merged_ready(rows, 1, [[0, 0], [1, 0]], ended=False)
+    # a learner two versions on: learner 1 died before it adopted again
+    rows[0].append(_adopted(0, 4, {2: [9.0, 9.0]}))
+    assert series.merged_ready(rows, 2, [[0, 1], [1, 1]], ended=False)
