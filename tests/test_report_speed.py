@@ -43,3 +43,14 @@ def test_throughput_per_replica_and_the_time_split() -> None:
 def test_rows_without_steps_give_no_speed() -> None:
     assert throughput({0: [{"round": 1, "caught_up_from": 0}]}) is None
     assert speed({"throughput": None}) is None
+
+
+def test_a_decoupled_row_carrying_several_contributions_counts_every_ones_steps() -> None:
+    """A learner that sent twice before its next adoption: its row holds the last round's steps and the
+    earlier one's (``earlier_step_rows``); the speed is over both."""
+    earlier = [_step(100, 1, 0.5, 0.5, 2**30)] * 2  # 200 tokens in 4 s
+    last = [_step(400, 0.5, 0.5, 0.0, 2**31)]  # 400 tokens in 1 s
+    row = {"round": 2, "contributions": [3, 4], "earlier_step_rows": [earlier], "step_rows": last}
+    figures = throughput({0: [row]})
+    assert figures is not None
+    assert figures["train_tokens_per_s"] == 120.0 and figures["device_peak_gib"] == 2.0  # 600 tokens in 5 s

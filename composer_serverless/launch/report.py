@@ -17,6 +17,7 @@ from composer_serverless.data.records import task_label
 from composer_serverless.rendezvous import config_changes, layout, recovery
 from composer_serverless.rendezvous.store import ObjectStore
 from composer_serverless.rendezvous.telemetry import read_metrics
+from composer_serverless.tracking import series
 
 # The per-channel losses of the composer objective, as the replicas report them under "train".
 CHANNEL_LOSSES = ("grpo/loss", "sdpo/loss", "replay/loss", "loss/total")
@@ -58,7 +59,7 @@ def throughput(metrics: Metrics) -> dict[str, Any] | None:
     a step's time went (fractions of all steps' time), and the device's peak memory. None without step rows."""
     per_replica: list[dict[str, float]] = []
     for rows in metrics.values():
-        steps = [s for r in rows for s in r.get("step_rows", ())]
+        steps = [s for r in rows for s in series.every_step(r)]
         if steps:
             total = {
                 "tokens": sum(s["tokens"] or 0.0 for s in steps),
@@ -74,7 +75,7 @@ def throughput(metrics: Metrics) -> dict[str, Any] | None:
         s["device_peak_bytes"]
         for rows in metrics.values()
         for r in rows
-        for s in r.get("step_rows", ())
+        for s in series.every_step(r)
         if s["device_peak_bytes"] is not None
     ]
     trained = [t["tokens"] / t["step_s"] for t in per_replica if t["step_s"] > 0 and t["tokens"]]

@@ -67,6 +67,14 @@ def step_points(
     return _points([row.get("step_rows", ()) for row in rows], round_index, sync_every)
 
 
+def every_step(row: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Every step a row reports: its round's, or a decoupled learner's every contribution's since its
+    previous adoption (``earlier_step_rows`` first)."""
+    return [step for steps in row.get("earlier_step_rows", ()) for step in steps] + list(
+        row.get("step_rows", ())
+    )
+
+
 def contribution_steps(rows: Sequence[Mapping[str, Any]]) -> dict[int, Sequence[Mapping[str, Any]]]:
     """A decoupled learner's step rows per contribution (its sequence number), from its version rows: a row's
     ``step_rows`` are its last contribution's, ``earlier_step_rows`` those of the ones before it."""
