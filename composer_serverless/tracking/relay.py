@@ -89,11 +89,12 @@ class Relay:
         rows = self._rows_from(start)
         dl = self._config.diloco
         decoupled = dl.mode == "decoupled"
+        carried = {rank: series.contribution_steps(replica_rows) for rank, replica_rows in rows.items()}
         logged = 0
         for k in range(start, dl.rounds + 1):
             if decoupled:  # its rounds are versions: their steps are the merged contributions' (``series``)
-                merged = self._merged(k, rows) if k > 0 else []
-                ready = series.merged_ready(rows, k, merged, ended=ended)
+                merged = self._merged(k, rows, carried) if k > 0 else []
+                ready = series.merged_ready(rows, carried, k, merged, ended=ended)
             else:
                 ready = series.ready(rows, k, ended=ended)
             if not ready or k > start and not self._renew():
@@ -102,7 +103,7 @@ class Relay:
             if k == 0:
                 points = []
             elif decoupled:
-                points = series.merged_step_points(rows, merged or [], k, dl.sync_every)
+                points = series.merged_step_points(carried, merged or [], k, dl.sync_every)
             else:
                 points = series.step_points(this, k, dl.sync_every)
             summary = series.round_point(this)
@@ -160,33 +161,38 @@ class Relay:
                     rows.setdefault(rank, []).append(row)
         return rows
 
-    def _merged(self, k: int, rows: dict[int, list[dict[str, Any]]]) -> list[list[int]] | None:
+    def _merged(
+        self, k: int, rows: dict[int, list[dict[str, Any]]], carried: dict[int, dict[int, Any]]
+    ) -> list[list[int]] | None:
         """Decoupled version ``k``'s merged contributions (its record's ``[learner, seq]`` pairs; None while
-        it is not committed), with the rows that carry them read into ``rows``: a learner that sent again
-        before it saw a merge carries a contribution in the row of an earlier version, which may be one the
-        relay logged already (before ``rows``' oldest)."""
+        it is not committed), with the rows that carry them read into ``rows`` and ``carried``: a learner that
+        sent again before it saw a merge carries a contribution in the row of an earlier version, which may be
+        one the relay logged already (before ``rows``' oldest)."""
         if not self._run.exists(layout.version(k)):
             return None
         merged = json.loads(self._run.get(layout.version(k)))["merged"]
         for learner, seq in merged:
-            if seq not in series.contribution_steps(rows.get(learner, [])):
-                self._read_back(rows, learner, seq)
+            if seq not in carried.get(learner, {}):
+                older = self._read_back(rows.setdefault(learner, []), learner, seq)
+                carried[learner] = {**series.contribution_steps(older), **carried.get(learner, {})}
         return merged
 
-    def _read_back(self, rows: dict[int, list[dict[str, Any]]], learner: int, seq: int) -> None:
-        """Read learner ``learner``'s rows older than those in ``rows``, newest first, into ``rows`` until one
-        names contribution ``seq`` or only older ones (a learner's contributions only grow: none older can)."""
-        held = rows.setdefault(learner, [])
+    def _read_back(self, held: list[dict[str, Any]], learner: int, seq: int) -> list[dict[str, Any]]:
+        """Learner ``learner``'s rows older than those ``held``, newest first, until one names contribution
+        ``seq`` or only older ones (a learner's contributions only grow: none older can); put at the front
+        of ``held``, and returned."""
         oldest = min((row["round"] for row in held), default=None)
-        numbers = [
-            int(m.group(1)) for m in map(_NUMBERED.match, self._run.list(layout.metrics_dir(learner))) if m
-        ]
+        names = self._run.list(layout.metrics_dir(learner))
+        numbers = [int(m.group(1)) for m in map(_NUMBERED.match, names) if m]
+        older: list[dict[str, Any]] = []
         for number in sorted((n for n in numbers if n >= 1 and (oldest is None or n < oldest)), reverse=True):
             row = json.loads(self._run.get(layout.metrics(learner, number)))
-            held.insert(0, row)
+            older.insert(0, row)
             sent = row.get("contributions") or []
             if sent and (seq in sent or max(sent) < seq):
-                return
+                break
+        held[:0] = older
+        return older
 
     def _claim_round(self, k: int, names: list[str]) -> list[str]:
         """Claim round ``k`` of each tracker in ``names``, every claim before any logging, so that a round goes

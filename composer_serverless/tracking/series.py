@@ -87,18 +87,21 @@ def contribution_steps(rows: Sequence[Mapping[str, Any]]) -> dict[int, Sequence[
     return steps
 
 
+Carried = Mapping[int, Mapping[int, Sequence[Mapping[str, Any]]]]
+"""Per learner, its step rows per contribution its rows carry (``contribution_steps`` of each learner's rows)."""
+
+
 def merged_step_points(
-    rows: Rows, merged: Sequence[Sequence[int]], round_index: int, sync_every: int
+    carried: Carried, merged: Sequence[Sequence[int]], round_index: int, sync_every: int
 ) -> list[tuple[int, dict[str, float]]]:
     """Version ``round_index``'s steps: per inner step, the mean of each metric over the contributions it
     merged (``merged``: its record's ``[learner, seq]`` pairs) whose rows were read."""
-    steps = {rank: contribution_steps(replica_rows) for rank, replica_rows in rows.items()}
-    found = [steps[learner][seq] for learner, seq in merged if seq in steps.get(learner, {})]
+    found = [carried[learner][seq] for learner, seq in merged if seq in carried.get(learner, {})]
     return _points(found, round_index, sync_every)
 
 
 def merged_ready(
-    rows: Rows, round_index: int, merged: Sequence[Sequence[int]] | None, *, ended: bool
+    rows: Rows, carried: Carried, round_index: int, merged: Sequence[Sequence[int]] | None, *, ended: bool
 ) -> bool:
     """Whether version ``round_index`` of a decoupled run can be relayed: committed (``merged``, its record's
     pairs; None before), with a learner's row of it and the rows of every contribution it merged, or the run
@@ -110,8 +113,7 @@ def merged_ready(
         return True
     if merged is None or not round_rows(rows, round_index):
         return False
-    steps = {rank: contribution_steps(replica_rows) for rank, replica_rows in rows.items()}
-    return all(seq in steps.get(learner, {}) for learner, seq in merged)
+    return all(seq in carried.get(learner, {}) for learner, seq in merged)
 
 
 def _points(

@@ -158,15 +158,16 @@ def test_a_versions_steps_are_those_of_the_contributions_it_merged_wherever_thei
         0: [1.0, 3.0],
         1: [5.0, 7.0],
     }
-    first = series.merged_step_points(rows, [[0, 0], [1, 0]], 1, sync_every=2)
-    second = series.merged_step_points(rows, [[0, 1], [1, 1]], 2, sync_every=2)
+    carried = {rank: series.contribution_steps(replica_rows) for rank, replica_rows in rows.items()}
+    first = series.merged_step_points(carried, [[0, 0], [1, 0]], 1, sync_every=2)
+    second = series.merged_step_points(carried, [[0, 1], [1, 1]], 2, sync_every=2)
     assert [(step, p["train/loss"]) for step, p in first + second] == [(1, 1.5), (2, 3.5), (3, 5.5), (4, 7.5)]
     # Placed by the rows' versions instead, version 1 would mix learner 0's second round with learner 1's
     # first, and version 2 would have learner 1's steps alone.
     by_row = series.step_points(series.round_rows(rows, 1), 1, sync_every=2)
     assert [p["train/loss"] for _, p in by_row] == [3.5, 5.5]
     # A contribution merged twice (a version redone after a rollback past a damaged one) counts where merged.
-    assert [p["train/loss"] for _, p in series.merged_step_points(rows, [[0, 1]], 3, sync_every=2)] == [
+    assert [p["train/loss"] for _, p in series.merged_step_points(carried, [[0, 1]], 3, sync_every=2)] == [
         5.0,
         7.0,
     ]
@@ -175,10 +176,15 @@ def test_a_versions_steps_are_those_of_the_contributions_it_merged_wherever_thei
 def test_a_version_is_ready_once_committed_and_every_contribution_it_merged_has_its_row() -> None:
     rows = _raced()
     del rows[1][1]  # learner 1 has not adopted version 2 yet: its second contribution has no row
-    assert not series.merged_ready(rows, 2, None, ended=False)  # not committed
-    assert not series.merged_ready(rows, 2, [[0, 1], [1, 1]], ended=False)
-    assert series.merged_ready(rows, 2, [[0, 1], [1, 1]], ended=True)
-    assert series.merged_ready(rows, 1, [[0, 0], [1, 0]], ended=False)
+
+    def ready(k: int, merged: list[list[int]] | None, *, ended: bool = False) -> bool:
+        carried = {rank: series.contribution_steps(replica_rows) for rank, replica_rows in rows.items()}
+        return series.merged_ready(rows, carried, k, merged, ended=ended)
+
+    assert not ready(2, None)  # not committed
+    assert not ready(2, [[0, 1], [1, 1]])
+    assert ready(2, [[0, 1], [1, 1]], ended=True)
+    assert ready(1, [[0, 0], [1, 0]])
     # a learner two versions on: learner 1 died before it adopted again
     rows[0].append(_adopted(0, 4, {2: [9.0, 9.0]}))
-    assert series.merged_ready(rows, 2, [[0, 1], [1, 1]], ended=False)
+    assert ready(2, [[0, 1], [1, 1]])
