@@ -168,9 +168,10 @@ class Relay:
         it is not committed), with the rows that carry them read into ``rows`` and ``carried``: a learner that
         sent again before it saw a merge carries a contribution in the row of an earlier version, which may be
         one the relay logged already (before ``rows``' oldest)."""
-        if not self._run.exists(layout.version(k)):
+        try:
+            merged = json.loads(self._run.get(layout.version(k)))["merged"]
+        except FileNotFoundError:
             return None
-        merged = json.loads(self._run.get(layout.version(k)))["merged"]
         for learner, seq in merged:
             if seq not in carried.get(learner, {}):
                 older = self._read_back(rows.setdefault(learner, []), learner, seq)

@@ -51,8 +51,7 @@ def ready(rows: Rows, round_index: int, *, ended: bool) -> bool:
     this = round_rows(rows, round_index)
     if round_index == 0:  # evaluated before training starts, if at all
         return bool(this) or ended or any(row["round"] >= 1 for r in rows.values() for row in r)
-    later = any(row["round"] >= round_index + 2 for replica_rows in rows.values() for row in replica_rows)
-    if ended or later:
+    if ended or _two_past(rows, round_index):
         return True
     if not this:
         return False
@@ -109,11 +108,16 @@ def merged_ready(
     merged contribution by then died before it adopted again)."""
     if round_index == 0 or ended:
         return ready(rows, round_index, ended=ended)
-    if any(row["round"] >= round_index + 2 for replica_rows in rows.values() for row in replica_rows):
+    if _two_past(rows, round_index):
         return True
     if merged is None or not round_rows(rows, round_index):
         return False
     return all(seq in carried.get(learner, {}) for learner, seq in merged)
+
+
+def _two_past(rows: Rows, round_index: int) -> bool:
+    """Whether a replica already wrote a row two rounds past ``round_index``."""
+    return any(row["round"] >= round_index + 2 for replica_rows in rows.values() for row in replica_rows)
 
 
 def _points(
