@@ -3,8 +3,9 @@ files (the ``tensorboard`` package's writer: no torch, no TensorFlow), trackio (
 Space) and W&B (online, or offline for ``wandb sync``). Each is imported only when a run names it.
 
 A tracker run is opened for one training run and may be opened again by a later relay (``status`` after a
-detach): TensorBoard starts a new event file in the same directory, trackio and W&B resume the run of the
-same name or id. The relay never logs a step twice (``relay.py``), so a reopened run only goes on.
+detach): TensorBoard starts a new event file in the same directory, named to be read after the earlier
+ones; trackio and W&B resume the run of the same name or id. The relay never logs a step twice
+(``relay.py``), so a reopened run only goes on.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -89,6 +91,23 @@ def _quiet() -> Iterator[None]:
             logger.info("%s", line)
 
 
+# An event file's name: its writer's second, then its host, pid and a per-process counter.
+_EVENT_FILE = re.compile(r"^events\.out\.tfevents\.(\d+)\.")
+
+
+def _past_every_event_file(directory: Path) -> None:
+    """Wait until the clock's second is past that of every event file in ``directory`` (a second at most).
+
+    TensorBoard reads a run's event files in the order of their names, which begin with the second their
+    writer opened, then sort as text: its host, its pid, and a counter of the writers its process opened (10
+    before 9). A run reopened within the second it was last opened (``status`` right after the launcher
+    detached; a process's tenth tracker run) would have its new steps read before the earlier ones."""
+    seconds = [int(m.group(1)) for path in directory.iterdir() if (m := _EVENT_FILE.match(path.name))]
+    wait = max(seconds, default=0) + 1 - time.time()
+    if wait > 0:
+        time.sleep(min(wait, 1.0))
+
+
 class TensorBoardTracker:
     name = "tensorboard"
 
@@ -97,6 +116,7 @@ class TensorBoardTracker:
 
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
+        _past_every_event_file(directory)
         self._writer = EventFileWriter(str(directory))
         self._config = config
 

@@ -10,6 +10,7 @@ import json
 import pytest
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.summary.writer import event_file_writer
 
 from composer_serverless.config import ConfigError, load_config, validate_config
 from composer_serverless.config.outputs import TrackingConfig
@@ -20,7 +21,10 @@ from tests.conftest import TINY
 MINIMAL = {"model": {"tiny": {}}, "diloco": {"sync_every": 4, "rounds": 2}}
 
 
-def test_a_reopened_tensorboard_run_goes_on_in_the_same_directory(tmp_path) -> None:
+def test_a_reopened_tensorboard_run_goes_on_in_the_same_directory(tmp_path, monkeypatch) -> None:
+    """Its steps are read in order whatever the writers' names: here the process's writer counter goes from 9
+    to 10, which sorts as text before it (CI's failure once a process had opened nine)."""
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
     tracking = TrackingConfig(report_to=("tensorboard",))
     for steps in ([1, 2], [3]):  # the launcher, then `status` after a detach
         tracker = trackers.open_tracker("tensorboard", tracking, "run", {"seed": 0}, tmp_path)
