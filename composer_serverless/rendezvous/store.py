@@ -56,9 +56,11 @@ R = TypeVar("R")
 # Connections an S3 client keeps open: enough for any transfer concurrency the config allows.
 _S3_POOL = 64
 
-# The memory filesystem is one dict per process and its create is check-then-write; a lock makes it atomic
-# for the threads of that process, which is the only place a memory:// store is visible.
-_MEMORY_CREATE_LOCK = threading.Lock()
+# The memory filesystem is one dict per process that its operations read and write without a lock: its create
+# is check-then-write, and a listing that copies the dict while another thread writes it can raise "dictionary
+# changed size during iteration" (a CI run saw it). One lock makes each operation atomic for the threads of
+# that process, which is the only place a memory:// store is visible, as every operation is on a real store.
+_MEMORY_LOCK = threading.Lock()
 
 Buffer = bytes | bytearray | memoryview
 # An object's bytes, in one buffer or in several written one after another (header, then tensor memory),
@@ -231,8 +233,7 @@ class ObjectStore:
         if self.is_local:
             self._local_write(path, data, exclusive=True)
         elif self._is_memory:
-            with _MEMORY_CREATE_LOCK:
-                self._fs.pipe_file(path, bytes(_joined(data)), mode="create")
+            self._fs.pipe_file(path, bytes(_joined(data)), mode="create")
         else:
             self._fs.pipe_file(path, _joined(data), mode="create")
 
@@ -361,6 +362,8 @@ class ObjectStore:
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         """Run one backend operation, retrying transient failures per ``self.retry``; a write the store
         refuses is retried until ``self.retry.outage_s`` has passed since the first refusal."""
+        if self._is_memory:
+            fn = _atomic(fn)
         refused_since: float | None = None
         refusals = attempt = 0
         while True:
@@ -422,6 +425,16 @@ class ObjectStore:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def _atomic(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` run under the memory store's lock (see ``_MEMORY_LOCK``)."""
+
+    def locked() -> T:
+        with _MEMORY_LOCK:
+            return fn()
+
+    return locked
 
 
 def _joined(data: Body) -> bytes | bytearray:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import uuid
 
 import pytest
 from botocore.exceptions import ClientError
 from faults import FaultyStore, InjectedFault
+from fsspec.implementations.memory import MemoryFileSystem
 
 from composer_serverless.rendezvous.retry import RetryPolicy, is_transient
 from composer_serverless.rendezvous.store import ObjectStore, StoreError
@@ -59,6 +62,46 @@ def test_create_is_exclusive_and_recognises_its_own_object(store_url: str) -> No
     # The same bytes again: what a retried conditional PUT whose first response was lost sees.
     assert store.create("q.json", b"mine")
     assert store.get("q.json") == b"mine"
+
+
+class _SlowlyCopiedDict(dict):
+    """The memory filesystem's dict, its items yielded with a pause between them: a thread switch inside
+    the copy a listing takes (a CI run once had one there) becomes likely instead of rare."""
+
+    def items(self):  # type: ignore[override]
+        for item in super().items():
+            time.sleep(0.0005)
+            yield item
+
+
+def test_memory_store_operations_are_atomic_across_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listing never sees the dict another thread is writing mid-copy: without the store's lock the
+    listing below raises "dictionary changed size during iteration" within a few tries."""
+    monkeypatch.setattr(MemoryFileSystem, "store", _SlowlyCopiedDict())
+    store = ObjectStore(f"memory://atomic-{uuid.uuid4().hex[:8]}")
+    for i in range(20):
+        store.put(f"r/seed{i}", b"x")
+    listed = threading.Event()
+    written: list[int] = []
+
+    def write() -> None:
+        while not listed.is_set():
+            store.put(f"r/w{len(written)}", b"y")
+            written.append(1)
+            time.sleep(0.001)  # outside the lock: the listings get their turn at it
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        listings = [len(store.list_tree("r"))]
+        while len(written) < 5:  # listings go on until they have overlapped writes
+            time.sleep(0.001)
+            listings.append(len(store.list_tree("r")))
+    finally:
+        listed.set()
+        writer.join(timeout=60)
+    assert listings == sorted(listings) and listings[0] >= 20
+    assert len(store.list_tree("r")) == 20 + len(written)
 
 
 def test_an_object_can_be_written_from_several_buffers(store_url: str) -> None:
