@@ -1,0 +1,137 @@
+"""Score the globals of ``benchmarks/goodput.py`` runs again on more held-out sequences.
+
+    python benchmarks/rescore.py OUT [OUT ...] --sequences 256 --from-version 80 --json rescored.json
+
+``goodput.py`` scores every global on ``--eval-sequences`` held-out sequences (16 by default) because
+lock-step's replicas score each round inside the run, on the run's clock. Its curves move by 1-2 % from one
+version to the next on those 16 alone, as much as the issue's bars, so "decoupled reaches lock-step's final
+loss" is decided there by which evaluations happen to be low. This scores lock-step's final global (the run's
+``final/``) and decoupled's versions from ``--from-version`` on (the store keeps every version) on
+``--sequences`` held-out sequences, with the product's evaluation as ``goodput.score_versions`` (the same
+objective, held-out stream and compute precision, only more of it), and puts them through
+``goodput.at_equal_tokens`` with the times and tokens the run recorded: decoupled's first version scoring at
+most lock-step's final, and its seconds against lock-step's.
+
+Each ``OUT`` is one ``goodput.py --out`` of one scenario with both modes. Writes the JSON and prints a line
+per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from goodput import at_equal_tokens  # noqa: E402
+
+from composer_serverless.config import RunConfig  # noqa: E402
+from composer_serverless.objectives.objective import evaluate, make_objective  # noqa: E402
+from composer_serverless.rendezvous import decoupled as store_versions  # noqa: E402
+from composer_serverless.rendezvous import layout  # noqa: E402
+from composer_serverless.rendezvous.store import ObjectStore  # noqa: E402
+from composer_serverless.replicas import precision  # noqa: E402
+from composer_serverless.replicas.weights import load_run_model, swapped_in  # noqa: E402
+
+
+def _scorer(run: ObjectStore, sequences: int, cache: Path):  # noqa: ANN202 (a closure over the loaded model)
+    """A function scoring a dict of named parameters as the run's global, on ``sequences`` held-out ones."""
+    config = RunConfig.model_validate_json(run.get(layout.RUN_CONFIG))
+    raw = config.model_dump()
+    raw["eval"]["sequences"] = sequences
+    config = RunConfig.model_validate(raw)
+    torch.manual_seed(config.seed)
+    loaded = load_run_model(run, config, cache)
+    model = loaded.model.train()
+    device = next(model.parameters()).device
+    objective = make_objective(config, loaded.tokenizer, 0, model=model)  # it keeps the held-out set it drew
+
+    def score(params: dict[str, torch.Tensor]) -> float:
+        with swapped_in(model, params), precision.compute(config.model, device):
+            return evaluate(objective, model)["eval/loss"]
+
+    names = {name for name, _ in model.named_parameters()}
+    return score, names
+
+
+def rescore(out: Path, sequences: int, from_version: int) -> dict[str, Any]:
+    """Lock-step's final and decoupled's versions from ``from_version`` of one goodput ``--out``."""
+    results = json.loads((out / "results.json").read_text())["results"]
+    (scenario, both), *rest = results.items()
+    if rest or not both.get("lock-step") or not both.get("decoupled"):
+        raise SystemExit(f"{out}: expected one scenario with both modes, found {sorted(results)}")
+    lock_step, decoupled = both["lock-step"], both["decoupled"]
+    runs = out / "runs"
+    with tempfile.TemporaryDirectory(prefix="rescore-") as cache:
+        run = ObjectStore(f"file://{runs / lock_step['run_id']}")
+        score, names = _scorer(run, sequences, Path(cache) / "lock-step")
+        final = safetensors.torch.load_file(
+            str(runs / lock_step["run_id"] / layout.FINAL / "model.safetensors")
+        )
+        missing = names - set(final)
+        if missing:
+            raise SystemExit(f"{out}: lock-step's final/ lacks {sorted(missing)[:3]}")
+        last = lock_step["evals"][-1]
+        lock_step_final = [*last[:3], score({n: final[n] for n in names})]
+
+        run = ObjectStore(f"file://{runs / decoupled['run_id']}")
+        score, _ = _scorer(run, sequences, Path(cache) / "decoupled")
+        versions = []
+        for v, tokens, seconds, _ in decoupled["evals"]:
+            if v >= from_version:
+                record = store_versions.read_version(run, int(v))
+                versions.append([v, tokens, seconds, score(store_versions.load_params(run, record, None))])
+                print(f"  {decoupled['run_id']} version {v}: {versions[-1][3]:.4f}", flush=True)
+    return {
+        "out": str(out),
+        "scenario": scenario,
+        "sequences": sequences,
+        "lock_step": {"run_id": lock_step["run_id"], "final": lock_step_final, "wall_s": lock_step["wall_s"]},
+        "decoupled": {"run_id": decoupled["run_id"], "evals": versions, "wall_s": decoupled["wall_s"]},
+        "compared": at_equal_tokens([lock_step_final], versions),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("outs", nargs="+", type=Path, help="goodput.py --out directories, both modes each")
+    parser.add_argument("--sequences", type=int, default=256, help="held-out sequences per evaluation")
+    parser.add_argument("--from-version", type=int, default=1, help="decoupled's first version to score")
+    parser.add_argument("--json", type=Path, required=True, help="where to write the results")
+    args = parser.parse_args(argv)
+    if args.sequences < 1 or args.from_version < 1:
+        parser.error("--sequences and --from-version must be >= 1")
+    for out in args.outs:
+        if not (out / "results.json").is_file() or not (out / "runs").is_dir():
+            parser.error(f"{out} is not a goodput.py --out with its runs: no results.json or runs/ there")
+    rows = []
+    for out in args.outs:
+        row = rescore(out, args.sequences, args.from_version)
+        rows.append(row)
+        reached = row["compared"]["to_lock_step_final_loss"]
+        print(
+            f"{out}: lock-step final {row['lock_step']['final'][3]:.4f}, decoupled final "
+            f"{row['decoupled']['evals'][-1][3]:.4f} ({row['compared']['finals']['relative_gap']:+.2%}), "
+            + (
+                f"reached at version {reached['version']}: {reached['ratio']:.2f}x"
+                if reached
+                else "lock-step's final not reached"
+            ),
+            flush=True,
+        )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"command": " ".join(sys.argv), "runs": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
