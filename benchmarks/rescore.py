@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,11 @@ from composer_serverless.replicas import precision  # noqa: E402
 from composer_serverless.replicas.weights import load_run_model, swapped_in  # noqa: E402
 
 
-def _scorer(run: ObjectStore, sequences: int, cache: Path):  # noqa: ANN202 (a closure over the loaded model)
-    """A function scoring a dict of named parameters as the run's global, on ``sequences`` held-out ones."""
+def _scorer(
+    run: ObjectStore, sequences: int, cache: Path
+) -> tuple[Callable[[dict[str, torch.Tensor]], float], set[str]]:
+    """A function scoring a dict of named parameters as the run's global, on ``sequences`` held-out ones (on
+    the CPU, as ``goodput.score_versions``), and the names of the model's parameters."""
     config = RunConfig.model_validate_json(run.get(layout.RUN_CONFIG))
     raw = config.model_dump()
     raw["eval"]["sequences"] = sequences
