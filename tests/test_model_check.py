@@ -16,6 +16,9 @@ from composer_serverless.models.loading import load_model
 from composer_serverless.objectives.composer import same_function_twice
 from tests.archs import build
 
+# Each test builds models from their configs and runs the CLI: several seconds each, in the full suite only.
+pytestmark = pytest.mark.slow
+
 TASKS = Path(__file__).resolve().parents[1] / "deploy" / "data" / "composer-tasks"
 
 

@@ -184,6 +184,7 @@ def test_an_environment_class_and_a_tool_next_to_the_config_train_two_replicas(
 REQUIREMENTS = '\n[code]\nrequirements = ["packaging>=20"]\n'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", ["modal", "hf_jobs"])
 def test_the_cloud_dry_runs_list_the_tool_and_environment_files_and_their_requirements(
     tmp_path, tool_chat_model_dir, capsys, monkeypatch, executor

@@ -187,6 +187,7 @@ def openenv_task(root: Path, model: Path, url: str) -> Path:
     return config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_an_openenv_url_that_does_not_answer_exits_2_before_anything_is_written(
     tmp_path, tool_chat_model_dir, capsys, monkeypatch, dry_run
@@ -203,6 +204,7 @@ def test_an_openenv_url_that_does_not_answer_exits_2_before_anything_is_written(
     assert not (tmp_path / "task" / "runs").exists()
 
 
+@pytest.mark.slow
 def test_a_chat_template_without_tool_support_is_refused_before_anything_is_written(
     tmp_path, chat_model_dir, capsys, monkeypatch
 ):

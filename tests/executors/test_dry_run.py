@@ -147,6 +147,7 @@ def _config(tmp_path: Path, model: Path | str) -> Path:
     return config
 
 
+@pytest.mark.slow
 def test_a_model_too_large_for_the_gpu_named_is_warned_about(tmp_path: Path, hf_home: Path) -> None:
     config = _config(tmp_path, HUB_ID)
     code, out, err = _dry_run(
@@ -170,6 +171,7 @@ def test_a_model_too_large_for_the_gpu_named_is_warned_about(tmp_path: Path, hf_
     assert code == 0 and "warning" not in err, err
 
 
+@pytest.mark.slow
 def test_a_large_model_on_the_cpu_is_said(tmp_path: Path, qwen_15b_shape: Path) -> None:
     code, _, err = _dry_run(tmp_path, "launch", str(_config(tmp_path, qwen_15b_shape)))
     assert code == 0, err
