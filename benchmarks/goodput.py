@@ -70,6 +70,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -387,23 +388,35 @@ def alive_breakdown(
     return {name: round(seconds, 2) for name, seconds in out.items()}
 
 
+def scorer(
+    run: ObjectStore, config: RunConfig, cache: Path
+) -> tuple[Callable[[dict[str, torch.Tensor]], float], set[str]]:
+    """A function scoring named parameters as the run's global is scored (the objective's evaluation over the
+    whole held-out set, ``config.eval.sequences``, in the run's compute precision; lock-step's participants
+    each score a share of it), on this process's CPU, and the names of the model's parameters. ``cache``
+    receives the run's model when the store is remote."""
+    torch.manual_seed(config.seed)
+    loaded = load_run_model(run, config, cache)
+    model = loaded.model.train()
+    objective = make_objective(config, loaded.tokenizer, 0, model=model)  # it keeps the held-out set it drew
+    device = next(model.parameters()).device
+
+    def score(params: dict[str, torch.Tensor]) -> float:
+        with swapped_in(model, params), precision.compute(config.model, device):
+            return evaluate(objective, model)["eval/loss"]
+
+    return score, {name for name, _ in model.named_parameters()}
+
+
 def score_versions(run: ObjectStore, config: RunConfig, records: list[Version]) -> dict[int, float]:
-    """The held-out loss of every version after 0, scored as a lock-step round's global is (the objective's
-    evaluation over the whole held-out set, in the run's compute precision; lock-step's participants each
-    score a share of it), on this process, from the run's store."""
-    losses: dict[int, float] = {}
+    """The held-out loss of every version after 0 (``scorer``), from the run's store."""
     with tempfile.TemporaryDirectory(prefix="goodput-") as cache:
-        torch.manual_seed(config.seed)
-        loaded = load_run_model(run, config, Path(cache))
-        model = loaded.model.train()
-        objective = make_objective(config, loaded.tokenizer, 0, model=model)
-        device = next(model.parameters()).device
-        for record in records:
-            if record.version > 0:
-                params = store_versions.load_params(run, record, None)
-                with swapped_in(model, params), precision.compute(config.model, device):
-                    losses[record.version] = evaluate(objective, model)["eval/loss"]
-    return losses
+        score, _ = scorer(run, config, Path(cache))
+        return {
+            record.version: score(store_versions.load_params(run, record, None))
+            for record in records
+            if record.version > 0
+        }
 
 
 # --- the injector ---------------------------------------------------------------------------------------

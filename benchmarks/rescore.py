@@ -7,7 +7,7 @@ lock-step's replicas score each round inside the run, on the run's clock. Its cu
 version to the next on those 16 alone, as much as the issue's bars, so "decoupled reaches lock-step's final
 loss" is decided there by which evaluations happen to be low. This scores lock-step's final global (the run's
 ``final/``) and decoupled's versions from ``--from-version`` on (the store keeps every version) on
-``--sequences`` held-out sequences, with the product's evaluation as ``goodput.score_versions`` (the same
+``--sequences`` held-out sequences, with the product's evaluation as ``goodput.scorer`` (the same
 objective, held-out stream and compute precision, only more of it), and puts them through
 ``goodput.at_equal_tokens`` with the times and tokens the run recorded: decoupled's first version scoring at
 most lock-step's final, and its seconds against lock-step's.
@@ -31,38 +31,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from goodput import at_equal_tokens  # noqa: E402
+from goodput import at_equal_tokens, scorer  # noqa: E402
 
 from composer_serverless.config import RunConfig  # noqa: E402
-from composer_serverless.objectives.objective import evaluate, make_objective  # noqa: E402
 from composer_serverless.rendezvous import decoupled as store_versions  # noqa: E402
 from composer_serverless.rendezvous import layout  # noqa: E402
 from composer_serverless.rendezvous.store import ObjectStore  # noqa: E402
-from composer_serverless.replicas import precision  # noqa: E402
-from composer_serverless.replicas.weights import load_run_model, swapped_in  # noqa: E402
 
 
 def _scorer(
     run: ObjectStore, sequences: int, cache: Path
 ) -> tuple[Callable[[dict[str, torch.Tensor]], float], set[str]]:
-    """A function scoring a dict of named parameters as the run's global, on ``sequences`` held-out ones (on
-    the CPU, as ``goodput.score_versions``), and the names of the model's parameters."""
+    """``goodput.scorer`` for the run's config with ``sequences`` held-out sequences."""
     config = RunConfig.model_validate_json(run.get(layout.RUN_CONFIG))
     raw = config.model_dump()
     raw["eval"]["sequences"] = sequences
-    config = RunConfig.model_validate(raw)
-    torch.manual_seed(config.seed)
-    loaded = load_run_model(run, config, cache)
-    model = loaded.model.train()
-    device = next(model.parameters()).device
-    objective = make_objective(config, loaded.tokenizer, 0, model=model)  # it keeps the held-out set it drew
-
-    def score(params: dict[str, torch.Tensor]) -> float:
-        with swapped_in(model, params), precision.compute(config.model, device):
-            return evaluate(objective, model)["eval/loss"]
-
-    names = {name for name, _ in model.named_parameters()}
-    return score, names
+    return scorer(run, RunConfig.model_validate(raw), cache)
 
 
 def rescore(out: Path, sequences: int, from_version: int) -> dict[str, Any]:
