@@ -12,8 +12,10 @@ objective, held-out stream and compute precision, only more of it), and puts the
 ``goodput.at_equal_tokens`` with the times and tokens the run recorded: decoupled's first version scoring at
 most lock-step's final, and its seconds against lock-step's.
 
-Each ``OUT`` is one ``goodput.py --out`` of one scenario with both modes. Writes the JSON and prints a line
-per run.
+Each ``OUT`` is one ``goodput.py --out`` of one scenario with both modes, or with decoupled only (``--modes
+decoupled``, one configuration against a lock-step run made once per seed, as ``goodput_table.py`` compares
+them): its lock-step run is then the one of the same scenario and seed among the ``--lock-step`` directories.
+Writes the JSON and prints a line per run.
 """
 
 from __future__ import annotations
@@ -49,27 +51,38 @@ def _scorer(
     return scorer(run, RunConfig.model_validate(raw), cache)
 
 
-def rescore(out: Path, sequences: int, from_version: int) -> dict[str, Any]:
-    """Lock-step's final and decoupled's versions from ``from_version`` of one goodput ``--out``."""
-    results = json.loads((out / "results.json").read_text())["results"]
-    (scenario, both), *rest = results.items()
-    if rest or not both.get("lock-step") or not both.get("decoupled"):
-        raise SystemExit(f"{out}: expected one scenario with both modes, found {sorted(results)}")
-    lock_step, decoupled = both["lock-step"], both["decoupled"]
-    runs = out / "runs"
+def _one_scenario(out: Path) -> tuple[str, int | None, dict[str, Any]]:
+    """The scenario, seed and per-mode results of one goodput ``--out``."""
+    data = json.loads((out / "results.json").read_text())
+    (scenario, modes), *rest = data["results"].items()
+    if rest:
+        raise SystemExit(f"{out}: expected one scenario, found {sorted(data['results'])}")
+    return scenario, data.get("seed"), modes
+
+
+def rescore(
+    out: Path, sequences: int, from_version: int, lock_step_out: Path | None = None
+) -> dict[str, Any]:
+    """Lock-step's final and decoupled's versions from ``from_version`` of one goodput ``--out``; lock-step's
+    from ``lock_step_out`` when given (``out`` then holds decoupled's run only)."""
+    scenario, _, both = _one_scenario(out)
+    lock_step_out = lock_step_out or out
+    lock_step = _one_scenario(lock_step_out)[2].get("lock-step")
+    decoupled = both.get("decoupled")
+    if not lock_step or not decoupled:
+        raise SystemExit(f"{out}: expected a lock-step and a decoupled run, found {sorted(both)}")
     with tempfile.TemporaryDirectory(prefix="rescore-") as cache:
-        run = ObjectStore(f"file://{runs / lock_step['run_id']}")
+        lock_step_dir = lock_step_out / "runs" / lock_step["run_id"]
+        run = ObjectStore(f"file://{lock_step_dir}")
         score, names = _scorer(run, sequences, Path(cache) / "lock-step")
-        final = safetensors.torch.load_file(
-            str(runs / lock_step["run_id"] / layout.FINAL / "model.safetensors")
-        )
+        final = safetensors.torch.load_file(str(lock_step_dir / layout.FINAL / "model.safetensors"))
         missing = names - set(final)
         if missing:
             raise SystemExit(f"{out}: lock-step's final/ lacks {sorted(missing)[:3]}")
         last = lock_step["evals"][-1]
         lock_step_final = [*last[:3], score({n: final[n] for n in names})]
 
-        run = ObjectStore(f"file://{runs / decoupled['run_id']}")
+        run = ObjectStore(f"file://{out / 'runs' / decoupled['run_id']}")
         score, _ = _scorer(run, sequences, Path(cache) / "decoupled")
         versions = []
         for v, tokens, seconds, _ in decoupled["evals"]:
@@ -79,6 +92,7 @@ def rescore(out: Path, sequences: int, from_version: int) -> dict[str, Any]:
                 print(f"  {decoupled['run_id']} version {v}: {versions[-1][3]:.4f}", flush=True)
     return {
         "out": str(out),
+        **({} if lock_step_out == out else {"lock_step_out": str(lock_step_out)}),
         "scenario": scenario,
         "sequences": sequences,
         "lock_step": {"run_id": lock_step["run_id"], "final": lock_step_final, "wall_s": lock_step["wall_s"]},
@@ -91,19 +105,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("outs", nargs="+", type=Path, help="goodput.py --out directories, both modes each")
+    parser.add_argument(
+        "outs", nargs="+", type=Path, help="goodput.py --out directories, both modes or decoupled only each"
+    )
+    parser.add_argument(
+        "--lock-step",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="OUT",
+        help="a goodput.py --out holding a lock-step run (repeatable): an OUT without one is compared with "
+        "the one of its scenario and seed",
+    )
     parser.add_argument("--sequences", type=int, default=256, help="held-out sequences per evaluation")
     parser.add_argument("--from-version", type=int, default=1, help="decoupled's first version to score")
     parser.add_argument("--json", type=Path, required=True, help="where to write the results")
     args = parser.parse_args(argv)
     if args.sequences < 1 or args.from_version < 1:
         parser.error("--sequences and --from-version must be >= 1")
-    for out in args.outs:
+    for out in args.outs + args.lock_step:
         if not (out / "results.json").is_file() or not (out / "runs").is_dir():
             parser.error(f"{out} is not a goodput.py --out with its runs: no results.json or runs/ there")
+    pairs = [(out, _lock_step_out(out, args.lock_step, parser)) for out in args.outs]
     rows = []
-    for out in args.outs:
-        row = rescore(out, args.sequences, args.from_version)
+    for out, lock_step_out in pairs:
+        row = rescore(out, args.sequences, args.from_version, lock_step_out)
         rows.append(row)
         reached = row["compared"]["to_lock_step_final_loss"]
         print(
@@ -119,6 +145,25 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"command": " ".join(sys.argv), "runs": rows}, indent=1) + "\n")
     return 0
+
+
+def _lock_step_out(out: Path, candidates: list[Path], parser: argparse.ArgumentParser) -> Path | None:
+    """Where ``out``'s lock-step run is: ``out`` itself (None) when it holds one, else the one candidate of
+    its scenario and seed that does; decided for every ``OUT`` before anything is scored."""
+    scenario, seed, modes = _one_scenario(out)
+    if "lock-step" in modes:
+        return None
+    found = [
+        c
+        for c in candidates
+        if _one_scenario(c)[:2] == (scenario, seed) and "lock-step" in _one_scenario(c)[2]
+    ]
+    if len(found) != 1:
+        parser.error(
+            f"{out} holds no lock-step run and {len(found)} --lock-step directories hold one of its "
+            f"scenario ({scenario}) and seed ({seed}): give exactly one"
+        )
+    return found[0]
 
 
 if __name__ == "__main__":

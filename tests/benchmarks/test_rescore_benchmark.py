@@ -47,8 +47,22 @@ def _out(tmp_path: Path, tiny_model_dir: Path) -> tuple[Path, dict[int, float], 
         "lock-step": {"run_id": "both", "evals": [[4, 300.0, 100.0, scored[3]]], "wall_s": 101.0},
         "decoupled": {"run_id": "both", "evals": evals, "wall_s": 31.0},
     }
-    (out / "results.json").write_text(json.dumps({"results": {"d": both}}))
+    (out / "results.json").write_text(json.dumps({"seed": 0, "results": {"d": both}}))
     return out, scored, scored[3]
+
+
+def _split(out: Path, seed: int = 0) -> tuple[Path, Path]:
+    """``out`` as two ``--out`` directories, as ``--modes decoupled`` and ``--modes lock-step`` write them:
+    each results.json holding one mode (for ``seed``), each runs/ the same store."""
+    both = json.loads((out / "results.json").read_text())["results"]["d"]
+    split = []
+    for mode in ("decoupled", "lock-step"):
+        part = out.parent / f"{mode}-s{seed}"
+        part.mkdir()
+        (part / "runs").symlink_to(out / "runs", target_is_directory=True)
+        (part / "results.json").write_text(json.dumps({"seed": seed, "results": {"d": {mode: both[mode]}}}))
+        split.append(part)
+    return split[0], split[1]
 
 
 def test_the_runs_own_sequences_give_the_benchmarks_scores_and_more_give_others(
@@ -68,6 +82,40 @@ def test_the_runs_own_sequences_give_the_benchmarks_scores_and_more_give_others(
     assert [e[0] for e in more["decoupled"]["evals"]] == [1, 2, 3]
     assert more["decoupled"]["evals"][1][3] != pytest.approx(scored[2], rel=1e-4)  # other sequences scored
     assert more["decoupled"]["evals"][2][3] == pytest.approx(more["lock_step"]["final"][3], rel=1e-6)
+
+
+def test_a_decoupled_only_out_is_compared_with_the_lock_step_out_of_its_seed(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    out, _, _ = _out(tmp_path, tiny_model_dir)
+    together = rescore.rescore(out, sequences=6, from_version=1)
+    decoupled, lock_step = _split(out)
+    _, other_seed = _split(out, seed=1)
+    written = tmp_path / "r.json"
+    candidates = ["--lock-step", str(other_seed), "--lock-step", str(lock_step)]
+    assert rescore.main([str(decoupled), *candidates, "--sequences", "6", "--json", str(written)]) == 0
+    (row,) = json.loads(written.read_text())["runs"]
+    assert row["lock_step_out"] == str(lock_step)
+    assert row["lock_step"] == together["lock_step"]
+    assert row["decoupled"]["evals"] == together["decoupled"]["evals"]
+    assert row["compared"] == together["compared"]
+
+
+def test_a_decoupled_only_out_without_its_lock_step_run_exits_2_before_scoring(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, _, _ = _out(tmp_path, tiny_model_dir)
+    decoupled, _ = _split(out)
+    _, other_seed = _split(out, seed=1)
+    written = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as exited:
+        rescore.main([str(decoupled), "--lock-step", str(other_seed), "--json", str(written)])
+    assert exited.value.code == 2
+    assert (
+        "holds no lock-step run and 0 --lock-step directories hold one of its scenario (d) and seed (0)"
+        in capsys.readouterr().err
+    )
+    assert not written.exists()
 
 
 def test_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
