@@ -151,6 +151,8 @@ def _lock_step_out(out: Path, candidates: list[Path], parser: argparse.ArgumentP
     """Where ``out``'s lock-step run is: ``out`` itself (None) when it holds one, else the one candidate of
     its scenario and seed that does; decided for every ``OUT`` before anything is scored."""
     scenario, seed, modes = _one_scenario(out)
+    if "decoupled" not in modes:
+        parser.error(f"{out} holds no decoupled run to score (it holds {', '.join(sorted(modes))})")
     if "lock-step" in modes:
         return None
     found = [

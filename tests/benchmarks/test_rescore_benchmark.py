@@ -105,7 +105,7 @@ def test_a_decoupled_only_out_without_its_lock_step_run_exits_2_before_scoring(
     tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out, _, _ = _out(tmp_path, tiny_model_dir)
-    decoupled, _ = _split(out)
+    decoupled, lock_step = _split(out)
     _, other_seed = _split(out, seed=1)
     written = tmp_path / "r.json"
     with pytest.raises(SystemExit) as exited:
@@ -115,6 +115,10 @@ def test_a_decoupled_only_out_without_its_lock_step_run_exits_2_before_scoring(
         "holds no lock-step run and 0 --lock-step directories hold one of its scenario (d) and seed (0)"
         in capsys.readouterr().err
     )
+    with pytest.raises(SystemExit) as exited:  # a lock-step-only OUT given where decoupled runs go
+        rescore.main([str(out), str(lock_step), "--json", str(written)])
+    assert exited.value.code == 2
+    assert f"{lock_step} holds no decoupled run to score (it holds lock-step)" in capsys.readouterr().err
     assert not written.exists()
 
 
