@@ -155,11 +155,11 @@ def _lock_step_out(out: Path, candidates: list[Path], parser: argparse.ArgumentP
         parser.error(f"{out} holds no decoupled run to score (it holds {', '.join(sorted(modes))})")
     if "lock-step" in modes:
         return None
-    found = [
-        c
-        for c in candidates
-        if _one_scenario(c)[:2] == (scenario, seed) and "lock-step" in _one_scenario(c)[2]
-    ]
+    found = []
+    for candidate in candidates:
+        its_scenario, its_seed, its_modes = _one_scenario(candidate)
+        if (its_scenario, its_seed) == (scenario, seed) and "lock-step" in its_modes:
+            found.append(candidate)
     if len(found) != 1:
         parser.error(
             f"{out} holds no lock-step run and {len(found)} --lock-step directories hold one of its "
