@@ -126,7 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     for out in args.outs + args.lock_step:
         if not (out / "results.json").is_file() or not (out / "runs").is_dir():
             parser.error(f"{out} is not a goodput.py --out with its runs: no results.json or runs/ there")
-    pairs = [(out, _lock_step_out(out, args.lock_step, parser)) for out in args.outs]
+    lock_steps: dict[tuple[str, int | None], list[Path]] = {}
+    for candidate in args.lock_step:
+        scenario, seed, modes = _one_scenario(candidate)
+        if "lock-step" in modes:
+            lock_steps.setdefault((scenario, seed), []).append(candidate)
+    pairs = [(out, _lock_step_out(out, lock_steps, parser)) for out in args.outs]
     rows = []
     for out, lock_step_out in pairs:
         row = rescore(out, args.sequences, args.from_version, lock_step_out)
@@ -147,19 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _lock_step_out(out: Path, candidates: list[Path], parser: argparse.ArgumentParser) -> Path | None:
-    """Where ``out``'s lock-step run is: ``out`` itself (None) when it holds one, else the one candidate of
-    its scenario and seed that does; decided for every ``OUT`` before anything is scored."""
+def _lock_step_out(
+    out: Path, lock_steps: dict[tuple[str, int | None], list[Path]], parser: argparse.ArgumentParser
+) -> Path | None:
+    """Where ``out``'s lock-step run is: ``out`` itself (None) when it holds one, else the one ``--lock-step``
+    directory of its scenario and seed (``lock_steps``); decided for every ``OUT`` before anything is
+    scored."""
     scenario, seed, modes = _one_scenario(out)
     if "decoupled" not in modes:
         parser.error(f"{out} holds no decoupled run to score (it holds {', '.join(sorted(modes))})")
     if "lock-step" in modes:
         return None
-    found = []
-    for candidate in candidates:
-        its_scenario, its_seed, its_modes = _one_scenario(candidate)
-        if (its_scenario, its_seed) == (scenario, seed) and "lock-step" in its_modes:
-            found.append(candidate)
+    found = lock_steps.get((scenario, seed), [])
     if len(found) != 1:
         parser.error(
             f"{out} holds no lock-step run and {len(found)} --lock-step directories hold one of its "
